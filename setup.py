@@ -1,0 +1,35 @@
+from glob import glob
+
+from setuptools import find_packages, setup
+
+PACKAGE = "vla_node"
+
+setup(
+    name=PACKAGE,
+    version="0.1.0",
+    packages=find_packages(exclude=["test", "test.*"]),
+    package_data={"vla_node.model": ["assets/tiny_tokenizer/*"], "vla_node": ["data/*"]},
+    data_files=[
+        ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
+        (f"share/{PACKAGE}", ["package.xml"]),
+        (f"share/{PACKAGE}/launch", glob("launch/*.launch.py")),
+        (f"share/{PACKAGE}/config", glob("config/*.yaml")),
+    ],
+    # Exact pins live in requirements.txt; a ROS install provides rclpy and the messages.
+    install_requires=["numpy", "torch", "safetensors", "tokenizers", "transformers", "pyyaml"],
+    zip_safe=True,
+    maintainer="vla_node maintainers",
+    maintainer_email="maintainers@vla-node.dev",
+    description="Real-time vision-language-action policies for ROS 2",
+    license="Apache-2.0",
+    entry_points={
+        "console_scripts": [
+            # `ros2 run vla_node vla_node` and plain-pip `vla-node` start the same node.
+            "vla_node = vla_node.ros.node:main",
+            "vla-node = vla_node.ros.node:main",
+            "vla-bench = vla_node.tools.bench:main",
+            "vla-replay = vla_node.tools.replay:main",
+            "vla-demo = vla_node.tools.demo:main",
+        ],
+    },
+)

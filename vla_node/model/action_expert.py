@@ -1,0 +1,135 @@
+"""Flow-matching DiT action expert.
+
+One block per LLM layer. Per block: adaLN-Zero modulated self-attention over the action tokens,
+cross-attention to that LLM layer's hidden states (projected to the expert width, LayerNorm)
+plus one encoded robot-state token, then an MLP. The velocity field is integrated with Euler
+from noise (t=0) to normalised actions (t=1).
+
+The expert is split so the runtime can hoist work out of the flow loop without a second copy
+of the maths: `context_kv` (depends on the query only), `modulations` (depends on t only) and
+`velocity` (the per-step part).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ActionExpertConfig, ModelConfig
+from .layers import FusableProjection
+
+N_MODULATIONS = 9  # (shift, scale, gate) for self-attention, cross-attention and MLP
+
+
+def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal features of the flow time t in [0, 1] (scaled to [0, 1000] like DiT)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = (t.float() * 1000.0)[..., None] * freqs
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class ExpertBlock(nn.Module):
+    def __init__(self, cfg: ActionExpertConfig, llm_dim: int):
+        super().__init__()
+        w = cfg.width
+        self.heads = cfg.heads
+        self.ada = nn.Linear(w, N_MODULATIONS * w)
+        self.norm1 = nn.LayerNorm(w, eps=cfg.norm_eps, elementwise_affine=False)
+        self.self_qkv = FusableProjection(w, {"q": w, "k": w, "v": w}, bias=True)
+        self.self_out = nn.Linear(w, w)
+        self.norm2 = nn.LayerNorm(w, eps=cfg.norm_eps, elementwise_affine=False)
+        self.cross_q = nn.Linear(w, w)
+        self.ctx_proj = nn.Linear(llm_dim, w)
+        self.ctx_norm = nn.LayerNorm(w, eps=cfg.norm_eps)
+        self.cross_kv = FusableProjection(w, {"k": w, "v": w}, bias=True)
+        self.cross_out = nn.Linear(w, w)
+        self.norm3 = nn.LayerNorm(w, eps=cfg.norm_eps, elementwise_affine=False)
+        self.fc1 = nn.Linear(w, cfg.mlp)
+        self.fc2 = nn.Linear(cfg.mlp, w)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.heads, -1).transpose(1, 2)
+
+    def context_kv(self, llm_hidden: torch.Tensor, state_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """llm_hidden [B, T, llm_dim], state_token [B, 1, w] -> cross-attention K, V [B, heads, T+1, hd]."""
+        ctx = torch.cat([self.ctx_norm(self.ctx_proj(llm_hidden)), state_token], dim=1)
+        k, v = self.cross_kv(ctx)
+        return self._heads(k), self._heads(v)
+
+    def forward(self, x: torch.Tensor, mod: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ctx_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, H, w] action tokens, mod [B, 9w], k/v from context_kv, ctx_mask [B|1, 1, 1, T+1] bool."""
+        b, h, w = x.shape
+        s1, c1, g1, s2, c2, g2, s3, c3, g3 = mod.chunk(N_MODULATIONS, dim=-1)
+        q, sk, sv = (self._heads(y) for y in self.self_qkv(modulate(self.norm1(x), s1, c1)))
+        y = F.scaled_dot_product_attention(q, sk, sv)
+        x = x + g1[:, None] * self.self_out(y.transpose(1, 2).reshape(b, h, w))
+        q = self._heads(self.cross_q(modulate(self.norm2(x), s2, c2)))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx_mask)
+        x = x + g2[:, None] * self.cross_out(y.transpose(1, 2).reshape(b, h, w))
+        y = self.fc2(F.gelu(self.fc1(modulate(self.norm3(x), s3, c3)), approximate="tanh"))
+        return x + g3[:, None] * y
+
+
+class ActionExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        a = cfg.action
+        self.cfg = a
+        w = a.width
+        self.time_mlp = nn.Sequential(nn.Linear(a.time_embed_dim, w), nn.SiLU(), nn.Linear(w, w))
+        self.state_enc = nn.Sequential(nn.Linear(a.state_dim, w), nn.SiLU(), nn.Linear(w, w))
+        self.action_in = nn.Linear(a.action_dim, w)
+        self.action_pos = nn.Parameter(torch.zeros(a.horizon, w))
+        self.blocks = nn.ModuleList(ExpertBlock(a, cfg.llm.dim) for _ in range(cfg.expert_depth))
+        self.final_ada = nn.Linear(w, 2 * w)
+        self.final_norm = nn.LayerNorm(w, eps=a.norm_eps, elementwise_affine=False)
+        self.action_out = nn.Linear(w, a.action_dim)
+
+    def context_kv(self, llm_hidden: list[torch.Tensor], state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-block cross-attention K/V from each LLM layer's hidden states and the normalised state [B, state_dim]."""
+        state_token = self.state_enc(state)[:, None]
+        return [blk.context_kv(h, state_token) for blk, h in zip(self.blocks, llm_hidden)]
+
+    def modulations(self, t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """adaLN parameters for flow time t [B]: one [B, 9w] per block and the final [B, 2w]."""
+        temb = F.silu(self.time_mlp(timestep_features(t, self.cfg.time_embed_dim).to(self.action_pos.dtype)))
+        return [blk.ada(temb) for blk in self.blocks], self.final_ada(temb)
+
+    def velocity(self, x: torch.Tensor, mods: tuple[list[torch.Tensor], torch.Tensor],
+                 kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, H, action_dim] noisy normalised actions -> velocity [B, H, action_dim]."""
+        block_mods, final_mod = mods
+        h = self.action_in(x) + self.action_pos
+        for blk, mod, (k, v) in zip(self.blocks, block_mods, kv):
+            h = blk(h, mod, k, v, ctx_mask)
+        shift, scale = final_mod.chunk(2, dim=-1)
+        return self.action_out(modulate(self.final_norm(h), shift, scale))
+
+
+VelocityFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def flow_times(steps: int) -> list[float]:
+    """Euler grid on [0, 1): t_i = i / steps."""
+    return [i / steps for i in range(steps)]
+
+
+def euler(velocity: VelocityFn, noise: torch.Tensor, steps: int) -> torch.Tensor:
+    """Integrate dx/dt = velocity(x, step) from t=0 (noise) to t=1 with `steps` equal steps."""
+    if steps < 1:
+        raise ValueError(f"flow steps must be >= 1, got {steps}")
+    dt = 1.0 / steps
+    x = noise
+    for i in range(steps):
+        x = x + dt * velocity(x, i)
+    return x

@@ -1,0 +1,103 @@
+"""Qwen3-style decoder: RMSNorm, GQA with per-head q/k RMSNorm, RoPE, SwiGLU, no bias.
+
+The policy reads every layer's hidden states (one action-expert block per LLM layer), so the
+forward returns the output of each layer rather than logits; there is no LM head.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LLMConfig
+from .layers import FusableProjection, RMSNorm, SwiGLU, apply_rope
+
+
+class KVCache(nn.Module):
+    """Keys (after RoPE) and values of one layer for `max_len` slots, written at given positions.
+    Buffers are allocated once; `update` writes in place and returns the whole cache, so shapes
+    never change between calls."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k.index_copy_(2, slots, k)
+        self.v.index_copy_(2, slots, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = FusableProjection(cfg.dim, {"q": cfg.heads * cfg.head_dim,
+                                               "k": cfg.kv_heads * cfg.head_dim,
+                                               "v": cfg.kv_heads * cfg.head_dim}, bias=False)
+        self.o = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.cache: Optional[KVCache] = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Without a cache: causal self-attention over x. With a cache: x's keys/values are
+        written at `slots` and x attends to the whole cache under `mask` [T, max_len]."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x)
+        q = apply_rope(self.q_norm(q.view(b, t, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_norm(k.view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.cache is not None:
+            k, v = self.cache.update(slots, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.mlp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, slots, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LLM(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+
+    def setup_caches(self, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
+        for layer in self.layers:
+            layer.attn.cache = KVCache(batch, self.cfg.kv_heads, max_len, self.cfg.head_dim, dtype, device)
+
+    def drop_caches(self) -> None:
+        for layer in self.layers:
+            layer.attn.cache = None
+
+    def forward(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """embeds [B, T, dim]; cos/sin [T, head_dim] for the tokens' positions.
+        Returns the output hidden state of every layer, each [B, T, dim]."""
+        hidden = []
+        x = embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, slots, mask)
+            hidden.append(x)
+        return hidden

@@ -1,0 +1,127 @@
+"""SigLIP2-style ViT, 2x2 attention pooling and the SwiGLU projector to the LLM width.
+
+An image is encoded on its own (no cross-image attention), so a frame's tokens depend on
+that frame alone: the runtime's per-frame vision cache relies on this.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, VisionConfig
+from .layers import FusableProjection, SwiGLU
+
+
+class ViTAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = FusableProjection(cfg.width, {"q": cfg.width, "k": cfg.width, "v": cfg.width}, bias=True)
+        self.out = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.attn = ViTAttention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.fc1 = nn.Linear(cfg.width, cfg.mlp)
+        self.fc2 = nn.Linear(cfg.mlp, cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+
+
+class VisionEncoder(nn.Module):
+    """Patch embedding + learned positions + the first `layers_run` blocks; returns the
+    configured layers' outputs concatenated on the channel axis: [B, grid*grid, feature_dim]."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = nn.Conv2d(3, cfg.width, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.pos_embed = nn.Parameter(torch.zeros(cfg.grid * cfg.grid, cfg.width))
+        # Layers past the deepest feature layer are never run, so they are not built either.
+        self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.layers_run))
+
+    def layer_outputs(self, pixels: torch.Tensor) -> list[torch.Tensor]:
+        """pixels: [B, 3, S, S] normalised to [-1, 1]. Output of every block that runs."""
+        size = self.cfg.image_size
+        if pixels.dim() != 4 or pixels.shape[1] != 3 or pixels.shape[-2:] != (size, size):
+            raise ValueError(f"vision encoder expects images [B, 3, {size}, {size}], got {tuple(pixels.shape)}")
+        x = self.patch_embed(pixels).flatten(2).transpose(1, 2) + self.pos_embed
+        outs = []
+        for block in self.blocks:
+            x = block(x)
+            outs.append(x)
+        return outs
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        outs = self.layer_outputs(pixels)
+        return torch.cat([outs[i] for i in self.cfg.feature_layers], dim=-1)
+
+
+def pooling_windows(grid: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the patches in each window of the grid padded to a multiple of `window`, and
+    which of them are real. Returns idx [windows, window^2] (padding points at patch 0) and
+    valid [windows, window^2] (bool)."""
+    pooled = -(-grid // window)
+    rows = torch.arange(pooled * window).view(pooled, window)
+    r = rows[:, None, :, None].expand(pooled, pooled, window, window)
+    c = rows[None, :, None, :].expand(pooled, pooled, window, window)
+    valid = (r < grid) & (c < grid)
+    idx = torch.where(valid, r * grid + c, torch.zeros_like(r))
+    n = pooled * pooled
+    return idx.reshape(n, window * window), valid.reshape(n, window * window)
+
+
+class AttentionPool(nn.Module):
+    """Multi-head attention over each 2x2 window with the mean of the window's real patches as
+    the query (the padding row/column of the 27 -> 28 grid is masked out)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.heads = cfg.pool_heads
+        d_in, d = cfg.feature_dim, cfg.width
+        self.q = nn.Linear(d_in, d)
+        self.kv = FusableProjection(d_in, {"k": d, "v": d}, bias=True)
+        self.out = nn.Linear(d, d)
+        idx, valid = pooling_windows(cfg.grid, cfg.pool_window)
+        # Built once at construction, on whatever device the module moves to.
+        self.register_buffer("window_idx", idx, persistent=False)
+        self.register_buffer("window_valid", valid, persistent=False)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats [B, grid*grid, feature_dim] -> [B, windows, width]."""
+        b, _, d_in = feats.shape
+        n, w = self.window_idx.shape
+        windows = feats[:, self.window_idx.reshape(-1)].view(b, n, w, d_in)
+        valid = self.window_valid.to(feats.dtype)
+        mean = (windows * valid[None, :, :, None]).sum(2) / valid.sum(1)[None, :, None]
+        q = self.q(mean).view(b * n, 1, self.heads, -1).transpose(1, 2)
+        k, v = (y.view(b * n, w, self.heads, -1).transpose(1, 2) for y in self.kv(windows))
+        mask = self.window_valid[None, None, :, None, :].expand(b, 1, n, 1, w).reshape(b * n, 1, 1, w)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.reshape(b, n, -1))
+
+
+class VisionTower(nn.Module):
+    """pixels [B, 3, S, S] -> LLM-width image tokens [B, tokens_per_image, llm_dim]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.encoder = VisionEncoder(cfg.vision)
+        self.pool = AttentionPool(cfg.vision)
+        self.projector = SwiGLU(cfg.vision.width, cfg.projector_hidden, cfg.llm.dim)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.pool(self.encoder(pixels)))

@@ -1,0 +1,195 @@
+"""PolicyEngine: one API for the node, the benchmark, the replay evaluator and the tests.
+
+    engine = PolicyEngine(config)        # load weights + tokenizer, build buffers on the device
+    engine.warmup()                      # compile / capture once, with progress output
+    chunk = engine.predict(observation)  # -> ActionChunk(actions[H, A], stamp, timings)
+
+With every feature off this is the eager reference: plain module calls, dynamic shapes, the
+action expert's context recomputed at every flow step. Every fast path is compared to it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..model import PromptBuilder, TINY_TOKENIZER, build_model, get_preset, init_random_, load_checkpoint, load_tokenizer
+from ..model.action_expert import euler, flow_times
+from ..model.layers import rope_tables
+from .fusion import fuse_projections
+from .preprocess import check_frames, preprocess_reference
+from .types import ActionChunk, EngineConfig, Observation, WindowLayout
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class EngineStats:
+    ready_s: float = 0.0          # warm-up wall time (compile + capture)
+    compiled_graphs: int = 0      # dynamo graphs compiled during warm-up
+    recompiles: int = 0           # dynamo graphs compiled after warm-up (should stay 0)
+    graph_captures: int = 0
+    queries: int = 0
+
+
+class StageTimer:
+    """Wall time per stage; on CUDA each mark waits for the device so stages are attributed."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.times: dict[str, float] = {}
+        self.start = self.last = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def mark(self, stage: str) -> None:
+        now = self._now()
+        self.times[stage] = self.times.get(stage, 0.0) + (now - self.last) * 1e3
+        self.last = now
+
+    def total(self) -> dict[str, float]:
+        self.times["total"] = (self.last - self.start) * 1e3
+        return self.times
+
+
+class PolicyEngine:
+    def __init__(self, config: EngineConfig, progress: Optional[Progress] = None):
+        self.config = config
+        self.progress = progress or (lambda msg: None)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {config.device} requested but CUDA is not available")
+        self.dtype = getattr(torch, config.dtype)
+        t0 = time.perf_counter()
+        if config.checkpoint:
+            self.model = load_checkpoint(config.checkpoint, self.device, self.dtype)
+            tokenizer_dir = config.checkpoint
+        else:
+            self.model = init_random_(build_model(get_preset(config.preset), self.device, self.dtype), config.seed)
+            tokenizer_dir = TINY_TOKENIZER
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.model_cfg = self.model.cfg
+        if self.model_cfg.llm.vocab_size < len(self.tokenizer):
+            raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {self.model_cfg.llm.vocab_size}")
+        self.prompts = PromptBuilder(self.tokenizer, self.model_cfg.vision.tokens_per_image)
+        self.flow_steps = config.flow_steps or self.model_cfg.action.flow_steps
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.stats = EngineStats()
+        if config.fused:
+            fuse_projections(self.model)
+        self.static = None
+        if config.static_shapes:
+            from .static import StaticRunner
+            self.static = StaticRunner(self)
+        self.progress(f"loaded {self.model_cfg.name} on {self.device} ({config.dtype}) in {time.perf_counter() - t0:.1f}s")
+
+    # -- public API ---------------------------------------------------------------------------
+    @property
+    def layout(self) -> WindowLayout:
+        return self.config.layout
+
+    def warmup(self) -> EngineStats:
+        """Compile and capture every stage of every bucket now, so no query pays for it."""
+        t0 = time.perf_counter()
+        if self.static is not None:
+            self.static.warmup()
+        else:
+            self.predict(self.dummy_observation())
+        self.stats.ready_s = time.perf_counter() - t0
+        self.stats.queries = 0
+        self.progress(f"ready in {self.stats.ready_s:.1f}s ({self.stats.compiled_graphs} compiled graphs, "
+                      f"{self.stats.graph_captures} CUDA graphs)")
+        return self.stats
+
+    def predict(self, obs: Observation, noise: Optional[torch.Tensor] = None,
+                layout: Optional[WindowLayout] = None) -> ActionChunk:
+        layout = layout or self.layout
+        self.check_observation(obs, layout)
+        if noise is None:
+            noise = self.draw_noise()
+        with torch.inference_mode():
+            if self.static is not None:
+                normalized, timings = self.static.predict(obs, noise, layout)
+            else:
+                normalized, timings = self._predict_reference(obs, noise, layout)
+        self.stats.queries += 1
+        actions = self.model.denormalize_actions(normalized)
+        return ActionChunk(actions=actions.cpu().numpy().astype(np.float32),
+                           normalized=normalized.float().cpu().numpy(), stamp=obs.stamp, timings=timings)
+
+    def draw_noise(self) -> torch.Tensor:
+        a = self.model_cfg.action
+        return torch.randn((1, a.horizon, a.action_dim), generator=self.generator, device=self.device)
+
+    def reset_stream(self) -> None:
+        """Forget everything carried between calls (a new episode or robot)."""
+        if self.static is not None:
+            self.static.reset()
+
+    def close(self) -> None:
+        """Release the model and device memory."""
+        self.static = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def check_observation(self, obs: Observation, layout: WindowLayout) -> None:
+        """Clear errors for inputs the model cannot use; nothing is run on them."""
+        c = self.config
+        check_frames(obs.images, layout.images, c.camera_height, c.camera_width)
+        state = np.asarray(obs.state)
+        if state.shape != (self.model_cfg.action.state_dim,):
+            raise ValueError(f"state must have {self.model_cfg.action.state_dim} values, got shape {state.shape}")
+        if not np.all(np.isfinite(state)):
+            raise ValueError("state has non-finite values")
+        n = len(self.prompts.instruction(obs.instruction))
+        if n > c.max_instruction_tokens:
+            raise ValueError(f"instruction is {n} tokens, the budget is {c.max_instruction_tokens} "
+                             f"(max_instruction_tokens)")
+        if obs.frame_ids is not None and len(obs.frame_ids) != layout.images:
+            raise ValueError(f"frame_ids must name {layout.images} frames, got {len(obs.frame_ids)}")
+
+    def dummy_observation(self, layout: Optional[WindowLayout] = None, seed: int = 0) -> Observation:
+        """Random frames and state of the right shapes (warm-up, benchmarks)."""
+        layout = layout or self.layout
+        rng = np.random.default_rng(seed)
+        c = self.config
+        images = [rng.integers(0, 256, (c.camera_height, c.camera_width, 3), dtype=np.uint8)
+                  for _ in range(layout.images)]
+        low, high = self.model.state_low.cpu().numpy(), self.model.state_high.cpu().numpy()
+        state = (low + (high - low) * rng.random(low.shape)).astype(np.float32)
+        return Observation(images=images, state=state, instruction="pick up the red cup and put it in the bowl")
+
+    def state_tensor(self, obs: Observation) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(obs.state, dtype=np.float32), device=self.device)[None]
+
+    # -- the eager reference ------------------------------------------------------------------
+    def _predict_reference(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout):
+        m, cfg, timer = self.model, self.model_cfg, StageTimer(self.device)
+        pixels = preprocess_reference(obs.images, cfg.vision.image_size).to(self.device, self.dtype)
+        timer.mark("preprocess")
+        image_tokens = m.vision(pixels).reshape(1, -1, cfg.llm.dim)
+        timer.mark("vision")
+        prompt = self.prompts.build(len(layout.cameras), layout.frames, obs.instruction)
+        ids = torch.tensor([prompt.ids], device=self.device)
+        embeds = m.embed(ids, image_tokens, m.patch_positions(prompt, self.device))
+        cos, sin = rope_tables(cfg.llm.head_dim, torch.arange(len(prompt), device=self.device), cfg.llm.rope_theta)
+        hidden = m.llm(embeds, cos, sin)
+        timer.mark("llm")
+        state = m.normalize_state(self.state_tensor(obs)).to(self.dtype)
+        times = flow_times(self.flow_steps)
+
+        def velocity(x: torch.Tensor, i: int) -> torch.Tensor:
+            t = torch.full((1,), times[i], device=self.device)
+            kv = m.expert.context_kv(hidden, state)  # recomputed every step: the uncached reference
+            return m.expert.velocity(x.to(self.dtype), m.expert.modulations(t), kv).float()
+
+        normalized = euler(velocity, noise.float(), self.flow_steps)[0]
+        timer.mark("action")
+        return normalized, timer.total()

@@ -1,0 +1,56 @@
+"""Camera frames (HxWx3 uint8 RGB) -> model pixels [N, 3, S, S] in [-1, 1].
+
+One resize for both paths: bilinear with antialiasing over the whole frame. The reference runs
+it on the CPU; the device path stages uint8 frames in pinned memory (one host copy), uploads
+them without blocking, and resizes/normalises on the device.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def check_frames(images: Sequence[np.ndarray], count: int, height: int, width: int) -> None:
+    if len(images) != count:
+        raise ValueError(f"expected {count} images for the window layout, got {len(images)}")
+    for i, img in enumerate(images):
+        if not isinstance(img, np.ndarray) or img.dtype != np.uint8:
+            raise ValueError(f"image {i}: expected a uint8 numpy array, got {type(img).__name__} "
+                             f"{getattr(img, 'dtype', '')}")
+        if img.shape != (height, width, 3):
+            raise ValueError(f"image {i}: expected shape ({height}, {width}, 3), got {img.shape}")
+
+
+def resize_normalize(frames_u8: torch.Tensor, size: int) -> torch.Tensor:
+    """frames_u8 [N, H, W, 3] uint8 -> [N, 3, size, size] float32 in [-1, 1] (SigLIP mean/std 0.5)."""
+    x = frames_u8.permute(0, 3, 1, 2).float()
+    x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return x / 127.5 - 1.0
+
+
+def preprocess_reference(images: Sequence[np.ndarray], size: int) -> torch.Tensor:
+    """The CPU reference every other path is compared against."""
+    return resize_normalize(torch.from_numpy(np.stack(images)), size)
+
+
+class DeviceStaging:
+    """Pinned host buffer -> device buffer for up to `capacity` frames of one camera size."""
+
+    def __init__(self, capacity: int, height: int, width: int, device: torch.device):
+        self.device = device
+        pin = device.type == "cuda"
+        self.host = torch.empty((capacity, height, width, 3), dtype=torch.uint8, pin_memory=pin)
+        self.dev = torch.empty((capacity, height, width, 3), dtype=torch.uint8, device=device)
+
+    def upload(self, images: Sequence[np.ndarray]) -> None:
+        """Copy frames into the pinned buffer (the one host copy) and start the upload. Later
+        work on the current stream orders after it; the caller synchronises before the next
+        upload overwrites the pinned buffer."""
+        n = len(images)
+        host = self.host.numpy()
+        for i, img in enumerate(images):
+            host[i] = img
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)

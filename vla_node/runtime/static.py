@@ -1,0 +1,229 @@
+"""The static-shape path: fixed buffers per window layout (a bucket), stages that read and write
+only those buffers, so they can be compiled once and captured as CUDA graphs.
+
+Stages per query: vision (new frames only, batched) -> prefill (LLM over the padded prompt,
+plus the action expert's per-query context K/V when ctx_kv_once) -> action (the whole flow
+loop). The instruction is padded at the end of the prompt: under the causal mask no real token
+sees the padding, and the expert's cross-attention masks it.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from ..model.action_expert import euler, flow_times
+from ..model.layers import rope_tables
+from .compile import compile_count, compile_regions
+from .frame_store import FrameStore
+from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
+from .types import Observation, WindowLayout
+
+if TYPE_CHECKING:
+    from .engine import PolicyEngine
+
+
+class Bucket:
+    """Device buffers of one window layout at the instruction token budget."""
+
+    def __init__(self, engine: "PolicyEngine", layout: WindowLayout):
+        m, dev = engine.model, engine.device
+        self.layout = layout
+        prompt = engine.prompts.build(len(layout.cameras), layout.frames, "x")
+        self.instruction_start = prompt.instruction_start
+        self.length = prompt.instruction_start + engine.config.max_instruction_tokens
+        ids = torch.full((1, self.length), engine.prompts.pad_id, dtype=torch.long)
+        ids[0, :self.instruction_start] = torch.tensor(prompt.ids[:self.instruction_start])
+        self.ids = ids.to(dev)
+        self.patch_positions = m.patch_positions(prompt, dev)
+        self.slots = torch.arange(self.length, device=dev)
+        llm = m.cfg.llm
+        self.cos, self.sin = rope_tables(llm.head_dim, self.slots, llm.rope_theta)
+        self.ctx_mask = torch.ones((1, 1, 1, self.length + 1), dtype=torch.bool, device=dev)  # + the state token
+        self.frame_rows = torch.zeros(layout.images, dtype=torch.long, device=dev)
+        a = m.cfg.action
+        self.state = torch.zeros((1, a.state_dim), dtype=torch.float32, device=dev)
+        self.noise = torch.zeros((1, a.horizon, a.action_dim), dtype=torch.float32, device=dev)
+        self.instruction: str | None = None
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        # Stage outputs; under CUDA graphs these are the graphs' own output tensors.
+        self.hidden: list[torch.Tensor] = []
+        self.state_norm: torch.Tensor | None = None
+        self.kv: list | None = None
+        self.out: torch.Tensor | None = None
+
+    def set_instruction(self, engine: "PolicyEngine", text: str) -> None:
+        if text == self.instruction:
+            return
+        tokens = engine.prompts.instruction(text)
+        n, start = len(tokens), self.instruction_start
+        row = torch.full((self.length - start,), engine.prompts.pad_id, dtype=torch.long)
+        row[:n] = torch.tensor(tokens)
+        self.ids[0, start:].copy_(row)
+        mask = torch.ones(self.length + 1, dtype=torch.bool)
+        mask[start + n:self.length] = False
+        self.ctx_mask.view(-1).copy_(mask)
+        self.instruction = text
+
+
+class StaticRunner:
+    def __init__(self, engine: "PolicyEngine"):
+        self.engine = engine
+        cfg, m, dev = engine.config, engine.model, engine.device
+        mc = m.cfg
+        self.size = mc.vision.image_size
+        self.buckets: dict[WindowLayout, Bucket] = {}
+        layouts = [engine.layout]
+        self.max_images = max(layout.images for layout in layouts)
+        capacity = max(cfg.vision_cache_frames, 2 * self.max_images) if cfg.vision_cache else self.max_images
+        self.store = FrameStore(capacity, mc.vision.tokens_per_image, mc.llm.dim, engine.dtype, dev)
+        # Vision runs in batches of these sizes (one graph each): a camera's worth of new frames
+        # (a sliding window) and a whole window (a cold start).
+        self.vision_batches = sorted({len(engine.layout.cameras), self.max_images})
+        nb = self.vision_batches[-1]
+        self.write_rows = {b: torch.full((b,), self.store.scratch_row, dtype=torch.long, device=dev)
+                           for b in self.vision_batches}
+        if cfg.gpu_preprocess:
+            self.staging = DeviceStaging(nb, cfg.camera_height, cfg.camera_width, dev)
+        else:
+            self.pixels = torch.zeros((nb, 3, self.size, self.size), dtype=engine.dtype, device=dev)
+        self.mod_table = None
+        if cfg.ctx_kv_once:
+            self.mod_table = self._modulation_table()
+        self.regions = compile_regions(m) if cfg.compile else []
+        self.graphs_on = cfg.cuda_graphs
+        m.llm.setup_caches(1, max(self.bucket(layout).length for layout in layouts), engine.dtype, dev)
+
+    def bucket(self, layout: WindowLayout) -> Bucket:
+        if layout not in self.buckets:
+            self.buckets[layout] = Bucket(self.engine, layout)
+        return self.buckets[layout]
+
+    def reset(self) -> None:
+        self.store.clear()
+
+    @torch.inference_mode()
+    def _modulation_table(self) -> list:
+        """adaLN parameters of every flow step: they depend on t alone, so they are computed once."""
+        e = self.engine
+        return [e.model.expert.modulations(torch.full((1,), t, device=e.device)) for t in flow_times(e.flow_steps)]
+
+    # -- stages: read and write only static buffers ------------------------------------------
+    def _vision_stage(self, batch: int) -> None:
+        e = self.engine
+        if e.config.gpu_preprocess:
+            pixels = resize_normalize(self.staging.dev[:batch], self.size).to(e.dtype)
+        else:
+            pixels = self.pixels[:batch]
+        self.store.tokens.index_copy_(0, self.write_rows[batch], e.model.vision(pixels))
+
+    def _prefill_stage(self, b: Bucket) -> None:
+        m = self.engine.model
+        image_tokens = self.store.tokens.index_select(0, b.frame_rows).reshape(1, -1, m.cfg.llm.dim)
+        embeds = m.embed(b.ids, image_tokens, b.patch_positions)
+        b.hidden = m.llm(embeds, b.cos, b.sin, b.slots)
+        b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
+        if self.mod_table is not None:
+            b.kv = m.expert.context_kv(b.hidden, b.state_norm)
+
+    def _action_stage(self, b: Bucket) -> None:
+        e, expert = self.engine, self.engine.model.expert
+        times = flow_times(e.flow_steps)
+
+        def velocity(x: torch.Tensor, i: int) -> torch.Tensor:
+            if self.mod_table is not None:
+                kv, mods = b.kv, self.mod_table[i]
+            else:
+                kv = expert.context_kv(b.hidden, b.state_norm)
+                mods = expert.modulations(torch.full((1,), times[i], device=e.device))
+            return expert.velocity(x.to(e.dtype), mods, kv, b.ctx_mask).float()
+
+        b.out = euler(velocity, b.noise, e.flow_steps)
+
+    def _run(self, b: Bucket, name: str, fn: Callable[[], None]) -> None:
+        graph = b.graphs.get(name)
+        if graph is not None:
+            graph.replay()
+        else:
+            fn()
+
+    # -- a query --------------------------------------------------------------------------------
+    def predict(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout):
+        from .engine import StageTimer
+
+        e = self.engine
+        b = self.bucket(layout)
+        timer = StageTimer(e.device)
+        ids = obs.frame_ids if (e.config.vision_cache and obs.frame_ids is not None) else [None] * layout.images
+        rows, to_encode = self.store.plan(list(ids))
+        b.frame_rows.copy_(torch.tensor(rows), non_blocking=True)
+        b.set_instruction(e, obs.instruction)
+        b.state.copy_(e.state_tensor(obs))
+        b.noise.copy_(noise)
+        timer.mark("preprocess")
+        for start in range(0, len(to_encode), self.vision_batches[-1]):
+            chunk = to_encode[start:start + self.vision_batches[-1]]
+            batch = next(s for s in self.vision_batches if s >= len(chunk))
+            self._stage_frames([obs.images[i] for i, _ in chunk], batch)
+            rows_host = [row for _, row in chunk] + [self.store.scratch_row] * (batch - len(chunk))
+            self.write_rows[batch].copy_(torch.tensor(rows_host), non_blocking=True)
+            timer.mark("preprocess")
+            self._run(b, f"vision{batch}", lambda: self._vision_stage(batch))
+            timer.mark("vision")
+        self._run(b, "prefill", lambda: self._prefill_stage(b))
+        timer.mark("llm")
+        self._run(b, "action", lambda: self._action_stage(b))
+        timer.mark("action")
+        return b.out[0].clone(), timer.total()
+
+    def _stage_frames(self, images: list[np.ndarray], batch: int) -> None:
+        """Frames of one vision batch into its input buffer (padding rows keep stale pixels and
+        are written to the scratch row)."""
+        if self.engine.config.gpu_preprocess:
+            self.staging.upload(images)
+        else:
+            self.pixels[:len(images)].copy_(preprocess_reference(images, self.size))
+
+    # -- warm-up ------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        e = self.engine
+        compiled_before = compile_count()
+        for layout in [e.layout]:
+            b = self.bucket(layout)
+            t0 = time.perf_counter()
+            obs = e.dummy_observation(layout)
+            noise = e.draw_noise()
+            with torch.inference_mode():
+                self.predict(obs, noise, layout)  # compiles every region at this bucket's shapes
+                for batch in self.vision_batches:
+                    self._vision_stage(batch)
+            e.progress(f"bucket {layout.images} images ({b.length} tokens): eager/compile pass {time.perf_counter() - t0:.1f}s")
+            if self.graphs_on:
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    for batch in self.vision_batches:
+                        b.graphs[f"vision{batch}"] = self._capture(lambda: self._vision_stage(batch))
+                    b.graphs["prefill"] = self._capture(lambda: self._prefill_stage(b))
+                    b.graphs["action"] = self._capture(lambda: self._action_stage(b))
+                e.progress(f"bucket {layout.images} images: captured {len(b.graphs)} CUDA graphs in "
+                           f"{time.perf_counter() - t0:.1f}s")
+        e.stats.compiled_graphs = compile_count() - compiled_before
+        self.compiled_at_ready = compile_count()
+        self.reset()
+
+    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm run on a side stream, as capture requires
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        self.engine.stats.graph_captures += 1
+        return graph
+
+    def recompiles(self) -> int:
+        return compile_count() - self.compiled_at_ready

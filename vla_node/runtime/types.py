@@ -1,0 +1,116 @@
+"""The engine's public data types: what goes in, what comes out, how it is configured."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Hashable, Optional, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """Which images make up one query. Slot order is time-major: the oldest frame of every
+    camera first, the newest frame last; cameras in the order given."""
+    cameras: tuple[str, ...] = ("exo", "wrist")
+    frames: int = 2     # frames per camera: the current one and frames - 1 history frames
+    stride: int = 8     # camera frames between consecutive history frames (t - k * stride)
+
+    def __post_init__(self):
+        if not self.cameras or len(set(self.cameras)) != len(self.cameras):
+            raise ValueError(f"cameras must be non-empty and unique, got {self.cameras}")
+        if self.frames < 1 or self.stride < 1:
+            raise ValueError(f"frames and stride must be >= 1, got frames={self.frames} stride={self.stride}")
+
+    @property
+    def images(self) -> int:
+        return len(self.cameras) * self.frames
+
+
+LAYOUTS = {
+    # MolmoBot-DROID: exterior + wrist camera, frames t-8 and t.
+    "droid": WindowLayout(("exo", "wrist"), frames=2, stride=8),
+    # The 8-image reference query (~1630 tokens with the 4B model).
+    "8img": WindowLayout(("exo", "wrist"), frames=4, stride=8),
+}
+
+
+@dataclass
+class Observation:
+    images: Sequence[np.ndarray]          # layout.images frames in slot order, each HxWx3 uint8 RGB
+    state: np.ndarray                     # [state_dim] raw robot state (joint positions, gripper)
+    instruction: str
+    stamp: float = 0.0                    # seconds; time of the newest frame
+    # Identity of each image, e.g. (camera, stamp_ns): frames with the same id are the same
+    # picture, which lets the vision cache and streaming reuse work. None: every image is new.
+    frame_ids: Optional[Sequence[Hashable]] = None
+
+
+@dataclass
+class ActionChunk:
+    actions: np.ndarray                   # [horizon, action_dim] un-normalised, float32
+    normalized: np.ndarray                # [horizon, action_dim] the model's output in [-1, 1] units
+    stamp: float                          # the observation's stamp
+    timings: dict[str, float] = field(default_factory=dict)  # ms per stage and "total"
+
+
+# Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
+# lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
+LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "cuda_graphs", "vision_cache")
+MODES = {
+    "eager": (),
+    "static": ("static_shapes",),
+    "ctxkv": ("static_shapes", "ctx_kv_once"),
+    "fused": ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess"),
+    "compile": ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile"),
+    "graphs": ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "cuda_graphs"),
+    "fast": LOSSLESS_FEATURES,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    preset: str = "tiny"
+    checkpoint: Optional[str] = None      # folder with config.json + model.safetensors + tokenizer; None: random weights
+    seed: int = 0                         # random weights (when no checkpoint) and the noise stream
+    device: str = "cpu"
+    dtype: str = "float32"                # float32 | bfloat16
+    layout: WindowLayout = field(default_factory=WindowLayout)
+    camera_height: int = 480
+    camera_width: int = 640
+    flow_steps: Optional[int] = None      # None: the model's default
+    max_instruction_tokens: int = 48      # token budget of the instruction (static shapes pad to it)
+    # Lossless features (LOSSLESS_FEATURES), off = the eager reference.
+    static_shapes: bool = False
+    ctx_kv_once: bool = False
+    fused: bool = False
+    gpu_preprocess: bool = False
+    compile: bool = False
+    cuda_graphs: bool = False
+    vision_cache: bool = False
+    vision_cache_frames: int = 64         # frames kept by the vision cache
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.flow_steps is not None and self.flow_steps < 1:
+            raise ValueError(f"flow_steps must be >= 1, got {self.flow_steps}")
+        if self.max_instruction_tokens < 1:
+            raise ValueError("max_instruction_tokens must be >= 1")
+        if self.cuda_graphs and not self.static_shapes:
+            raise ValueError("cuda_graphs needs static_shapes")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError("cuda_graphs needs a CUDA device")
+
+    @classmethod
+    def for_mode(cls, mode: str, **overrides) -> "EngineConfig":
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; known: {list(MODES)}")
+        flags = {f: f in MODES[mode] for f in LOSSLESS_FEATURES}
+        if not str(overrides.get("device", "cpu")).startswith("cuda"):
+            flags["cuda_graphs"] = False
+        flags.update(overrides)
+        return cls(**flags)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
