@@ -47,15 +47,25 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: tor
 
 
 @torch.no_grad()
-def init_random_(model: VLAPolicy, seed: int = 0, std: float = 0.02) -> VLAPolicy:
+def init_random_(model: VLAPolicy, seed: int = 0) -> VLAPolicy:
     """Deterministic random weights, generated on the model's device in its dtype, one tensor
-    at a time (seeded by the tensor's name, so the result does not depend on module order)."""
+    at a time (seeded by the tensor's name, so the result does not depend on module order).
+
+    Variance-preserving scales (matrices 1/sqrt(fan_in), embeddings O(1)) keep activations O(1)
+    through every stage, so images, instruction and state all move the actions: deviations
+    measured on random weights then mean something."""
     for name, p in model.named_parameters():
         device = p.device
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        noise = torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * std
-        if "norm" in name and name.endswith("weight"):  # norm gains start near one
-            noise += 1
+        noise = torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype)
+        if "norm" in name and name.endswith("weight"):
+            noise = 1 + 0.02 * noise                   # norm gains near one
+        elif p.dim() >= 2 and name.endswith("weight") and name != "llm.embed.weight":
+            noise = noise * p[0].numel() ** -0.5       # linear / conv: 1 / sqrt(fan_in)
+        elif p.dim() == 1:
+            noise = 0.02 * noise                       # biases
+        else:
+            noise = 0.5 * noise                        # token and position embeddings
         p.copy_(noise)
     return model
 
