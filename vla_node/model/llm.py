@@ -47,18 +47,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slots: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Without a cache: causal self-attention over x. With a cache: x's keys/values are
-        written at `slots` and x attends to the whole cache under `mask` [T, max_len]."""
+        """Causal self-attention over x. With a cache, x's keys/values are also written at
+        `slots`; given a `mask` [T, max_len], x attends to the whole cache under it instead."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x)
         q = apply_rope(self.q_norm(q.view(b, t, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_norm(k.view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.cache is not None:
-            k, v = self.cache.update(slots, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            cache_k, cache_v = self.cache.update(slots, k, v)
+            if mask is not None:  # new tokens after cached ones: attend to the cache
+                k, v = cache_k, cache_v
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 

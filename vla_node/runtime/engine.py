@@ -110,6 +110,8 @@ class PolicyEngine:
     def predict(self, obs: Observation, noise: Optional[torch.Tensor] = None,
                 layout: Optional[WindowLayout] = None) -> ActionChunk:
         layout = layout or self.layout
+        if layout not in self.config.layouts:
+            raise ValueError(f"layout {layout} is not one of the engine's layouts (EngineConfig.layout / extra_layouts)")
         self.check_observation(obs, layout)
         if noise is None:
             noise = self.draw_noise()

@@ -75,13 +75,13 @@ class StaticRunner:
         mc = m.cfg
         self.size = mc.vision.image_size
         self.buckets: dict[WindowLayout, Bucket] = {}
-        layouts = [engine.layout]
+        layouts = engine.config.layouts
         self.max_images = max(layout.images for layout in layouts)
         capacity = max(cfg.vision_cache_frames, 2 * self.max_images) if cfg.vision_cache else self.max_images
         self.store = FrameStore(capacity, mc.vision.tokens_per_image, mc.llm.dim, engine.dtype, dev)
         # Vision runs in batches of these sizes (one graph each): a camera's worth of new frames
         # (a sliding window) and a whole window (a cold start).
-        self.vision_batches = sorted({len(engine.layout.cameras), self.max_images})
+        self.vision_batches = sorted({len(engine.layout.cameras)} | {layout.images for layout in layouts})
         nb = self.vision_batches[-1]
         self.write_rows = {b: torch.full((b,), self.store.scratch_row, dtype=torch.long, device=dev)
                            for b in self.vision_batches}
@@ -94,6 +94,7 @@ class StaticRunner:
             self.mod_table = self._modulation_table()
         self.regions = compile_regions(m) if cfg.compile else []
         self.graphs_on = cfg.cuda_graphs
+        self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
         m.llm.setup_caches(1, max(self.bucket(layout).length for layout in layouts), engine.dtype, dev)
 
     def bucket(self, layout: WindowLayout) -> Bucket:
@@ -143,7 +144,7 @@ class StaticRunner:
         b.out = euler(velocity, b.noise, e.flow_steps)
 
     def _run(self, b: Bucket, name: str, fn: Callable[[], None]) -> None:
-        graph = b.graphs.get(name)
+        graph = b.graphs.get(name) or self.vision_graphs.get(name)
         if graph is not None:
             graph.replay()
         else:
@@ -190,7 +191,7 @@ class StaticRunner:
     def warmup(self) -> None:
         e = self.engine
         compiled_before = compile_count()
-        for layout in [e.layout]:
+        for layout in e.config.layouts:
             b = self.bucket(layout)
             t0 = time.perf_counter()
             obs = e.dummy_observation(layout)
@@ -204,7 +205,8 @@ class StaticRunner:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     for batch in self.vision_batches:
-                        b.graphs[f"vision{batch}"] = self._capture(lambda: self._vision_stage(batch))
+                        if f"vision{batch}" not in self.vision_graphs:
+                            self.vision_graphs[f"vision{batch}"] = self._capture(lambda: self._vision_stage(batch))
                     b.graphs["prefill"] = self._capture(lambda: self._prefill_stage(b))
                     b.graphs["action"] = self._capture(lambda: self._action_stage(b))
                 e.progress(f"bucket {layout.images} images: captured {len(b.graphs)} CUDA graphs in "

@@ -76,6 +76,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"                # float32 | bfloat16
     layout: WindowLayout = field(default_factory=WindowLayout)
+    extra_layouts: tuple[WindowLayout, ...] = ()  # further layouts a query may use (each a static bucket)
     camera_height: int = 480
     camera_width: int = 640
     flow_steps: Optional[int] = None      # None: the model's default
@@ -97,8 +98,12 @@ class EngineConfig:
             raise ValueError(f"flow_steps must be >= 1, got {self.flow_steps}")
         if self.max_instruction_tokens < 1:
             raise ValueError("max_instruction_tokens must be >= 1")
-        if self.cuda_graphs and not self.static_shapes:
-            raise ValueError("cuda_graphs needs static_shapes")
+        for feature in ("cuda_graphs", "compile", "vision_cache"):
+            if getattr(self, feature) and not self.static_shapes:
+                raise ValueError(f"{feature} needs static_shapes")
+        cams = {l.cameras for l in self.layouts}
+        if len(cams) > 1:
+            raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
 
@@ -111,6 +116,10 @@ class EngineConfig:
             flags["cuda_graphs"] = False
         flags.update(overrides)
         return cls(**flags)
+
+    @property
+    def layouts(self) -> tuple[WindowLayout, ...]:
+        return (self.layout,) + tuple(l for l in self.extra_layouts if l != self.layout)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -1,0 +1,165 @@
+"""The lossless fast path against the eager reference.
+
+CPU tests run in CI. Tests marked `cuda` need a GPU (run them on the H200:
+`python3 -m pytest -q test/test_fast_path.py`) and skip elsewhere with the reason.
+"""
+import numpy as np
+import pytest
+import torch
+
+from vla_node.model import load_checkpoint, save_checkpoint
+from vla_node.runtime import LAYOUTS, EngineConfig, Observation, PolicyEngine
+from vla_node.runtime.compile import uncompile
+from vla_node.runtime.preprocess import preprocess_reference, resize_normalize
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+INSTRUCTIONS = ["pick up the red cup", "open the drawer", "put the marker in the bowl and close the lid",
+                "wipe the table", "stack the blue block on the yellow cube next to the plate", "push the box",
+                "grasp the spoon", "pour the bottle into the mug slowly and carefully", "turn", "fold the towel"]
+
+
+def same_inputs(engine: PolicyEngine, n: int):
+    return [(engine.dummy_observation(seed=i), torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(i))
+             .to(engine.device)) for i in range(n)]
+
+
+def outputs(engine: PolicyEngine, inputs) -> list[np.ndarray]:
+    return [engine.predict(obs, noise=noise).normalized for obs, noise in inputs]
+
+
+def test_context_kv_once_is_bitwise_identical_to_per_step():
+    per_step = PolicyEngine(EngineConfig.for_mode("static"))
+    once = PolicyEngine(EngineConfig.for_mode("ctxkv"))
+    inputs = same_inputs(per_step, 3)
+    for a, b in zip(outputs(per_step, inputs), outputs(once, inputs)):
+        assert np.array_equal(a, b)
+
+
+def test_padded_bucket_matches_unpadded_reference():
+    eager = PolicyEngine(EngineConfig.for_mode("eager"))
+    static = PolicyEngine(EngineConfig.for_mode("static"))
+    for text in INSTRUCTIONS[:4]:  # different padding amounts
+        obs = eager.dummy_observation()
+        obs.instruction = text
+        noise = torch.randn(1, 16, 8)
+        a, b = eager.predict(obs, noise=noise).normalized, static.predict(obs, noise=noise).normalized
+        assert np.abs(a - b).max() < 1e-5, text
+
+
+def test_fused_projections_keep_keys_and_results(tmp_path):
+    plain = PolicyEngine(EngineConfig.for_mode("ctxkv"))
+    fused = PolicyEngine(EngineConfig.for_mode("ctxkv", fused=True))
+    a, b = plain.model.state_dict(), fused.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    inputs = same_inputs(plain, 2)
+    for x, y in zip(outputs(plain, inputs), outputs(fused, inputs)):
+        assert np.abs(x - y).max() < 1e-5
+    save_checkpoint(fused.model, tmp_path)  # views of one buffer must still save as separate tensors
+    assert load_checkpoint(tmp_path).state_dict().keys() == a.keys()
+
+
+def test_vision_cache_reuses_frames_exactly_once():
+    layout = LAYOUTS["droid"]
+    cached = PolicyEngine(EngineConfig.for_mode("ctxkv", vision_cache=True))
+    fresh = PolicyEngine(EngineConfig.for_mode("ctxkv"))
+    rng = np.random.default_rng(0)
+    frames = {}  # (camera, t) -> image; a stream where each window shares a frame time with the last
+
+    def frame(cam, t):
+        if (cam, t) not in frames:
+            frames[cam, t] = rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)
+        return frames[cam, t]
+
+    store = cached.static.store
+    for step in range(5):
+        times = [step * layout.stride, (step + 1) * layout.stride]
+        ids = [(cam, t) for t in times for cam in layout.cameras]
+        obs = Observation(images=[frame(c, t) for c, t in ids], state=np.zeros(8, np.float32),
+                          instruction="pick up the red cup", frame_ids=ids)
+        noise = torch.randn(1, 16, 8)
+        misses = store.misses
+        a = cached.predict(obs, noise=noise).normalized
+        assert store.misses - misses == (4 if step == 0 else 2)  # only the new frame time is encoded
+        b = fresh.predict(obs, noise=noise).normalized
+        assert np.abs(a - b).max() < 1e-5
+    assert store.hits == 8
+
+
+def test_no_recompilation_after_warmup_and_keys_unchanged(tmp_path):
+    engine = PolicyEngine(EngineConfig.for_mode("compile"))
+    keys = list(engine.model.state_dict())
+    engine.warmup()
+    assert engine.stats.compiled_graphs > 0
+    obs = engine.dummy_observation()
+    for i in range(20):
+        obs.instruction = INSTRUCTIONS[i % len(INSTRUCTIONS)]
+        chunk = engine.predict(obs)
+        assert np.isfinite(chunk.actions).all()
+    assert engine.static.recompiles() == 0
+    assert list(engine.model.state_dict()) == keys  # no `_orig_mod.` prefixes
+    save_checkpoint(engine.model, tmp_path)
+    assert list(load_checkpoint(tmp_path).state_dict()) == keys
+    # Leaving the compiled wrapper: eager forward again, same numbers within fp32 rounding.
+    noise = torch.randn(1, 16, 8)
+    compiled = engine.predict(obs, noise=noise).normalized
+    uncompile(engine.static.regions)
+    eager = engine.predict(obs, noise=noise).normalized
+    assert np.abs(compiled - eager).max() < 1e-4
+
+
+def test_unknown_layout_and_invalid_configs_are_rejected():
+    engine = PolicyEngine(EngineConfig.for_mode("static"))
+    with pytest.raises(ValueError, match="not one of the engine's layouts"):
+        engine.predict(engine.dummy_observation(LAYOUTS["8img"]), layout=LAYOUTS["8img"])
+    with pytest.raises(ValueError, match="needs static_shapes"):
+        EngineConfig(compile=True)
+    with pytest.raises(ValueError, match="unknown mode"):
+        EngineConfig.for_mode("turbo")
+
+
+# -- on the GPU -------------------------------------------------------------------------------
+
+def gpu_config(mode: str, **kw) -> EngineConfig:
+    return EngineConfig.for_mode(mode, device="cuda", dtype="bfloat16", **kw)
+
+
+@cuda
+def test_gpu_preprocess_matches_cpu_within_one_uint8_step():
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(4)]
+    ref = preprocess_reference(images, 378)
+    dev = resize_normalize(torch.from_numpy(np.stack(images)).cuda(), 378).cpu()
+    assert (dev - ref).abs().max() * 127.5 <= 1.0
+
+
+@cuda
+def test_fast_matches_eager_within_bf16_noise():
+    eager = PolicyEngine(gpu_config("eager"))
+    fast = PolicyEngine(gpu_config("fast"))
+    fast.warmup()
+    inputs = same_inputs(eager, 4)
+    for a, b in zip(outputs(eager, inputs), outputs(fast, inputs)):
+        assert np.linalg.norm(b - a) / np.linalg.norm(a) < 1e-2
+
+
+@cuda
+def test_graph_replay_is_bit_stable():
+    fast = PolicyEngine(gpu_config("fast"))
+    fast.warmup()
+    obs, noise = same_inputs(fast, 1)[0]
+    first = fast.predict(obs, noise=noise).normalized
+    for _ in range(49):
+        assert np.array_equal(fast.predict(obs, noise=noise).normalized, first)
+
+
+@cuda
+def test_interleaved_buckets_leave_each_other_alone():
+    a_layout, b_layout = LAYOUTS["droid"], LAYOUTS["8img"]
+    fast = PolicyEngine(gpu_config("fast", layout=a_layout, extra_layouts=(b_layout,)))
+    fast.warmup()
+    (obs_a, noise_a), = same_inputs(fast, 1)
+    obs_b = fast.dummy_observation(b_layout, seed=9)
+    first = fast.predict(obs_a, noise=noise_a).normalized
+    for _ in range(3):
+        fast.predict(obs_b, layout=b_layout)
+        assert np.array_equal(fast.predict(obs_a, noise=noise_a).normalized, first)

@@ -1,0 +1,232 @@
+"""vla-bench: latency per stage of each engine mode, its deviation from the eager reference on
+the same inputs and noise, memory, ready time, and a transformers ViT+LLM baseline.
+
+    vla-bench --preset tiny --device cpu --modes eager --json out/bench.json
+    vla-bench --preset molmobot-4b --device cuda --modes eager,compile,graphs,fast --layout 8img
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine
+
+STAGES = ("preprocess", "vision", "llm", "action")
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def summarize(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "p90": float(np.percentile(samples, 90))}
+
+
+def deviation(out: np.ndarray, ref: np.ndarray) -> dict:
+    diff = out - ref
+    return {"max_abs_dev": float(np.abs(diff).max()), "mean_abs_dev": float(np.abs(diff).mean()),
+            "rel_l2": float(np.linalg.norm(diff) / np.linalg.norm(ref))}
+
+
+def run_mode(name: str, base: EngineConfig, iters: int, dev_inputs, progress) -> tuple[dict, list[np.ndarray]]:
+    cuda = base.device.startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    cfg = EngineConfig.for_mode(name, **{k: getattr(base, k) for k in
+                                         ("preset", "checkpoint", "seed", "device", "dtype", "layout",
+                                          "camera_height", "camera_width", "flow_steps", "max_instruction_tokens")})
+    engine = PolicyEngine(cfg, progress=lambda m: progress(f"[{name}] {m}"))
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    stats = engine.warmup()
+    outs = [engine.predict(obs, noise=noise).normalized for obs, noise in dev_inputs]
+    obs = dev_inputs[0][0]
+    timings = [engine.predict(obs).timings for _ in range(iters)]
+    result = {
+        "total_ms": statistics.median(t["total"] for t in timings),
+        "total_min_ms": min(t["total"] for t in timings),
+        "stages": {s: summarize([t.get(s, 0.0) for t in timings]) for s in STAGES},
+        "ready_s": stats.ready_s,
+        "compiled_graphs": stats.compiled_graphs,
+        "graph_captures": stats.graph_captures,
+        "weight_gb": weight_bytes / 1e9,
+        "features": list(MODES[name]),
+    }
+    if engine.static is not None and cfg.compile:
+        result["recompiles_after_ready"] = engine.static.recompiles()
+    if cuda:
+        result["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        result["reserved_mem_gb"] = torch.cuda.memory_reserved() / 1e9
+    engine.close()
+    del engine
+    gc.collect()
+    return result, outs
+
+
+def hf_baseline(preset: str, device: str, dtype: torch.dtype, images: int, tokens: int, iters: int) -> dict:
+    """transformers' SiglipVisionModel + Qwen3Model at the preset's dimensions (random weights):
+    the ViT over the window's images and one prefill of the same token count."""
+    import transformers
+
+    from ..model import get_preset
+
+    cfg = get_preset(preset)
+    v, l = cfg.vision, cfg.llm
+    with torch.device(device):
+        vit = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
+            hidden_size=v.width, intermediate_size=v.mlp, num_hidden_layers=v.layers_run, num_attention_heads=v.heads,
+            image_size=v.image_size, patch_size=v.patch_size, hidden_act="gelu_pytorch_tanh", vision_use_head=False,
+            attn_implementation="sdpa")).to(dtype).eval()
+        llm = transformers.Qwen3Model(transformers.Qwen3Config(
+            vocab_size=l.vocab_size, hidden_size=l.dim, intermediate_size=l.mlp, num_hidden_layers=l.layers,
+            num_attention_heads=l.heads, num_key_value_heads=l.kv_heads, head_dim=l.head_dim, rope_theta=l.rope_theta,
+            attn_implementation="sdpa")).to(dtype).eval()
+    pixels = torch.randn(images, 3, v.image_size, v.image_size, device=device, dtype=dtype)
+    ids = torch.randint(0, l.vocab_size, (1, tokens), device=device)
+
+    def timed(fn) -> list[float]:
+        out = []
+        for i in range(iters + 2):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if i >= 2:
+                out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    with torch.inference_mode():
+        vit_ms = timed(lambda: vit(pixel_values=pixels, output_hidden_states=True))
+        llm_ms = timed(lambda: llm(input_ids=ids, output_hidden_states=True, use_cache=False))
+    del vit, llm
+    gc.collect()
+    return {"vision": summarize(vit_ms), "llm": summarize(llm_ms),
+            "total_ms": statistics.median(vit_ms) + statistics.median(llm_ms),
+            "transformers": transformers.__version__}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["modes"])
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4))
+    bottom = np.zeros(len(names))
+    for stage in STAGES:
+        vals = np.array([results["modes"][n]["stages"][stage]["median"] for n in names])
+        ax.bar(names, vals, bottom=bottom, label=stage)
+        bottom += vals
+    if "baseline" in results:
+        b = results["baseline"]
+        ax.bar(["hf ViT+LLM"], [b["vision"]["median"]], color="gray", label="transformers vision")
+        ax.bar(["hf ViT+LLM"], [b["llm"]["median"]], bottom=[b["vision"]["median"]], color="silver",
+               label="transformers LLM")
+    ax.set_ylabel("median ms per query")
+    ax.set_title(f"{results['preset']} {results['layout']} ({results['tokens']} tokens) on {results['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--modes", default="eager", help=f"comma-separated, from {list(MODES)}")
+    ap.add_argument("--layout", default="droid", choices=sorted(LAYOUTS))
+    ap.add_argument("--iters", type=int, default=20, help="warm queries timed per mode")
+    ap.add_argument("--dev-windows", type=int, default=5, help="inputs compared against eager per mode")
+    ap.add_argument("--baseline", action="store_true", help="also time transformers' ViT + LLM of the same size")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="PNG stage breakdown (default: next to --json)")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown modes {unknown}; known: {list(MODES)}")
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    base = EngineConfig(preset=args.preset, checkpoint=args.checkpoint, device=args.device, dtype=dtype,
+                        layout=LAYOUTS[args.layout])
+    progress = lambda m: print(m, flush=True)  # noqa: E731
+
+    probe = PolicyEngine(base)
+    dev_inputs = [(probe.dummy_observation(seed=i), torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(i))
+                   .to(args.device)) for i in range(args.dev_windows)]
+    prompt = probe.prompts.build(len(base.layout.cameras), base.layout.frames, dev_inputs[0][0].instruction)
+    results = {"machine": machine(), "preset": args.preset, "device": args.device, "dtype": dtype,
+               "layout": args.layout, "images": base.layout.images, "tokens": len(prompt),
+               "flow_steps": probe.flow_steps, "iters": args.iters, "modes": {}}
+    probe.close()
+    del probe
+    reference = None
+    for name in modes:
+        res, outs = run_mode(name, base, args.iters, dev_inputs, progress)
+        if reference is None and name == "eager":
+            reference = outs
+        if reference is not None:
+            devs = [deviation(o, r) for o, r in zip(outs, reference)]
+            res["max_abs_dev"] = max(d["max_abs_dev"] for d in devs)
+            res["mean_abs_dev"] = statistics.mean(d["mean_abs_dev"] for d in devs)
+            res["rel_l2"] = max(d["rel_l2"] for d in devs)
+        results["modes"][name] = res
+        progress(f"[{name}] total {res['total_ms']:.2f} ms median")
+        save(results, args)  # after every mode, so a run cut short keeps what it measured
+    if args.baseline:
+        results["baseline"] = hf_baseline(args.preset, args.device, getattr(torch, dtype), base.layout.images,
+                                          results["tokens"], args.iters)
+        save(results, args)
+    print_table(results)
+    return 0
+
+
+def save(results: dict, args) -> None:
+    if not args.json:
+        return
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, Path(args.plot) if args.plot else path.with_suffix(".png"))
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{results['preset']} {results['layout']} ({results['images']} images, {results['tokens']} tokens, "
+          f"{results['flow_steps']} flow steps) on {results['device']} {results['dtype']}")
+    head = f"{'mode':<9}{'total':>9}{'min':>9}" + "".join(f"{s:>11}" for s in STAGES) + f"{'ready s':>9}{'max|dev|':>10}{'relL2':>9}"
+    print(head)
+    eager = results["modes"].get("eager", {}).get("total_ms")
+    for name, r in results["modes"].items():
+        row = f"{name:<9}{r['total_ms']:>9.2f}{r['total_min_ms']:>9.2f}"
+        row += "".join(f"{r['stages'][s]['median']:>11.2f}" for s in STAGES)
+        row += f"{r['ready_s']:>9.1f}{r.get('max_abs_dev', float('nan')):>10.2e}{r.get('rel_l2', float('nan')):>9.1e}"
+        if eager:
+            row += f"  x{eager / r['total_ms']:.1f}"
+        print(row)
+    if "baseline" in results:
+        b = results["baseline"]
+        print(f"{'hf-base':<9}{b['total_ms']:>9.2f}   (transformers {b['transformers']}: vision "
+              f"{b['vision']['median']:.2f} + llm {b['llm']['median']:.2f})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
