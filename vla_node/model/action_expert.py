@@ -54,6 +54,8 @@ class ExpertBlock(nn.Module):
         self.norm3 = nn.LayerNorm(w, eps=cfg.norm_eps, elementwise_affine=False)
         self.fc1 = nn.Linear(w, cfg.mlp)
         self.fc2 = nn.Linear(cfg.mlp, w)
+        # attend(q, k, v, mask) with SDPA's meaning; the runtime may put a faster kernel here.
+        self.attend = F.scaled_dot_product_attention
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -71,10 +73,10 @@ class ExpertBlock(nn.Module):
         b, h, w = x.shape
         s1, c1, g1, s2, c2, g2, s3, c3, g3 = mod.chunk(N_MODULATIONS, dim=-1)
         q, sk, sv = (self._heads(y) for y in self.self_qkv(modulate(self.norm1(x), s1, c1)))
-        y = F.scaled_dot_product_attention(q, sk, sv)
+        y = self.attend(q, sk, sv, None)
         x = x + g1[:, None] * self.self_out(y.transpose(1, 2).reshape(b, h, w))
         q = self._heads(self.cross_q(modulate(self.norm2(x), s2, c2)))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx_mask)
+        y = self.attend(q, k, v, ctx_mask)
         x = x + g2[:, None] * self.cross_out(y.transpose(1, 2).reshape(b, h, w))
         y = self.fc2(F.gelu(self.fc1(modulate(self.norm3(x), s3, c3)), approximate="tanh"))
         return x + g3[:, None] * y

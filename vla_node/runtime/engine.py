@@ -83,6 +83,10 @@ class PolicyEngine:
         self.stats = EngineStats()
         if config.fused:
             fuse_projections(self.model)
+        if config.triton_attention:
+            from .kernels.few_query_attention import few_query_attention
+            for block in self.model.expert.blocks:
+                block.attend = few_query_attention
         self.static = None
         if config.static_shapes:
             from .static import StaticRunner

@@ -145,10 +145,11 @@ class StaticRunner:
 
     def _run(self, b: Bucket, name: str, fn: Callable[[], None]) -> None:
         graph = b.graphs.get(name) or self.vision_graphs.get(name)
-        if graph is not None:
-            graph.replay()
-        else:
-            fn()
+        with torch.profiler.record_function(name):  # stage ranges in profiler traces
+            if graph is not None:
+                graph.replay()
+            else:
+                fn()
 
     # -- a query --------------------------------------------------------------------------------
     def predict(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
@@ -56,16 +57,11 @@ class ActionChunk:
 
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
-LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "cuda_graphs", "vision_cache")
-MODES = {
-    "eager": (),
-    "static": ("static_shapes",),
-    "ctxkv": ("static_shapes", "ctx_kv_once"),
-    "fused": ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess"),
-    "compile": ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile"),
-    "graphs": ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "cuda_graphs"),
-    "fast": LOSSLESS_FEATURES,
-}
+LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "cuda_graphs",
+                     "triton_attention", "vision_cache")
+# name -> how many of LOSSLESS_FEATURES it turns on (fused also moves preprocessing to the device)
+_LADDER = {"eager": 0, "static": 1, "ctxkv": 2, "fused": 4, "compile": 5, "graphs": 6, "triton": 7, "fast": 8}
+MODES = {name: LOSSLESS_FEATURES[:n] for name, n in _LADDER.items()}
 
 
 @dataclass(frozen=True)
@@ -88,6 +84,7 @@ class EngineConfig:
     gpu_preprocess: bool = False
     compile: bool = False
     cuda_graphs: bool = False
+    triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     vision_cache: bool = False
     vision_cache_frames: int = 64         # frames kept by the vision cache
 
@@ -106,14 +103,17 @@ class EngineConfig:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
+        if self.triton_attention and not (self.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise ValueError("triton_attention needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
 
     @classmethod
     def for_mode(cls, mode: str, **overrides) -> "EngineConfig":
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; known: {list(MODES)}")
         flags = {f: f in MODES[mode] for f in LOSSLESS_FEATURES}
-        if not str(overrides.get("device", "cpu")).startswith("cuda"):
+        if not str(overrides.get("device", "cpu")).startswith("cuda"):  # GPU-only rungs of the ladder
             flags["cuda_graphs"] = False
+            flags["triton_attention"] = False
         flags.update(overrides)
         return cls(**flags)
 

@@ -42,6 +42,7 @@ def deviation(out: np.ndarray, ref: np.ndarray) -> dict:
 
 def run_mode(name: str, base: EngineConfig, iters: int, dev_inputs, progress) -> tuple[dict, list[np.ndarray]]:
     cuda = base.device.startswith("cuda")
+    torch._dynamo.reset()  # each mode compiles for itself, so its ready time is its own
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
