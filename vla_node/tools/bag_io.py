@@ -1,0 +1,642 @@
+"""rosbag2 bags (sqlite3 and mcap) in and out, and a bag's inputs turned into engine Observations.
+
+One module for the replay tool, the demo, the sample-bag script and the tests. It reads and
+writes with `rosbags` and imports nothing from ROS, so offline evaluation also runs on machines
+without ROS.
+
+Damage: a bag that cannot be opened because its storage file was cut off (a recording killed
+before it closed the file, an interrupted copy) is copied up to the damage into a temporary file
+that `rosbags` can read; damage met while reading stops the stream. Either way the reader keeps
+everything before the damage and `Bag.damage` says where it stopped.
+"""
+from __future__ import annotations
+
+import mmap
+import shutil
+import sqlite3
+import struct
+import tempfile
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import apsw
+import numpy as np
+from rosbags.highlevel import AnyReader, AnyReaderError
+from rosbags.image import ImageError, image_to_cvimage
+from rosbags.rosbag2 import ReaderError, StoragePlugin, Writer, WriterError
+from rosbags.typesys import Stores, get_typestore
+
+from ..runtime import Observation, WindowLayout
+
+# Kilted's message definitions; bags that embed their own definitions are read with those.
+TYPESTORE = get_typestore(Stores.ROS2_KILTED)
+
+IMAGE = "sensor_msgs/msg/Image"
+COMPRESSED_IMAGE = "sensor_msgs/msg/CompressedImage"
+JOINT_STATE = "sensor_msgs/msg/JointState"
+STRING = "std_msgs/msg/String"
+BOOL = "std_msgs/msg/Bool"
+FLOAT64_MULTI_ARRAY = "std_msgs/msg/Float64MultiArray"
+JOINT_TRAJECTORY = "trajectory_msgs/msg/JointTrajectory"
+DIAGNOSTIC_ARRAY = "diagnostic_msgs/msg/DiagnosticArray"
+CLOCK = "rosgraph_msgs/msg/Clock"
+
+# The node's input topics (its defaults); a bag may hold a camera as `<topic>/compressed`.
+CAMERA_TOPICS = ("/cameras/exo/image_raw", "/cameras/wrist/image_raw")
+JOINT_STATES_TOPIC = "/joint_states"
+INSTRUCTION_TOPIC = "/instruction"
+# Reference actions: one JointTrajectory per camera frame, stamped with that frame's stamp,
+# point k = action k of the chunk (a demonstration's next actions, or a recorded node's output).
+REFERENCE_TOPIC = "/reference/joint_trajectory"
+COMPRESSED_SUFFIX = "/compressed"
+
+STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
+STORAGE_SUFFIXES = {".mcap": "mcap", ".db3": "sqlite3"}
+
+
+class BagError(Exception):
+    """A bag, topic or message the tools cannot use; the message says which and why."""
+
+
+# -- time ---------------------------------------------------------------------------------------
+def stamp_ns(stamp) -> int:
+    """builtin_interfaces/Time -> integer nanoseconds."""
+    return int(stamp.sec) * 1_000_000_000 + int(stamp.nanosec)
+
+
+def time_msg(ns: int):
+    Time = TYPESTORE.types["builtin_interfaces/msg/Time"]
+    return Time(sec=int(ns // 1_000_000_000), nanosec=int(ns % 1_000_000_000))
+
+
+def duration_msg(ns: int):
+    Duration = TYPESTORE.types["builtin_interfaces/msg/Duration"]
+    return Duration(sec=int(ns // 1_000_000_000), nanosec=int(ns % 1_000_000_000))
+
+
+def header_msg(ns: int, frame_id: str = ""):
+    return TYPESTORE.types["std_msgs/msg/Header"](stamp=time_msg(ns), frame_id=frame_id)
+
+
+# -- messages the tools write (rosbags objects, serialised with rosbags) ------------------------
+def image_msg(rgb: np.ndarray, ns: int, frame_id: str = ""):
+    height, width = rgb.shape[:2]
+    return TYPESTORE.types[IMAGE](header=header_msg(ns, frame_id), height=height, width=width, encoding="rgb8",
+                                  is_bigendian=0, step=width * 3, data=np.ascontiguousarray(rgb).reshape(-1))
+
+
+def compressed_image_msg(rgb: np.ndarray, ns: int, frame_id: str = "", quality: int = 85):
+    import cv2
+    ok, jpeg = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        raise BagError("JPEG encoding failed")
+    # image_transport's format string for a colour JPEG.
+    return TYPESTORE.types[COMPRESSED_IMAGE](header=header_msg(ns, frame_id), format="rgb8; jpeg compressed bgr8",
+                                             data=jpeg.reshape(-1))
+
+
+def joint_state_msg(ns: int, names: Sequence[str], position, velocity=(), effort=()):
+    return TYPESTORE.types[JOINT_STATE](header=header_msg(ns), name=list(names),
+                                        position=np.asarray(position, np.float64),
+                                        velocity=np.asarray(velocity, np.float64),
+                                        effort=np.asarray(effort, np.float64))
+
+
+def string_msg(text: str):
+    return TYPESTORE.types[STRING](data=text)
+
+
+def joint_trajectory_msg(ns: int, names: Sequence[str], positions: np.ndarray, step_ns: int):
+    """positions [points, joints]; point k is due (k + 1) * step_ns after the stamp."""
+    Point = TYPESTORE.types["trajectory_msgs/msg/JointTrajectoryPoint"]
+    empty = np.zeros(0, np.float64)
+    points = [Point(positions=np.asarray(p, np.float64), velocities=empty, accelerations=empty, effort=empty,
+                    time_from_start=duration_msg((k + 1) * step_ns)) for k, p in enumerate(positions)]
+    return TYPESTORE.types[JOINT_TRAJECTORY](header=header_msg(ns), joint_names=list(names), points=points)
+
+
+def trajectory_positions(msg) -> np.ndarray:
+    """JointTrajectory -> [points, joints] float32."""
+    if not msg.points:
+        return np.zeros((0, len(msg.joint_names)), np.float32)
+    return np.stack([np.asarray(p.positions, np.float32) for p in msg.points])
+
+
+def canonical_cdr(raw: bytes, msgtype: str) -> bytes:
+    """CDR bytes from DDS/rclpy -> the same message as rosbags serialises it. Fast DDS may append
+    uninitialised bytes after the message, which rosbags refuses to read back."""
+    msgdef = TYPESTORE.get_msgdef(msgtype)
+    little_endian = bool(raw[1])
+    decode = msgdef.deserialize_cdr_le if little_endian else msgdef.deserialize_cdr_be
+    message, _ = decode(raw[4:], 0, msgdef.cls, TYPESTORE)
+    return bytes(TYPESTORE.serialize_cdr(message, msgtype))
+
+
+def decode_image(msg, topic: str) -> np.ndarray:
+    """sensor_msgs Image or CompressedImage -> HxWx3 uint8 RGB."""
+    if hasattr(msg, "format"):   # CompressedImage: JPEG / PNG
+        import cv2
+        bgr = cv2.imdecode(np.asarray(msg.data, np.uint8), cv2.IMREAD_COLOR)
+        if bgr is None:
+            raise BagError(f"{topic}: cannot decode a compressed image of format {msg.format!r}")
+        return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    try:
+        rgb = image_to_cvimage(msg, "rgb8")
+    except (ImageError, ValueError, TypeError) as err:
+        raise BagError(f"{topic}: cannot use an image of encoding {msg.encoding!r}: {err}") from None
+    return np.ascontiguousarray(rgb, dtype=np.uint8)
+
+
+# -- writing ------------------------------------------------------------------------------------
+class BagWriter:
+    """A new bag. `path` naming a `.mcap` / `.db3` file writes a single self-contained storage
+    file (the bag directory's metadata.yaml is not needed to read it); any other path is a
+    rosbag2 directory in `storage` format."""
+
+    def __init__(self, path: str | Path, storage: str = "mcap"):
+        self.path = Path(path)
+        if self.path.exists():
+            raise BagError(f"{self.path} exists already; not overwriting")
+        if self.path.suffix in STORAGE_SUFFIXES:
+            storage = STORAGE_SUFFIXES[self.path.suffix]
+            self._staging = Path(tempfile.mkdtemp(prefix="bag_", dir=self.path.parent))
+            directory = self._staging / self.path.stem
+        else:
+            self._staging = None
+            directory = self.path
+        if storage not in STORAGES:
+            raise BagError(f"unknown storage {storage!r}; known: {sorted(STORAGES)}")
+        self.storage = storage
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = Writer(directory, version=Writer.VERSION_LATEST, storage_plugin=STORAGES[storage])
+        self._writer.open()
+        self._connections = {}
+        self.counts: dict[str, int] = {}
+
+    def add_topic(self, topic: str, msgtype: str) -> None:
+        if topic in self._connections:
+            return
+        if msgtype not in TYPESTORE.fielddefs:
+            raise BagError(f"{topic}: message type {msgtype} is not known to the {Stores.ROS2_KILTED.name} typestore")
+        self._connections[topic] = self._writer.add_connection(topic, msgtype, typestore=TYPESTORE)
+        self.counts[topic] = 0
+
+    def write(self, topic: str, msgtype: str, time_ns: int, msg) -> None:
+        """Write a rosbags message object."""
+        self.write_cdr(topic, msgtype, time_ns, TYPESTORE.serialize_cdr(msg, msgtype))
+
+    def write_cdr(self, topic: str, msgtype: str, time_ns: int, data: bytes) -> None:
+        """Write CDR bytes as rosbags would serialise them (see canonical_cdr for DDS bytes)."""
+        self.add_topic(topic, msgtype)
+        self._writer.write(self._connections[topic], int(time_ns), data)
+        self.counts[topic] += 1
+
+    def close(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.close()
+        self._writer = None
+        if self._staging is not None:
+            written = next(p for p in (self._staging / self.path.stem).iterdir() if p.suffix == self.path.suffix)
+            shutil.move(written, self.path)
+            shutil.rmtree(self._staging)
+
+    def __enter__(self) -> "BagWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- reading ------------------------------------------------------------------------------------
+@dataclass
+class Damage:
+    """Where reading stopped, and why."""
+    reason: str
+    messages_read: int                     # messages of the requested topics read before it stopped
+    last_time_ns: Optional[int]            # log time of the last message read
+
+    def describe(self, start_ns: Optional[int]) -> str:
+        if self.last_time_ns is None or start_ns is None:
+            where = f"after {self.messages_read} messages"
+        else:
+            where = f"after {self.messages_read} messages, {(self.last_time_ns - start_ns) / 1e9:.2f} s into the bag"
+        return f"stopped {where}: {self.reason}"
+
+    def to_dict(self, start_ns: Optional[int]) -> dict:
+        return {"reason": self.reason, "messages_read": self.messages_read,
+                "last_time_s": None if self.last_time_ns is None or start_ns is None
+                else (self.last_time_ns - start_ns) / 1e9,
+                "summary": self.describe(start_ns)}
+
+
+# What the storage backends raise on damaged data.
+READ_ERRORS = (AnyReaderError, ReaderError, apsw.Error, sqlite3.Error, struct.error, EOFError, OSError,
+               ValueError, KeyError, IndexError)
+
+
+class Bag:
+    """An opened bag (directory, or a single .mcap / .db3 file). Use as a context manager."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.notes: list[str] = []     # what was repaired to open it
+        self._open_damage: Optional[str] = None     # found while opening (salvaged)
+        self._stream_damage: Optional[str] = None   # met by the latest messages() stream
+        self.messages_read = 0                      # progress of the latest messages() stream
+        self.last_time_ns: Optional[int] = None
+        self._tmp: Optional[tempfile.TemporaryDirectory] = None
+        if not self.path.exists():
+            raise BagError(f"no bag at {self.path}")
+        if self.path.is_file() and self.path.suffix not in STORAGE_SUFFIXES:
+            raise BagError(f"{self.path} is not a bag: expected a rosbag2 directory or a .mcap / .db3 file")
+        try:
+            self._reader = self._open_reader(self.path)
+        except (READ_ERRORS + (FileNotFoundError,)) as err:
+            self._reader = self._open_fallback(err)
+        self.topics: dict[str, str] = {c.topic: c.msgtype for c in self._reader.connections}
+        self.start_ns: Optional[int] = self._reader.start_time if self._reader.message_count else None
+        self.end_ns: Optional[int] = self._reader.end_time if self._reader.message_count else None
+        self.message_count: int = self._reader.message_count
+
+    @property
+    def storage(self) -> str:
+        files = [self.path] if self.path.is_file() else [*self.path.glob("*.mcap"), *self.path.glob("*.db3")]
+        return STORAGE_SUFFIXES.get(files[0].suffix, "?") if files else "?"
+
+    @property
+    def duration_s(self) -> float:
+        return 0.0 if self.start_ns is None else (self.end_ns - self.start_ns) / 1e9
+
+    @staticmethod
+    def _open_reader(target: Path) -> AnyReader:
+        reader = AnyReader([target], default_typestore=TYPESTORE)
+        reader.open()
+        return reader
+
+    def _open_fallback(self, err: Exception) -> AnyReader:
+        """The bag did not open as it is. A directory whose metadata.yaml is missing (a recording
+        that was killed never writes it) or unusable: read its storage file directly. A storage
+        file cut off or damaged: copy what precedes the damage to a temporary file and read that."""
+        storage_files = [self.path] if self.path.is_file() else [*self.path.glob("*.mcap"), *self.path.glob("*.db3")]
+        if not storage_files:
+            raise BagError(f"{self.path} is not a rosbag2 bag: no metadata.yaml, no .mcap or .db3 file")
+        if len(storage_files) != 1:
+            raise BagError(f"{self.path} is not a readable rosbag2 bag ({err}; "
+                           f"{len(storage_files)} storage files .mcap/.db3 in it)") from None
+        source = storage_files[0]
+        if self.path.is_dir():
+            try:
+                reader = self._open_reader(source)
+                self.notes.append(f"metadata.yaml missing or unusable ({err}): read {source.name} directly")
+                return reader
+            except READ_ERRORS:
+                pass
+        self._tmp = tempfile.TemporaryDirectory(prefix="salvaged_bag_")
+        copy = Path(self._tmp.name) / source.name
+        salvage = salvage_mcap if source.suffix == ".mcap" else salvage_sqlite
+        try:
+            reason = salvage(source, copy)
+            reader = self._open_reader(copy)
+        except (BagError,) + READ_ERRORS as salvage_err:
+            self._tmp.cleanup()
+            raise BagError(f"{self.path} is not a readable rosbag2 bag ({err}; nothing before the damage "
+                           f"could be recovered: {salvage_err})") from None
+        if not reader.message_count:
+            reader.close()
+            self._tmp.cleanup()
+            raise BagError(f"{self.path} is not a readable rosbag2 bag ({err}); no messages before the damage")
+        self._open_damage = f"{source.name}: {reason}"
+        return reader
+
+    def close(self) -> None:
+        self._reader.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "Bag":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def deserialize(self, raw: bytes, msgtype: str, topic: str = ""):
+        try:
+            return self._reader.deserialize(raw, msgtype)
+        except AnyReaderError as err:
+            raise BagError(f"{topic}: cannot decode a {msgtype} message: {err}") from None
+
+    def require(self, topic: str, msgtypes: Sequence[str]) -> str:
+        """The topic's type, or a clear error if the bag lacks it or holds a type we cannot use."""
+        if topic not in self.topics:
+            raise BagError(f"topic {topic} is not in {self.path}; it has: {', '.join(sorted(self.topics)) or 'none'}")
+        if self.topics[topic] not in msgtypes:
+            raise BagError(f"topic {topic} holds {self.topics[topic]}, which cannot be used here "
+                           f"(expected {' or '.join(msgtypes)})")
+        return self.topics[topic]
+
+    @property
+    def damage(self) -> Optional[Damage]:
+        """Where the latest stream stopped and why, if the bag is damaged."""
+        reason = self._stream_damage or self._open_damage
+        return Damage(reason, self.messages_read, self.last_time_ns) if reason else None
+
+    def mark_damaged(self, reason: str) -> None:
+        """A reader of the stream found a message it cannot decode: the stream stops there."""
+        self._stream_damage = reason
+
+    def messages(self, topics: Sequence[str]) -> Iterator[tuple[str, str, int, bytes]]:
+        """(topic, msgtype, log time ns, raw CDR) in log-time order. Damage ends the stream and is
+        reported by self.damage (with how far reading got) instead of raising."""
+        connections = [c for c in self._reader.connections if c.topic in set(topics)]
+        self.messages_read, self.last_time_ns, self._stream_damage = 0, None, None
+        stream = self._reader.messages(connections=connections)
+        while True:
+            try:
+                connection, time_ns, raw = next(stream)
+            except StopIteration:
+                return
+            except READ_ERRORS as err:
+                self.mark_damaged(f"{type(err).__name__}: {err}")
+                return
+            self.messages_read += 1
+            self.last_time_ns = time_ns
+            yield connection.topic, connection.msgtype, time_ns, raw
+
+    def first_message(self, topic: str):
+        """The first message of a topic, deserialised (None if it has none before any damage)."""
+        for _, msgtype, _, raw in self.messages([topic]):
+            return self.deserialize(raw, msgtype, topic)
+        return None
+
+
+def salvage_mcap(source: Path, copy: Path) -> str:
+    """Copy the complete data records of an MCAP file cut off or damaged part-way, then close the
+    copy with a footer without summary (readers scan it). Records of an uncompressed chunk cut off
+    part-way are kept as loose records. Returns where the damage starts."""
+    magic = b"\x89MCAP0\r\n"
+    with open(source, "rb") as f, open(copy, "wb") as out:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if source.stat().st_size else b""
+        if data[:len(magic)] != magic:
+            raise BagError("not an MCAP file (bad magic)")
+        out.write(magic)
+        pos, stop = len(magic), None
+        while pos < len(data):
+            if pos + 9 > len(data):
+                stop = f"cut off at byte {pos} inside a record header"
+                break
+            opcode = data[pos]
+            (length,) = struct.unpack_from("<Q", data, pos + 1)
+            end = pos + 9 + length
+            if opcode in (0x02, 0x0F):   # footer / data end: every message is behind us
+                stop = "the summary or footer is damaged (every data record kept)"
+                break
+            if end > len(data):
+                stop = f"cut off at byte {len(data)} inside a record that starts at byte {pos}"
+                if opcode == 0x06:
+                    out.write(_partial_chunk_records(data[pos + 9:]))
+                break
+            if opcode != 0x07:   # message indexes point into the original file's layout
+                out.write(data[pos:end])
+            pos = end
+        # Data End (crc 0 = none), a Footer without summary, the closing magic.
+        out.write(b"\x0f" + struct.pack("<QI", 4, 0) + b"\x02" + struct.pack("<QQQI", 20, 0, 0, 0) + magic)
+    return stop or f"cut off at byte {pos} (a record boundary)"
+
+
+def _partial_chunk_records(content: bytes) -> bytes:
+    """Complete records inside an uncompressed chunk whose end is missing."""
+    head = 8 + 8 + 8 + 4
+    if len(content) < head + 4:
+        return b""
+    (name_len,) = struct.unpack_from("<I", content, head)
+    compression = content[head + 4:head + 4 + name_len]
+    pos = head + 4 + name_len + 8
+    if compression != b"" or pos > len(content):
+        return b""
+    kept = bytearray()
+    while pos + 9 <= len(content):
+        (length,) = struct.unpack_from("<Q", content, pos + 1)
+        end = pos + 9 + length
+        if end > len(content):
+            break
+        kept += content[pos:end]
+        pos = end
+    return bytes(kept)
+
+
+def salvage_sqlite(source: Path, copy: Path) -> str:
+    """Copy every table of a damaged rosbag2 sqlite3 file row by row (insertion order) until a row
+    cannot be read. Returns where the damage starts."""
+    src = sqlite3.connect(f"file:{source}?mode=ro&immutable=1", uri=True)
+    # SQLite refuses a file shorter than its header says, unless the schema is "writable": then
+    # it reads the pages that are there.
+    src.execute("PRAGMA writable_schema=ON")
+    dst = sqlite3.connect(copy)
+    stop = None
+    try:
+        try:
+            schema = src.execute("SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL").fetchall()
+        except sqlite3.DatabaseError as err:
+            raise BagError(f"sqlite schema unreadable: {err}") from None
+        for kind, name, sql in schema:
+            if kind != "table":
+                continue
+            dst.execute(sql)
+            copied = 0
+            rows = src.execute(f'SELECT * FROM "{name}" ORDER BY rowid')
+            while True:
+                try:
+                    row = rows.fetchone()
+                except sqlite3.DatabaseError as err:
+                    stop = f"table {name} unreadable after {copied} rows ({err})"
+                    break
+                if row is None:
+                    break
+                dst.execute(f'INSERT INTO "{name}" VALUES ({",".join("?" * len(row))})', row)
+                copied += 1
+        for kind, name, sql in schema:
+            if kind == "index":
+                dst.execute(sql)
+        dst.commit()
+    finally:
+        src.close()
+        dst.close()
+    return stop or "storage file could not be opened as it was (all rows copied)"
+
+
+# -- observations -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CameraInput:
+    name: str           # the layout's camera name
+    topic: str          # topic in the bag
+    msgtype: str        # Image or CompressedImage
+    node_topic: str     # the node's Image topic (the bag topic without /compressed)
+
+
+@dataclass(frozen=True)
+class BagInputs:
+    """The bag's topics for each of the engine's inputs."""
+    cameras: tuple[CameraInput, ...]
+    joint_states: str
+    instruction: Optional[str]        # None: the instruction is given on the command line
+    reference: Optional[str]          # None: the bag holds no reference actions
+
+    @property
+    def topics(self) -> list[str]:
+        topics = [c.topic for c in self.cameras] + [self.joint_states]
+        return topics + ([self.instruction] if self.instruction else [])
+
+
+def resolve_inputs(bag: Bag, camera_names: Sequence[str], camera_topics: Sequence[str] = CAMERA_TOPICS,
+                   joint_states: str = JOINT_STATES_TOPIC, instruction: Optional[str] = INSTRUCTION_TOPIC,
+                   reference: Optional[str] = REFERENCE_TOPIC) -> BagInputs:
+    """Match the node's topics to the bag's; clear errors for missing topics and unusable types.
+    instruction=None: no instruction topic is needed; reference is optional either way."""
+    if len(camera_names) != len(camera_topics):
+        raise BagError(f"{len(camera_topics)} camera topics for the layout's {len(camera_names)} cameras "
+                       f"{list(camera_names)}")
+    cameras = []
+    for name, topic in zip(camera_names, camera_topics):
+        if topic in bag.topics:
+            msgtype = bag.require(topic, (IMAGE, COMPRESSED_IMAGE))
+            cameras.append(CameraInput(name, topic, msgtype, topic.removesuffix(COMPRESSED_SUFFIX)))
+        elif topic + COMPRESSED_SUFFIX in bag.topics:
+            msgtype = bag.require(topic + COMPRESSED_SUFFIX, (COMPRESSED_IMAGE,))
+            cameras.append(CameraInput(name, topic + COMPRESSED_SUFFIX, msgtype, topic))
+        else:
+            raise BagError(f"camera topic {topic} (or {topic}{COMPRESSED_SUFFIX}) is not in {bag.path}; "
+                           f"it has: {', '.join(sorted(bag.topics)) or 'none'}")
+    bag.require(joint_states, (JOINT_STATE,))
+    if instruction is not None:
+        bag.require(instruction, (STRING,))
+    if reference is not None and reference in bag.topics:
+        bag.require(reference, (JOINT_TRAJECTORY,))
+    else:
+        reference = None
+    return BagInputs(tuple(cameras), joint_states, instruction, reference)
+
+
+def read_references(bag: Bag, topic: str) -> dict[int, np.ndarray]:
+    """Reference chunks keyed by header stamp (ns): [points, joints] float32 each."""
+    return {stamp_ns(msg.header.stamp): trajectory_positions(msg)
+            for msg in (bag.deserialize(raw, msgtype, topic) for _, msgtype, _, raw in bag.messages([topic]))}
+
+
+@dataclass
+class BagFrame:
+    """One query: what a node would have seen when the first camera's frame arrived."""
+    index: int                  # 0-based count of queries
+    observation: Observation
+    log_time_ns: int            # when the first camera's frame was recorded
+    stamp_ns: int               # its header stamp (the observation's stamp)
+
+
+@dataclass
+class StreamStats:
+    first_camera_frames: int = 0
+    frames_without_history: int = 0       # too early for the layout's history frames
+    frames_without_state: int = 0         # no joint state yet
+    frames_without_instruction: int = 0   # no instruction yet
+
+
+class ObservationStream:
+    """A bag's messages -> Observations, one per frame of the layout's first camera.
+
+    Causal, like the node: at each first-camera frame the query holds the latest frame of every
+    camera received up to then plus each camera's history frames (t - k * stride of that
+    camera's own frames), the latest joint state and the latest instruction. Frames before the
+    history is complete are skipped (counted in stats)."""
+
+    def __init__(self, bag: Bag, inputs: BagInputs, layout: WindowLayout, state_dim: int,
+                 joint_names: Optional[Sequence[str]] = None, instruction: Optional[str] = None,
+                 every: int = 1, max_frames: Optional[int] = None):
+        if tuple(c.name for c in inputs.cameras) != tuple(layout.cameras):
+            raise BagError(f"bag cameras {[c.name for c in inputs.cameras]} do not match the layout's {layout.cameras}")
+        if inputs.instruction is None and instruction is None:
+            raise BagError("no instruction: the bag has no instruction topic and none was given")
+        self.bag, self.inputs, self.layout = bag, inputs, layout
+        self.state_dim = state_dim
+        self.joint_names = list(joint_names) if joint_names else None
+        self.fixed_instruction = instruction
+        self.every = max(1, every)
+        self.max_frames = max_frames
+        self.stats = StreamStats()
+
+    def _state(self, msg) -> np.ndarray:
+        positions = np.asarray(msg.position, np.float64)
+        if self.joint_names is not None:
+            index = {n: i for i, n in enumerate(msg.name)}
+            missing = [n for n in self.joint_names if n not in index]
+            if missing:
+                raise BagError(f"{self.inputs.joint_states}: joints {missing} not in the message ({list(msg.name)})")
+            positions = positions[[index[n] for n in self.joint_names]]
+        if positions.shape != (self.state_dim,):
+            raise BagError(f"{self.inputs.joint_states}: {positions.size} joint positions, the model's state has "
+                           f"{self.state_dim} (choose joints with --joint-names)")
+        return positions.astype(np.float32)
+
+    def __iter__(self) -> Iterator[BagFrame]:
+        layout, cameras = self.layout, self.inputs.cameras
+        keep = (layout.frames - 1) * layout.stride + 1
+        history = {c.topic: deque(maxlen=keep) for c in cameras}
+        first = cameras[0].topic
+        state = None
+        instruction = self.fixed_instruction
+        queries = 0
+        decoded = set()   # topics with a good message: a bad one after that is damage, not a wrong type
+        for topic, msgtype, time_ns, raw in self.bag.messages(self.inputs.topics):
+            try:
+                msg = self.bag.deserialize(raw, msgtype, topic)
+                image = decode_image(msg, topic) if topic in history else None
+            except BagError as err:
+                if topic not in decoded:
+                    raise
+                self.bag.mark_damaged(str(err))
+                return
+            decoded.add(topic)
+            if topic == self.inputs.joint_states:
+                state = self._state(msg)
+                continue
+            if topic == self.inputs.instruction:
+                instruction = msg.data
+                continue
+            history[topic].append((stamp_ns(msg.header.stamp), image))
+            if topic != first:
+                continue
+            self.stats.first_camera_frames += 1
+            if any(len(h) < keep for h in history.values()):
+                self.stats.frames_without_history += 1
+                continue
+            if state is None:
+                self.stats.frames_without_state += 1
+                continue
+            if instruction is None:
+                self.stats.frames_without_instruction += 1
+                continue
+            if (self.stats.first_camera_frames - 1) % self.every:
+                continue
+            # Slot order: oldest frame of every camera first; index 0 of a full deque is t - (frames-1)*stride.
+            slots = [(c, history[c.topic][k * layout.stride]) for k in range(layout.frames) for c in cameras]
+            newest = history[first][-1][0]
+            observation = Observation(images=[rgb for _, (_, rgb) in slots], state=state, instruction=instruction,
+                                      stamp=newest / 1e9, frame_ids=[(c.name, ns) for c, (ns, _) in slots])
+            yield BagFrame(index=queries, observation=observation, log_time_ns=time_ns, stamp_ns=newest)
+            queries += 1
+            if self.max_frames is not None and queries >= self.max_frames:
+                return
+
+
+def image_shape(bag: Bag, inputs: BagInputs) -> tuple[int, int]:
+    """(height, width) shared by every camera of the bag (the engine takes one size)."""
+    shapes = {}
+    for camera in inputs.cameras:
+        msg = bag.first_message(camera.topic)
+        if msg is None:
+            raise BagError(f"camera topic {camera.topic} has no readable message")
+        shapes[camera.topic] = decode_image(msg, camera.topic).shape[:2]
+    if len(set(shapes.values())) != 1:
+        raise BagError(f"cameras have different image sizes {shapes}; the engine takes one size")
+    return next(iter(shapes.values()))
