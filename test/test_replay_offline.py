@@ -1,0 +1,71 @@
+"""`vla-replay offline`: frame-for-frame comparison of engine configurations on the shipped bag."""
+import json
+
+import pytest
+
+from vla_node.runtime import LAYOUTS
+from vla_node.tools.offline import parse_configs, parse_overrides
+from vla_node.tools.replay import main as replay
+from vla_node.tools.sample_bag import SAMPLE_BAG
+
+
+def run(capsys, out_dir, *args):
+    rc = replay(["offline", str(SAMPLE_BAG), "--out", str(out_dir), *args])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads((out_dir / "report.json").read_text()), captured.out
+
+
+def test_eager_vs_eager_is_bit_identical(tmp_path, capsys):
+    report, out = run(capsys, tmp_path, "--configs", "eager,eager")
+    n = report["queries"]["evaluated"]
+    assert n == 90 - 8   # 6 s of 15 Hz frames, less the 8 before the t-8 history frame exists
+    assert report["bag"]["damage"] is None
+    eager, again = report["configs"]
+    assert (eager["label"], again["label"]) == ("eager", "eager#2")
+    assert again["vs_baseline"]["bit_identical"] and again["vs_baseline"]["identical_frames"] == n
+    assert again["vs_baseline"]["max_abs_dev"] == 0.0
+    assert all(frame["configs"]["eager#2"]["identical"] for frame in report["per_frame"])
+    # The bag's reference actions are matched to every query by stamp.
+    assert eager["vs_reference"]["frames"] == n and eager["vs_reference"] == again["vs_reference"]
+    for c in report["configs"]:
+        assert set(c["latency_ms"]) == {"preprocess", "vision", "llm", "action", "total"}
+        assert c["latency_ms"]["total"]["n"] == n and c["latency_ms"]["total"]["p50"] > 0
+    assert [p.rsplit("/", 1)[-1] for p in report["plots"]] == ["actions_eager.png", "actions_eager_2.png",
+                                                               "latency.png"]
+    for plot in report["plots"]:
+        with open(plot, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "eager#2" in out and "identical" in out and str(tmp_path / "report.json") in out
+
+
+def test_configurations_share_the_baselines_noise(tmp_path, capsys):
+    """A lossless path stays within float noise of eager only if it got the same noise; a
+    configuration override (fewer flow steps) shows up as a real deviation."""
+    report, _ = run(capsys, tmp_path, "--configs", "eager,static,eager:flow_steps=2", "--max-frames", "4")
+    eager, static, fewer_steps = report["configs"]
+    assert report["queries"]["evaluated"] == 4
+    assert static["vs_baseline"]["max_abs_dev"] < 1e-4
+    assert fewer_steps["engine_config"]["flow_steps"] == 2 and fewer_steps["overrides"] == {"flow_steps": 2}
+    assert fewer_steps["vs_baseline"]["max_abs_dev"] > 1e-2
+
+
+def test_config_specs_and_overrides():
+    specs = parse_configs("eager, fast:flow_steps=5:dtype=bfloat16 ,eager")
+    assert [s.label for s in specs] == ["eager", "fast:flow_steps=5:dtype=bfloat16", "eager#2"]
+    assert specs[1].mode == "fast" and specs[1].overrides == {"flow_steps": 5, "dtype": "bfloat16"}
+    assert parse_overrides(["compile=off", "flow_steps=none", "layout=8img", "seed=3"]) == {
+        "compile": False, "flow_steps": None, "layout": LAYOUTS["8img"], "seed": 3}
+    with pytest.raises(ValueError, match="unknown mode 'fastest'"):
+        parse_configs("eager,fastest")
+    with pytest.raises(ValueError, match="unknown engine option 'warp_speed'"):
+        parse_configs("eager:warp_speed=9")
+    with pytest.raises(ValueError, match="compile is a bool"):
+        parse_overrides(["compile=maybe"])
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        parse_overrides(["flow_steps"])
+
+
+def test_unknown_option_is_a_clear_error(capsys):
+    assert replay(["offline", str(SAMPLE_BAG), "--set", "warp_speed=9"]) == 2
+    assert "unknown engine option 'warp_speed'" in capsys.readouterr().err
