@@ -51,6 +51,10 @@ INSTRUCTION_TOPIC = "/instruction"
 # point k = action k of the chunk (a demonstration's next actions, or a recorded node's output).
 REFERENCE_TOPIC = "/reference/joint_trajectory"
 COMPRESSED_SUFFIX = "/compressed"
+# The node's frame synchronisation (vla_node/ros/frames.py): other cameras' frames within this
+# many seconds of the first camera's, from a few frames kept beyond the history span.
+SYNC_SLOP_S = 0.02
+SYNC_MARGIN = 2
 
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 STORAGE_SUFFIXES = {".mcap": "mcap", ".db3": "sqlite3"}
@@ -538,6 +542,7 @@ class BagFrame:
 class StreamStats:
     first_camera_frames: int = 0
     frames_without_history: int = 0       # too early for the layout's history frames
+    frames_without_sync: int = 0          # another camera has no frame within sync_slop_s
     frames_without_state: int = 0         # no joint state yet
     frames_without_instruction: int = 0   # no instruction yet
 
@@ -545,14 +550,15 @@ class StreamStats:
 class ObservationStream:
     """A bag's messages -> Observations, one per frame of the layout's first camera.
 
-    Causal, like the node: at each first-camera frame the query holds the latest frame of every
-    camera received up to then plus each camera's history frames (t - k * stride of that
-    camera's own frames), the latest joint state and the latest instruction. Frames before the
-    history is complete are skipped (counted in stats)."""
+    Causal and synchronised like the node (vla_node/ros/frames.py): at each frame of the first
+    camera, once its history frames (t - k * stride of its own frames) are there, every other
+    camera contributes the frame nearest in stamp to each of them among the frames received so
+    far, within sync_slop_s; then the latest joint state and instruction. Frames that cannot
+    make a query yet are skipped and counted in stats."""
 
     def __init__(self, bag: Bag, inputs: BagInputs, layout: WindowLayout, state_dim: int,
                  joint_names: Optional[Sequence[str]] = None, instruction: Optional[str] = None,
-                 every: int = 1, max_frames: Optional[int] = None):
+                 every: int = 1, max_frames: Optional[int] = None, sync_slop_s: float = SYNC_SLOP_S):
         if tuple(c.name for c in inputs.cameras) != tuple(layout.cameras):
             raise BagError(f"bag cameras {[c.name for c in inputs.cameras]} do not match the layout's {layout.cameras}")
         if inputs.instruction is None and instruction is None:
@@ -563,6 +569,7 @@ class ObservationStream:
         self.fixed_instruction = instruction
         self.every = max(1, every)
         self.max_frames = max_frames
+        self.slop_ns = int(sync_slop_s * 1e9)
         self.stats = StreamStats()
 
     def _state(self, msg) -> np.ndarray:
@@ -578,11 +585,30 @@ class ObservationStream:
                            f"{self.state_dim} (choose joints with --joint-names)")
         return positions.astype(np.float32)
 
+    def _window(self, history: dict[str, deque]) -> Optional[list[tuple[CameraInput, tuple[int, np.ndarray]]]]:
+        """(camera, (stamp_ns, rgb)) per slot, oldest frame of every camera first; None if some
+        camera has no frame within the slop of one of the first camera's frames."""
+        cameras, layout = self.inputs.cameras, self.layout
+        first = history[cameras[0].topic]
+        rows = []
+        for k in range(layout.frames):
+            anchor = first[k * layout.stride]   # index 0 of a full deque is t - (frames - 1) * stride
+            row = [(cameras[0], anchor)]
+            for camera in cameras[1:]:
+                frames = history[camera.topic]
+                nearest = min(frames, key=lambda f: abs(f[0] - anchor[0]), default=None)
+                if nearest is None or abs(nearest[0] - anchor[0]) > self.slop_ns:
+                    return None
+                row.append((camera, nearest))
+            rows += row
+        return rows
+
     def __iter__(self) -> Iterator[BagFrame]:
         layout, cameras = self.layout, self.inputs.cameras
-        keep = (layout.frames - 1) * layout.stride + 1
-        history = {c.topic: deque(maxlen=keep) for c in cameras}
+        span = (layout.frames - 1) * layout.stride + 1
         first = cameras[0].topic
+        # Other cameras keep a margin: their frame nearest to the oldest anchor may precede it.
+        history = {c.topic: deque(maxlen=span if c.topic == first else span + SYNC_MARGIN) for c in cameras}
         state = None
         instruction = self.fixed_instruction
         queries = 0
@@ -607,8 +633,12 @@ class ObservationStream:
             if topic != first:
                 continue
             self.stats.first_camera_frames += 1
-            if any(len(h) < keep for h in history.values()):
+            if len(history[first]) < span:
                 self.stats.frames_without_history += 1
+                continue
+            slots = self._window(history)
+            if slots is None:
+                self.stats.frames_without_sync += 1
                 continue
             if state is None:
                 self.stats.frames_without_state += 1
@@ -618,8 +648,6 @@ class ObservationStream:
                 continue
             if (self.stats.first_camera_frames - 1) % self.every:
                 continue
-            # Slot order: oldest frame of every camera first; index 0 of a full deque is t - (frames-1)*stride.
-            slots = [(c, history[c.topic][k * layout.stride]) for k in range(layout.frames) for c in cameras]
             newest = history[first][-1][0]
             observation = Observation(images=[rgb for _, (_, rgb) in slots], state=state, instruction=instruction,
                                       stamp=newest / 1e9, frame_ids=[(c.name, ns) for c, (ns, _) in slots])

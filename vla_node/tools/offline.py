@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine, WindowLayout
-from .bag_io import Bag, BagError, BagInputs, ObservationStream, image_shape, read_references, resolve_inputs
+from .bag_io import SYNC_SLOP_S, Bag, BagError, BagInputs, ObservationStream, StreamStats, image_shape, read_references, resolve_inputs
 from .bench import STAGES, deviation
 
 Progress = Callable[[str], None]
@@ -118,6 +118,7 @@ class BagQuery:
     joint_names: Optional[Sequence[str]] = None
     every: int = 1
     max_frames: Optional[int] = None
+    sync_slop_s: float = SYNC_SLOP_S
 
     def inputs(self, bag: Bag, layout: WindowLayout) -> BagInputs:
         return resolve_inputs(bag, layout.cameras, self.camera_topics, self.joint_states, self.instruction_topic,
@@ -125,7 +126,7 @@ class BagQuery:
 
     def stream(self, bag: Bag, layout: WindowLayout, state_dim: int) -> ObservationStream:
         return ObservationStream(bag, self.inputs(bag, layout), layout, state_dim, self.joint_names, self.instruction,
-                                 self.every, self.max_frames)
+                                 self.every, self.max_frames, self.sync_slop_s)
 
 
 @dataclass
@@ -145,6 +146,14 @@ class FrameLog:
     stamps_ns: list[int] = field(default_factory=list)
     states: list[np.ndarray] = field(default_factory=list)
     noises: list[torch.Tensor] = field(default_factory=list)
+
+
+def skipped_text(stats: StreamStats) -> str:
+    skipped = {"without history": stats.frames_without_history, "out of sync": stats.frames_without_sync,
+               "without joint state": stats.frames_without_state,
+               "without instruction": stats.frames_without_instruction}
+    return f"{stats.first_camera_frames} frames of the first camera" + "".join(
+        f", {n} {why} skipped" for why, n in skipped.items() if n)
 
 
 def distribution(samples: Sequence[float]) -> dict:
@@ -179,6 +188,9 @@ def run_config(spec: ConfigSpec, config: EngineConfig, query: BagQuery, log: Fra
                 timings.append(chunk.timings)
                 if frame.index % 20 == 0:
                     progress(f"[{spec.label}] query {frame.index}: {chunk.timings['total']:.1f} ms")
+        if baseline and not timings:
+            damage = f"; {bag.damage.describe(bag.start_ns)}" if bag.damage else ""
+            raise BagError(f"no query could be formed from {bag.path}: {skipped_text(stream.stats)}{damage}")
         if len(timings) != len(log.noises):
             raise RuntimeError(f"[{spec.label}] {len(timings)} queries, the baseline had {len(log.noises)}: "
                                f"the bag did not read the same way twice")
@@ -360,8 +372,8 @@ def evaluate(query: BagQuery, specs: Sequence[ConfigSpec], common: dict, out_dir
 def print_summary(report: dict, print_fn: Progress = print) -> None:
     bag = report["bag"]
     q = report["queries"]
-    print_fn(f"bag {bag['path']} ({bag['storage']}, {bag['duration_s']:.1f} s): {q['evaluated']} queries "
-             f"({q['frames_without_history']} early frames without history skipped)")
+    print_fn(f"bag {bag['path']} ({bag['storage']}, {bag['duration_s']:.1f} s): {q['evaluated']} queries; "
+             f"{skipped_text(StreamStats(**{k: v for k, v in q.items() if k != 'evaluated'}))}")
     for note in bag["notes"]:
         print_fn(f"  note: {note}")
     if bag["damage"]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..runtime import LAYOUTS, MODES
-from .bag_io import CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_STATES_TOPIC, REFERENCE_TOPIC, BagError
+from .bag_io import CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_STATES_TOPIC, REFERENCE_TOPIC, SYNC_SLOP_S, BagError
 
 
 def _csv(text: str) -> list[str]:
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="JointTrajectory reference actions, matched to queries by stamp (used when present)")
     off.add_argument("--every", type=int, default=1, help="query every Nth frame of the first camera")
     off.add_argument("--max-frames", type=int, default=None, help="stop after this many queries")
+    off.add_argument("--sync-slop", type=float, default=SYNC_SLOP_S,
+                     help="largest stamp difference between cameras in one query, s (the node's sync_slop_s)")
     off.add_argument("--out", type=Path, default=Path("out/replay_offline"), help="report.json and plots go here")
     add_topic_arguments(off)
 
@@ -69,7 +71,8 @@ def run_offline(args) -> int:
     query = BagQuery(bag=args.bag, camera_topics=args.camera_topics, joint_states=args.joint_states,
                      instruction_topic=None if args.instruction else args.instruction_topic,
                      instruction=args.instruction, reference_topic=args.reference_topic,
-                     joint_names=args.joint_names, every=args.every, max_frames=args.max_frames)
+                     joint_names=args.joint_names, every=args.every, max_frames=args.max_frames,
+                     sync_slop_s=args.sync_slop)
     report = evaluate(query, specs, common, args.out, progress=lambda m: print(m, flush=True))
     print()
     print_summary(report)

@@ -22,7 +22,8 @@ from .bag_io import (CAMERA_TOPICS, COMPRESSED_IMAGE, COMPRESSED_SUFFIX, IMAGE, 
 # The bag shipped with the package (made by scripts/make_sample_bag.py with the defaults).
 SAMPLE_BAG = Path(__file__).resolve().parents[1] / "data" / "sample_droid.mcap"
 INSTRUCTION = "pick up the red cup and put it in the bowl"
-JOINT_NAMES = tuple(f"panda_joint{i}" for i in range(1, 8)) + ("gripper",)
+# The node's default joint_names (a Franka Panda: 7 arm joints and the gripper opening).
+JOINT_NAMES = tuple(f"panda_joint{i}" for i in range(1, 8)) + ("panda_gripper",)
 START_NS = 1_700_000_000 * 1_000_000_000   # a fixed epoch: the bag is reproducible byte for byte
 CAMERA_HZ = 15.0
 JOINT_STATE_HZ = 100.0
