@@ -1,0 +1,5 @@
+"""The ROS 2 layer: the vla_node lifecycle node and what it is made of (parameters, message
+conversion, frame windows, the engine process, chunk execution, safety, diagnostics).
+
+Only the engine process imports the runtime (and torch); the node process stays light so its
+control loop keeps time."""

@@ -1,0 +1,88 @@
+"""Chunk execution: the plan (one action per control tick), the hand-over from the executing
+chunk to a new one, and the safety filter every command passes through. No ROS here.
+
+Ticks are counted by the control loop. A request sent after tick d gets a chunk whose action i
+is meant for tick d + 1 + i; when it arrives after tick r, ticks up to r have already run.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+
+class Plan:
+    def __init__(self):
+        self.start = 0                      # tick of actions[0]
+        self.actions: Optional[np.ndarray] = None
+
+    def clear(self) -> None:
+        self.actions = None
+
+    def action(self, tick: int) -> Optional[np.ndarray]:
+        if self.actions is None or not self.start <= tick < self.start + len(self.actions):
+            return None
+        return self.actions[tick - self.start]
+
+    def remaining(self, tick: int) -> int:
+        """Planned actions after `tick`."""
+        if self.actions is None:
+            return 0
+        return max(0, self.start + len(self.actions) - 1 - tick)
+
+    def upcoming(self, tick: int) -> Optional[np.ndarray]:
+        """The actions planned after `tick`."""
+        if self.remaining(tick) == 0:
+            return None
+        return self.actions[tick + 1 - self.start:]
+
+    def hand_over(self, chunk: np.ndarray, first_tick: int, now_tick: int, mode: str, freeze: int,
+                  blend_steps: int, weight: float) -> None:
+        """Replace the plan from tick now_tick + 1 on by `chunk` (action i for tick first_tick + i).
+
+        rtc: the old plan's actions for ticks before first_tick + freeze are kept (they execute
+        while the chunk is computed: `freeze` is the inference latency in ticks), then the old
+        plan fades out linearly over `blend_steps` ticks; the new chunk alone after that.
+        average: over the overlap, (1 - weight) * old + weight * new.
+        """
+        ticks = np.arange(max(first_tick, now_tick + 1), first_tick + len(chunk))
+        if len(ticks) == 0:
+            return   # the whole chunk lies in the past: keep the old plan
+        new = chunk[ticks - first_tick].astype(np.float64)
+        old_start = self.start
+        old = self.actions
+        has_old = np.zeros(len(ticks), dtype=bool) if old is None else (ticks >= old_start) & (ticks < old_start + len(old))
+        if has_old.any():
+            old_rows = old[ticks[has_old] - old_start]
+            if mode == "rtc":
+                since = ticks[has_old] - (first_tick + freeze)    # < 0: frozen
+                w_old = np.clip(1.0 - (since + 1) / (blend_steps + 1), 0.0, 1.0)
+            else:
+                w_old = np.full(len(old_rows), 1.0 - weight)
+            new[has_old] = w_old[:, None] * old_rows + (1.0 - w_old[:, None]) * new[has_old]
+        self.start = int(ticks[0])
+        self.actions = new
+
+
+class SafetyFilter:
+    """Joint limits, then a maximum step per tick from the previous command. The step limit has
+    the last word: a command outside newly tightened limits moves into them at max_step per
+    tick instead of jumping."""
+
+    def __init__(self, lower, upper, max_step):
+        self.lower = np.asarray(lower, dtype=np.float64)
+        self.upper = np.asarray(upper, dtype=np.float64)
+        self.max_step = np.asarray(max_step, dtype=np.float64)
+
+    def __call__(self, target: np.ndarray, previous: Optional[np.ndarray]) -> np.ndarray:
+        command = np.clip(target, self.lower, self.upper)
+        if previous is not None:
+            command = np.clip(command, previous - self.max_step, previous + self.max_step)
+        return command
+
+    def rollout(self, targets: np.ndarray, previous: Optional[np.ndarray]) -> np.ndarray:
+        """The commands a sequence of targets would produce, tick after tick."""
+        out = np.empty_like(targets, dtype=np.float64)
+        for i, target in enumerate(targets):
+            previous = out[i] = self(target, previous)
+        return out

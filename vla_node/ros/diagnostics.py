@@ -1,0 +1,101 @@
+"""Hold causes (faults) and rolling statistics for /diagnostics. No ROS publishing here."""
+from __future__ import annotations
+
+import threading
+from collections import Counter, deque
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+from diagnostic_msgs.msg import KeyValue
+
+
+class Faults:
+    """Active hold causes, by source ("camera 'exo'", "joint_states", "estop", ...).
+
+    A new or changed cause is logged once as a warning and announced once through `on_change`
+    (the node publishes /diagnostics right away); its end is logged once. Repeating the same
+    cause, e.g. every frame of a broken camera, logs nothing more. Thread-safe: compressed
+    frames are decoded off the executor thread.
+    """
+
+    def __init__(self, logger, on_change: Callable[[], None]):
+        self._logger = logger
+        self._on_change = on_change
+        self._active: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self.events: Counter = Counter()   # how often each source started a fault
+
+    def set(self, source: str, reason: str) -> None:
+        with self._lock:
+            if self._active.get(source) == reason:
+                return
+            self._active[source] = reason
+            self.events[source] += 1
+        self._logger.warning(f"holding: {source}: {reason}")
+        self._on_change()
+
+    def clear(self, source: str) -> None:
+        with self._lock:
+            reason = self._active.pop(source, None)
+        if reason is not None:
+            self._logger.info(f"resolved: {source}: {reason}")
+            self._on_change()
+
+    def reset(self) -> None:
+        """Forget every cause without a word: the inputs they came from are gone (cleanup)."""
+        with self._lock:
+            self._active.clear()
+
+    def active(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._active)
+
+    def sources(self) -> set[str]:
+        with self._lock:
+            return set(self._active)
+
+    def __bool__(self) -> bool:
+        return bool(self._active)
+
+
+class Rolling:
+    """The last `size` samples of one quantity."""
+
+    def __init__(self, size: int):
+        self._values: deque = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+
+    def clear(self) -> None:
+        self._values.clear()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def values(self) -> np.ndarray:
+        # deque.copy() runs in C under the GIL: safe against appends from another thread.
+        values = self._values.copy()
+        return np.fromiter(values, dtype=np.float64, count=len(values))
+
+    def percentiles(self, *q: float) -> Optional[np.ndarray]:
+        values = self.values()
+        return np.percentile(values, q) if len(values) else None
+
+
+def key_values(pairs: Iterable[tuple[str, object]]) -> list[KeyValue]:
+    return [KeyValue(key=k, value=_text(v)) for k, v in pairs]
+
+
+def _text(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def percentile_pairs(name: str, rolling: Rolling, unit: str = "ms") -> list[tuple[str, object]]:
+    p = rolling.percentiles(50, 99, 100)
+    if p is None:
+        return [(f"{name}_{unit}", "no data")]
+    return [(f"{name}_{unit}_p50", float(p[0])), (f"{name}_{unit}_p99", float(p[1])),
+            (f"{name}_{unit}_max", float(p[2]))]

@@ -1,0 +1,254 @@
+"""The policy engine in its own process.
+
+Why a process: torch's Python-level work holds the GIL for milliseconds at a time, which
+delays a control timer in the same process by 2-4 ms (p99) on a 2-core machine; a separate,
+niced process leaves the node's interpreter to the control loop (BENCHMARKS.md, "ROS node").
+
+Frames travel through shared memory (an anonymous memfd both processes map): the node writes
+each camera frame into a slot once and the engine reads it in place. Requests and results are
+small pickled tuples on a pipe. Only one request is in flight at a time, so nothing queues.
+The worker exits when its pipe closes or its parent dies, and cleanup joins it, so closing the
+engine really frees its memory (device memory included).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing import reduction
+from typing import Callable, Optional
+
+import numpy as np
+
+
+class EngineError(RuntimeError):
+    """The engine could not start, or its process is gone; str() is the reason."""
+
+
+@dataclass
+class EngineInfo:
+    pid: int
+    horizon: int
+    action_dim: int
+    state_dim: int
+    description: str
+    runtime_schedule: bool     # the engine can change its action-cache schedule at run time
+
+
+@dataclass
+class Result:
+    request_id: int
+    kind: str                  # "chunk", "rejected" (bad observation), "failed" (engine error), "schedule"
+    actions: Optional[np.ndarray] = None
+    timings: Optional[dict] = None
+    reason: str = ""
+    received_at: float = 0.0   # time.perf_counter() in the worker: request received ...
+    predict_ms: float = 0.0    # ... engine.predict() wall time
+    sent_at: float = 0.0       # ... result sent
+    memory: Optional[tuple] = None   # (allocated, reserved) device bytes; None on the CPU
+
+
+SCHEDULE_METHOD = "set_action_cache_schedule"   # engine method for run-time schedule changes
+SCHEDULE_FIELD = "action_cache_schedule"        # EngineConfig field for the start-up schedule
+
+
+class EngineProcess:
+    def __init__(self, options: dict, frame_bytes: int):
+        """options: mode, preset, checkpoint, device, dtype, seed, flow_steps,
+        max_instruction_tokens, camera_height, camera_width, cameras, frames, stride,
+        action_cache_schedule, threads, nice, ring_shape."""
+        self.options = options
+        fd = os.memfd_create("vla_node_frames")
+        try:
+            os.ftruncate(fd, frame_bytes)
+            self.frames = mmap.mmap(fd, frame_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._conn = None
+        self._process = None
+
+    def start(self, timeout_s: float, progress: Callable[[str], None]) -> EngineInfo:
+        """Spawn the worker and wait until the engine is loaded and warm. Raises EngineError
+        with the worker's reason (a bad checkpoint, an unknown mode, ...)."""
+        ctx = mp.get_context("spawn")   # never fork a process that runs DDS threads
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_worker_main, args=(child, self.options), name="vla_node_engine",
+                                    daemon=True)
+        self._process.start()
+        child.close()
+        reduction.send_handle(self._conn, self._fd, self._process.pid)
+        os.close(self._fd)   # the worker holds its own copy now; the mapping keeps the memory
+        self._fd = None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self._conn.poll(0.5):
+                if not self._process.is_alive():
+                    raise EngineError(f"engine process exited with code {self._process.exitcode} while starting")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"engine not ready after {timeout_s:.0f} s (engine_start_timeout_s)")
+                continue
+            kind, payload = self._receive()
+            if kind == "progress":
+                progress(payload)
+            elif kind == "error":
+                raise EngineError(payload)
+            elif kind == "ready":
+                return EngineInfo(pid=self._process.pid, **payload)
+
+    def _receive(self):
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(1.0)
+            raise EngineError(f"engine process exited (code {self._process.exitcode})") from None
+
+    def submit(self, request_id: int, slots: list[int], frame_ids: list, state: np.ndarray, instruction: str,
+               stamp: float) -> None:
+        self._conn.send(("predict", (request_id, slots, frame_ids, state, instruction, stamp)))
+
+    def reset_stream(self) -> None:
+        self._conn.send(("reset", None))
+
+    def set_action_cache_schedule(self, schedule: str) -> None:
+        """Applied between predictions; the answer comes back from poll() as kind "schedule"."""
+        self._conn.send(("schedule", schedule))
+
+    def poll(self) -> Optional[Result]:
+        """A result if one is waiting, without blocking. Raises EngineError if the worker died."""
+        if not self._conn.poll():
+            return None
+        kind, payload = self._receive()
+        return Result(kind=kind, **payload)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the worker (politely, then by force) and release the shared frames."""
+        if self._process is not None:
+            if self._process.is_alive():
+                try:
+                    self._conn.send(("close", None))
+                except OSError:
+                    pass
+                self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout_s)
+            self._process.close()
+            self._process = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.frames.close()
+
+
+# -- the worker process -------------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the node process dies, even mid-prediction."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass   # not Linux: the closed pipe still ends the worker after its current prediction
+
+
+def _worker_main(conn, options: dict) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the node decides
+    fd = reduction.recv_handle(conn)
+    frames = mmap.mmap(fd, 0)
+    os.close(fd)
+    pixels = np.ndarray(options["ring_shape"], dtype=np.uint8, buffer=frames)
+    if options["nice"]:
+        os.nice(options["nice"])
+    try:
+        engine = _load_engine(conn, options)
+    except Exception as e:   # every start-up failure becomes the configure transition's reason
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    try:
+        _serve(conn, engine, pixels)
+    finally:
+        engine.close()
+        del pixels
+        frames.close()
+
+
+def _load_engine(conn, options: dict):
+    import dataclasses
+
+    import torch
+
+    if options["threads"]:
+        torch.set_num_threads(options["threads"])
+    from ..runtime import EngineConfig, PolicyEngine, WindowLayout
+
+    layout = WindowLayout(tuple(options["cameras"]), frames=options["frames"], stride=options["stride"])
+    overrides = dict(preset=options["preset"], checkpoint=options["checkpoint"] or None, seed=options["seed"],
+                     device=options["device"], dtype=options["dtype"], layout=layout,
+                     camera_height=options["camera_height"], camera_width=options["camera_width"],
+                     flow_steps=options["flow_steps"] or None,
+                     max_instruction_tokens=options["max_instruction_tokens"])
+    if options["action_cache_schedule"]:
+        if SCHEDULE_FIELD not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            raise ValueError(f"action_cache_schedule is set but this engine has no {SCHEDULE_FIELD} option")
+        overrides[SCHEDULE_FIELD] = options["action_cache_schedule"]
+    config = EngineConfig.for_mode(options["mode"], **overrides)
+    engine = PolicyEngine(config, progress=lambda message: conn.send(("progress", message)))
+    engine.warmup()
+    a = engine.model_cfg.action
+    conn.send(("ready", dict(horizon=a.horizon, action_dim=a.action_dim, state_dim=a.state_dim,
+                             description=f"{engine.model_cfg.name} {options['mode']} on {engine.device}",
+                             runtime_schedule=hasattr(engine, SCHEDULE_METHOD))))
+    return engine
+
+
+def _serve(conn, engine, pixels: np.ndarray) -> None:
+    from ..runtime import Observation
+
+    cuda = engine.device.type == "cuda"
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            return   # the node is gone
+        received = time.perf_counter()
+        if kind == "close":
+            return
+        if kind == "reset":
+            engine.reset_stream()
+        elif kind == "schedule":
+            try:
+                getattr(engine, SCHEDULE_METHOD)(payload)
+                conn.send(("schedule", dict(request_id=-1, reason="")))
+            except Exception as e:
+                conn.send(("schedule", dict(request_id=-1, reason=f"{type(e).__name__}: {e}")))
+        elif kind == "predict":
+            request_id, slots, frame_ids, state, instruction, stamp = payload
+            obs = Observation(images=[pixels[s] for s in slots], state=state, instruction=instruction,
+                              stamp=stamp, frame_ids=frame_ids)
+            t0 = time.perf_counter()
+            try:
+                chunk = engine.predict(obs)
+            except ValueError as e:   # the engine's verdict on the inputs
+                conn.send(("rejected", dict(request_id=request_id, reason=str(e))))
+                continue
+            except Exception as e:
+                conn.send(("failed", dict(request_id=request_id, reason=f"{type(e).__name__}: {e}")))
+                continue
+            predict_ms = (time.perf_counter() - t0) * 1e3
+            memory = None
+            if cuda:
+                import torch
+                memory = (torch.cuda.memory_allocated(engine.device), torch.cuda.memory_reserved(engine.device))
+            conn.send(("chunk", dict(request_id=request_id, actions=chunk.actions, timings=chunk.timings,
+                                     received_at=received, predict_ms=predict_ms, sent_at=time.perf_counter(),
+                                     memory=memory)))

@@ -1,0 +1,689 @@
+"""The vla_node lifecycle node: cameras + joint states + instruction in, a fixed-rate joint
+command and one joint trajectory per action chunk out.
+
+    configure   load weights + tokenizer and warm up, in the engine process; subscribe to inputs
+    activate    start the control loop; commands and trajectories flow
+    deactivate  stop commanding (a forward command controller holds the last command)
+    cleanup     end the engine process (its memory, device memory included, goes with it)
+
+The control loop runs on the executor at control_rate_hz and never waits for the model: each
+tick publishes one command, takes a finished chunk if the engine has one, and sends the newest
+complete observation when the plan runs low. Everything unsafe makes it hold position and say
+why, once, in the log and on /diagnostics.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from lifecycle_msgs.msg import State
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.clock import JumpThreshold
+from rclpy.duration import Duration
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.parameter import Parameter
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from std_msgs.msg import Bool, Float64MultiArray, String
+from trajectory_msgs.msg import JointTrajectory
+
+from . import messages, params
+from .control import Plan, SafetyFilter
+from .diagnostics import Faults, Rolling, key_values, percentile_pairs
+from .engine_process import EngineError, EngineInfo, EngineProcess, Result
+from .frames import FrameRing, Wait, Window
+from .messages import InputError
+
+STAGES = ("preprocess", "vision", "llm", "action", "total")
+# Faults the engine's next answer can clear: observations keep being sent while they are active.
+RETRY_SOURCES = {"engine", "output", "sync", "clock"}
+STATS_WINDOW = 1000     # samples in each rolling statistic (20 s of ticks at 50 Hz)
+LATENCY_WINDOW = 10     # recent inference latencies (in ticks) that set the rtc freeze
+
+
+@dataclass
+class Request:
+    id: int
+    tick: int           # the tick after which it was sent: its chunk starts at tick + 1
+    epoch: int
+    window: Window
+    sent_at: float      # time.perf_counter()
+    send_ms: float      # node time spent choosing the window and sending it
+
+
+class Decoder:
+    """Decodes compressed frames off the executor thread: a 640x480 JPEG takes ~2 ms, more
+    than the control loop's jitter budget, and OpenCV releases the GIL while it decodes. Only
+    the newest undecoded frame of a camera is kept (stale frames are dropped, never queued)."""
+
+    def __init__(self, ingest):
+        self._ingest = ingest
+        self._pending: dict[int, CompressedImage] = {}
+        self._wake = threading.Condition()
+        self._stop = False
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="vla_node_decoder", daemon=True)
+        self._thread.start()
+
+    def push(self, camera: int, msg: CompressedImage) -> None:
+        with self._wake:
+            self.dropped += camera in self._pending
+            self._pending[camera] = msg
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending or self._stop)
+                if self._stop:
+                    return
+                camera, msg = self._pending.popitem()
+            self._ingest(camera, msg, messages.compressed_into)
+
+    def close(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join()
+
+
+class VLANode(LifecycleNode):
+    def __init__(self, **kwargs):
+        super().__init__("vla_node", **kwargs)
+        self.settings = params.declare(self)
+        self.add_on_set_parameters_callback(self._validate_parameters)
+        self.add_post_set_parameters_callback(self._apply_parameters)
+        self._diagnostics_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        # Fault changes publish diagnostics at once, from the executor (they may start on the
+        # decoder thread).
+        self._diagnostics_now = self.create_guard_condition(self._publish_diagnostics)
+        self.faults = Faults(self.get_logger(), on_change=self._diagnostics_now.trigger)
+        self.create_timer(1.0, self._publish_diagnostics)
+        self._clock_jump = self.get_clock().create_jump_callback(
+            JumpThreshold(min_forward=None, min_backward=Duration(nanoseconds=-1), on_clock_change=False),
+            post_callback=self._on_clock_jump)
+
+        self._state = "unconfigured"
+        self._configure_error = ""
+        self._engine: Optional[EngineProcess] = None
+        self._info: Optional[EngineInfo] = None
+        self._ring: Optional[FrameRing] = None
+        self._decoder: Optional[Decoder] = None
+        self._inputs = []
+        self._command_pub = self._trajectory_pub = self._joint_command_pub = None
+        self._control_timer = None
+        self._safety = self._make_safety()
+        self._epoch = 0
+        self._reset_control()
+        self._joints: Optional[tuple[np.ndarray, int]] = None   # (positions, received ns)
+        self._next_request_id = 0
+        self._schedule_accepted = self.settings.action_cache_schedule
+
+        self._loop_period = Rolling(STATS_WINDOW)     # control tick start times (steady clock, s)
+        self._stage_ms = {s: Rolling(200) for s in STAGES}
+        self._predict_ms = Rolling(200)
+        self._overhead_ms = Rolling(200)
+        self._round_trip_ms = Rolling(200)
+        self._ingest_ms = Rolling(STATS_WINDOW)
+        self._counts = dict(chunks=0, requests=0, rejected=0, discarded=0, observations_dropped=0,
+                            plan_underruns=0)
+        self._memory = None
+
+        if self.settings.autostart:
+            if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
+                self.trigger_activate()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        s = self.settings
+        self.get_logger().info(f"configuring: {s.model_preset if not s.checkpoint else s.checkpoint} "
+                               f"({s.engine_mode}, {s.device}, {s.dtype})")
+        shape = (len(s.camera_names), s.camera_height, s.camera_width, s.history_frames, s.history_stride)
+        try:
+            self._engine = EngineProcess(self._engine_options(), FrameRing.nbytes(*shape))
+            self._info = self._engine.start(s.engine_start_timeout_s, self.get_logger().info)
+            self._check_model(self._info)
+        except (EngineError, ValueError, OSError) as e:
+            return self._fail_configure(str(e))
+        self._ring = FrameRing(list(s.camera_names), s.camera_height, s.camera_width, s.history_frames,
+                               s.history_stride, self._engine.frames)
+        self._command_pub = self.create_lifecycle_publisher(Float64MultiArray, "~/command", 10)
+        self._trajectory_pub = self.create_lifecycle_publisher(JointTrajectory, "~/joint_trajectory", 10)
+        if s.publish_joint_command:
+            self._joint_command_pub = self.create_lifecycle_publisher(JointState, "~/joint_command", 10)
+        self._subscribe()
+        self._configure_error = ""
+        self._state = "inactive"
+        self.get_logger().info(f"configured: {self._info.description}, engine process {self._info.pid}")
+        return super().on_configure(state)
+
+    def _fail_configure(self, reason: str) -> TransitionCallbackReturn:
+        self.get_logger().error(f"configure failed: {reason}")
+        self._configure_error = reason
+        self._release()
+        self._diagnostics_now.trigger()
+        return TransitionCallbackReturn.FAILURE
+
+    def _check_model(self, info: EngineInfo) -> None:
+        joints = len(self.settings.joint_names)
+        if info.state_dim != joints or info.action_dim != joints:
+            raise ValueError(f"the model has state_dim {info.state_dim} and action_dim {info.action_dim}, "
+                             f"joint_names has {joints} joints")
+        params.validate(params.current_values(self), horizon=info.horizon)   # replan_threshold vs horizon
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._reset_control()
+        self._engine.reset_stream()
+        self._loop_period.clear()
+        self._control_timer = self.create_timer(self.settings.control_period_s, self._on_tick)
+        self._state = "active"
+        # Everything allocated so far lives as long as the node: move it out of the collector's
+        # reach, so a full collection never stalls a control tick for milliseconds.
+        gc.collect()
+        gc.freeze()
+        self.get_logger().info(f"active: commanding at {self.settings.control_rate_hz:g} Hz")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop_control()
+        self._state = "inactive"
+        self.get_logger().info("inactive: commands stopped")
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        self._state = "unconfigured"
+        self.get_logger().info("cleaned up: engine process ended")
+        return super().on_cleanup(state)
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        self._state = "finalized"
+        return super().on_shutdown(state)
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.get_logger().error(f"error in state {state.label}: releasing the engine")
+        self._release()
+        self._state = "unconfigured"
+        return TransitionCallbackReturn.SUCCESS
+
+    def destroy_node(self):
+        self._release()
+        super().destroy_node()
+
+    def _stop_control(self) -> None:
+        if self._control_timer is not None:
+            self.destroy_timer(self._control_timer)
+            self._control_timer = None
+        self._reset_control()
+
+    def _release(self) -> None:
+        """Undo configure, whatever part of it happened."""
+        self._stop_control()
+        for sub in self._inputs:
+            self.destroy_subscription(sub)
+        self._inputs = []
+        for pub in (self._command_pub, self._trajectory_pub, self._joint_command_pub):
+            if pub is not None:
+                self.destroy_lifecycle_publisher(pub)
+        self._command_pub = self._trajectory_pub = self._joint_command_pub = None
+        if self._decoder is not None:
+            self._decoder.close()
+            self._decoder = None
+        self._ring = None
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        self._info = None
+        self._joints = None
+        self.faults.reset()
+
+    def _reset_control(self) -> None:
+        self._tick = 0
+        self._plan = Plan()
+        self._last_command: Optional[np.ndarray] = None
+        self._in_flight: Optional[Request] = None
+        self._epoch += 1            # results of earlier requests are dropped
+        self._blocked: Optional[str] = None
+        self._hold: Optional[str] = "inactive"
+        self._activated_ns: Optional[int] = None
+        self._latency_ticks = Rolling(LATENCY_WINDOW)
+        self._wait: Optional[Wait] = None
+        self._sync_wait_since: Optional[int] = None
+        self._last_window_seq: Optional[int] = None
+        if self._ring is not None:
+            self._ring.unpin()
+
+    def _engine_options(self) -> dict:
+        s = self.settings
+        return dict(mode=s.engine_mode, preset=s.model_preset, checkpoint=s.checkpoint, device=s.device,
+                    dtype=s.dtype, seed=s.seed, flow_steps=s.flow_steps,
+                    max_instruction_tokens=s.max_instruction_tokens, camera_height=s.camera_height,
+                    camera_width=s.camera_width, cameras=list(s.camera_names), frames=s.history_frames,
+                    stride=s.history_stride, action_cache_schedule=s.action_cache_schedule,
+                    threads=s.engine_threads, nice=s.engine_nice,
+                    ring_shape=FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width,
+                                                  s.history_frames, s.history_stride))
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def _subscribe(self) -> None:
+        s = self.settings
+        for i, topic in enumerate(s.camera_topics):
+            if topic.rstrip("/").endswith("/compressed"):
+                if self._decoder is None:
+                    self._decoder = Decoder(self._ingest)
+                sub = self.create_subscription(CompressedImage, topic, lambda m, i=i: self._decoder.push(i, m),
+                                               qos_profile_sensor_data)
+            else:
+                sub = self.create_subscription(Image, topic, lambda m, i=i: self._ingest(i, m, messages.image_into),
+                                               qos_profile_sensor_data)
+            self._inputs.append(sub)
+        self._inputs += [
+            self.create_subscription(JointState, s.joint_states_topic, self._on_joint_state, qos_profile_sensor_data),
+            self.create_subscription(String, s.instruction_topic, self._on_instruction, 10),
+            self.create_subscription(Bool, s.estop_topic, self._on_estop, 10),
+        ]
+
+    def _camera_source(self, camera: int) -> str:
+        return f"camera {self.settings.camera_names[camera]!r}"
+
+    def _ingest(self, camera: int, msg, fill) -> None:
+        """Store one camera frame (executor thread for raw images, decoder thread for compressed)."""
+        t0 = time.perf_counter()
+        ring = self._ring
+        if ring is None:
+            return
+        try:
+            ring.write(camera, messages.stamp_ns(msg.header.stamp), self._now_ns(), lambda out: fill(msg, out))
+        except InputError as e:
+            self.faults.set(self._camera_source(camera), str(e))
+            return
+        self._ingest_ms.add((time.perf_counter() - t0) * 1e3)
+        self.faults.clear(self._camera_source(camera))
+
+    def _on_joint_state(self, msg: JointState) -> None:
+        try:
+            q = messages.joint_positions(msg, self.settings.joint_names)
+        except InputError as e:
+            self.faults.set("joint_states", str(e))
+            return
+        self._joints = (q, self._now_ns())
+        self.faults.clear("joint_states")
+
+    def _on_instruction(self, msg: String) -> None:
+        text = msg.data.strip()
+        if not text:
+            self.faults.set("instruction", f"empty instruction on {self.settings.instruction_topic}; "
+                                           f"holding until a non-empty one arrives")
+            return
+        result = self.set_parameters([Parameter("instruction", Parameter.Type.STRING, text)])[0]
+        if not result.successful:
+            self.faults.set("instruction", f"instruction refused: {result.reason}")
+
+    def _on_estop(self, msg: Bool) -> None:
+        if msg.data:
+            self.faults.set("estop", f"e-stop engaged on {self.settings.estop_topic}")
+        else:
+            self.faults.clear("estop")
+
+    def _on_clock_jump(self, jump) -> None:
+        """Time went backwards (a restarted simulation or bag): every stored stamp is from the
+        future now. Forget the frames and the plan; the next complete window clears it."""
+        if self._ring is not None:
+            self._ring.clear()
+        self._joints = None
+        self._plan.clear()
+        self._epoch += 1
+        self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "
+                                 f"inputs and plan discarded")
+
+    def _check_input_ages(self, now_ns: int) -> None:
+        timeout_ns = int(self.settings.input_timeout_s * 1e9)
+        active = self.faults.sources()
+        ages = list(zip(range(len(self.settings.camera_names)), self._ring.newest_received_ns()))
+        for camera, received in ages:
+            source = self._camera_source(camera)
+            self._check_age(f"{source} stale", source, received, now_ns, timeout_ns, active)
+        received = self._joints[1] if self._joints is not None else None
+        self._check_age("joint_states stale", "joint_states", received, now_ns, timeout_ns, active)
+
+    def _check_age(self, source: str, input_source: str, received: Optional[int], now_ns: int, timeout_ns: int,
+                   active: set) -> None:
+        # A broken input already holds with its own reason; silence is reported only for the
+        # rest, and only once it lasts longer than the timeout (at start-up too).
+        if received is None:
+            received = self._activated_ns
+        if input_source not in active and now_ns - received > timeout_ns:
+            self.faults.set(source, f"no {input_source} input for more than {self.settings.input_timeout_s:g} s "
+                                    f"(input_timeout_s)")
+        elif source in active and now_ns - received <= timeout_ns:
+            self.faults.clear(source)
+
+    # -- the control loop -----------------------------------------------------------------------
+    def _on_tick(self) -> None:
+        started = time.perf_counter()
+        self._tick += 1
+        now_ns = self._now_ns()
+        if self._tick == 1:
+            self._activated_ns = now_ns
+        self._check_input_ages(now_ns)
+        blocked = self._blocking_cause()
+        if blocked is not None and self._blocked is None:
+            self._plan.clear()
+            self._epoch += 1       # a chunk computed before the hold must not resume it
+        self._blocked = blocked
+        target = None if blocked else self._plan.action(self._tick)
+        self._publish_command(target)
+        self._loop_period.add(started)
+        self._hold = blocked or (None if target is not None else self._no_plan_cause())
+        self._collect()
+        self._dispatch(now_ns)
+
+    def _blocking_cause(self) -> Optional[str]:
+        """What stops the plan from running: the fault sources, or no instruction."""
+        sources = self.faults.sources()
+        if sources:
+            return ", ".join(sorted(sources))
+        if not self.settings.instruction.strip():
+            return "no instruction"
+        return None
+
+    def _no_plan_cause(self) -> str:
+        if self._plan.actions is not None:   # there was a plan and it ran out before the next chunk
+            self._counts["plan_underruns"] += 1
+            self._plan.clear()
+            self.get_logger().warning("plan ran out before the next chunk: inference slower than "
+                                      "replan_threshold ticks allow", throttle_duration_sec=5.0)
+        if self._wait is not None:
+            return self._wait.reason
+        return "waiting for a chunk"
+
+    def _publish_command(self, target: Optional[np.ndarray]) -> None:
+        previous = self._last_command
+        if previous is None:
+            if self._joints is None:
+                return     # nothing known about the robot yet: publishing anything would be a guess
+            previous = self._joints[0]
+        command = self._safety(previous if target is None else target, previous)
+        self._last_command = command
+        self._command_pub.publish(messages.command_msg(command))
+        if self._joint_command_pub is not None:
+            self._joint_command_pub.publish(messages.joint_command_msg(self.settings.joint_names, command,
+                                                                       self.get_clock().now().to_msg()))
+
+    def _collect(self) -> None:
+        """Take the engine's answer, if there is one."""
+        if self._engine is None:
+            return
+        try:
+            result = self._engine.poll()
+        except EngineError as e:
+            self._lost_engine(str(e))
+            return
+        if result is None:
+            return
+        if result.kind == "schedule":
+            self._schedule_answer(result)
+            return
+        arrived = time.perf_counter()
+        request, self._in_flight = self._in_flight, None
+        self._ring.unpin()
+        if result.kind == "rejected":
+            self._counts["rejected"] += 1
+            self.faults.set("engine", f"observation rejected by the engine: {result.reason}")
+            return
+        if result.kind == "failed":
+            self.faults.set("engine", f"inference failed: {result.reason}")
+            return
+        if request.epoch != self._epoch:
+            self._counts["discarded"] += 1
+            return
+        if not np.all(np.isfinite(result.actions)):
+            self.faults.set("output", "the chunk has non-finite actions; dropped")
+            return
+        self.faults.clear("engine")
+        self.faults.clear("output")
+        self._latency_ticks.add(self._tick - request.tick)
+        freeze = int(self._latency_ticks.values().max())
+        s = self.settings
+        self._plan.hand_over(result.actions, request.tick + 1, self._tick, s.handover, freeze, s.blend_steps,
+                             s.average_weight)
+        self._publish_trajectory()
+        self._counts["chunks"] += 1
+        self._record_timing(request, result, arrived)
+
+    def _publish_trajectory(self) -> None:
+        upcoming = self._plan.upcoming(self._tick)
+        if upcoming is None:
+            return
+        commands = self._safety.rollout(upcoming, self._last_command)
+        period_ns = self._control_timer.timer_period_ns
+        wait_ns = self._control_timer.time_until_next_call() or 0
+        first = self.get_clock().now() + Duration(nanoseconds=wait_ns)
+        self._trajectory_pub.publish(messages.trajectory_msg(self.settings.joint_names, commands, first.to_msg(),
+                                                             period_ns))
+
+    def _record_timing(self, request: Request, result: Result, arrived: float) -> None:
+        for stage in STAGES:
+            if stage in result.timings:
+                self._stage_ms[stage].add(result.timings[stage])
+        self._predict_ms.add(result.predict_ms)
+        self._round_trip_ms.add((arrived - request.sent_at) * 1e3)
+        # Everything the node adds to engine.predict(): choosing and sending the window, the
+        # hop to the worker, the worker's wrapping, and taking the answer in (not the wait for
+        # the next tick, which is scheduling, not work).
+        worker_ms = (result.sent_at - result.received_at) * 1e3 - result.predict_ms
+        to_worker_ms = (result.received_at - request.sent_at) * 1e3
+        take_ms = (time.perf_counter() - arrived) * 1e3
+        self._overhead_ms.add(request.send_ms + to_worker_ms + worker_ms + take_ms)
+        self._memory = result.memory
+
+    def _dispatch(self, now_ns: int) -> None:
+        """Send the newest complete observation when the plan runs low and nothing is in flight."""
+        s = self.settings
+        if self._in_flight is not None or self._engine is None:
+            return
+        if self._plan.remaining(self._tick) > s.replan_threshold:
+            return
+        if self.faults.sources() - RETRY_SOURCES or not s.instruction.strip() or self._joints is None:
+            self._sync_wait_since = None
+            return
+        t0 = time.perf_counter()
+        window = self._ring.take_window(int(s.sync_slop_s * 1e9))
+        if isinstance(window, Wait):
+            self._wait = window
+            self._watch_sync(window, now_ns)
+            return
+        self._wait = None
+        self._sync_wait_since = None
+        self.faults.clear("sync")
+        self.faults.clear("clock")
+        if self._last_window_seq is not None and window.seq > self._last_window_seq + 1:
+            self._counts["observations_dropped"] += window.seq - self._last_window_seq - 1
+        self._last_window_seq = window.seq
+        request = Request(self._next_request_id, self._tick, self._epoch, window, 0.0, 0.0)
+        self._next_request_id += 1
+        try:
+            self._engine.submit(request.id, window.slots, window.frame_ids, self._joints[0].astype(np.float32),
+                                s.instruction.strip(), window.stamp_ns / 1e9)
+        except OSError as e:
+            self._ring.unpin()
+            self._lost_engine(f"engine process unreachable: {e}")
+            return
+        request.sent_at = time.perf_counter()
+        request.send_ms = (request.sent_at - t0) * 1e3
+        self._in_flight = request
+        self._counts["requests"] += 1
+
+    def _watch_sync(self, wait: Wait, now_ns: int) -> None:
+        """Cameras out of step are a fault once it lasts longer than input_timeout_s; history
+        still filling is not."""
+        if not wait.sync:
+            self._sync_wait_since = None
+            return
+        if self._sync_wait_since is None:
+            self._sync_wait_since = now_ns
+        elif now_ns - self._sync_wait_since > self.settings.input_timeout_s * 1e9:
+            self.faults.set("sync", wait.reason)
+
+    def _lost_engine(self, reason: str) -> None:
+        self.faults.set("engine", reason)
+        self._in_flight = None
+        self._ring.unpin()
+        self._engine.close()
+        self._engine = None
+        self.get_logger().error(f"engine lost: {reason}; cleanup and configure restart it")
+
+    # -- parameters -----------------------------------------------------------------------------
+    def _validate_parameters(self, changes: list[Parameter]) -> SetParametersResult:
+        values = params.current_values(self)
+        values.update({p.name: p.value for p in changes if p.name in params.SPECS})
+        try:
+            params.validate(values, horizon=self._info.horizon if self._info else None)
+        except params.SettingsError as e:
+            return SetParametersResult(successful=False, reason=str(e))
+        names = {p.name for p in changes}
+        if "action_cache_schedule" in names and self._info is not None and not self._info.runtime_schedule:
+            return SetParametersResult(successful=False, reason="this engine cannot change its action-cache "
+                                                                "schedule at run time; cleanup and configure")
+        return SetParametersResult(successful=True)
+
+    def _apply_parameters(self, changes: list[Parameter]) -> None:
+        old = self.settings
+        self.settings = new = params.validate(params.current_values(self),
+                                              horizon=self._info.horizon if self._info else None)
+        names = {p.name for p in changes}
+        if new.control_rate_hz != old.control_rate_hz and self._control_timer is not None:
+            self._control_timer.timer_period_ns = int(new.control_period_s * 1e9)
+            self._loop_period.clear()
+        if names & {"joint_lower_limits", "joint_upper_limits", "max_step_per_tick"}:
+            self._safety = self._make_safety()
+        if "instruction" in names:
+            self.faults.clear("instruction")
+        if "action_cache_schedule" in names and self._engine is not None \
+                and new.action_cache_schedule != self._schedule_accepted:
+            self._engine.set_action_cache_schedule(new.action_cache_schedule)
+
+    def _schedule_answer(self, result: Result) -> None:
+        """The engine validates schedules itself, in its own process, and the control loop must
+        not wait for it: a schedule it refuses is reported and the parameter set back."""
+        if not result.reason:
+            self._schedule_accepted = self.settings.action_cache_schedule
+            self.faults.clear("action_cache_schedule")
+            return
+        self.get_logger().error(f"action_cache_schedule {self.settings.action_cache_schedule!r} refused by the "
+                                f"engine: {result.reason}; restored {self._schedule_accepted!r}")
+        self.set_parameters([Parameter("action_cache_schedule", Parameter.Type.STRING, self._schedule_accepted)])
+
+    def _make_safety(self) -> SafetyFilter:
+        s = self.settings
+        return SafetyFilter(s.joint_lower_limits, s.joint_upper_limits, s.max_step_per_tick)
+
+    # -- diagnostics ----------------------------------------------------------------------------
+    def _now_ns(self) -> int:
+        return self.get_clock().now().nanoseconds
+
+    def _publish_diagnostics(self) -> None:
+        status = DiagnosticStatus(name="vla_node: policy", hardware_id=self.get_fully_qualified_name())
+        faults = self.faults.active()
+        if self._configure_error and self._state == "unconfigured":
+            status.level, status.message = DiagnosticStatus.ERROR, f"configure failed: {self._configure_error}"
+        elif faults:
+            status.level = DiagnosticStatus.ERROR
+            status.message = "holding: " + "; ".join(f"{k}: {v}" for k, v in sorted(faults.items()))
+        elif self._state != "active":
+            status.level, status.message = DiagnosticStatus.WARN, f"holding: {self._state}"
+        elif self._hold is not None:
+            status.level, status.message = DiagnosticStatus.WARN, f"holding: {self._hold}"
+        else:
+            status.level, status.message = DiagnosticStatus.OK, "running"
+        status.values = key_values(self._diagnostic_values(faults))
+        msg = DiagnosticArray(status=[status])
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._diagnostics_pub.publish(msg)
+
+    def _diagnostic_values(self, faults: dict) -> list:
+        s = self.settings
+        values = [("state", self._state), ("hold", self._hold or "no"),
+                  ("faults", "; ".join(f"{k}: {v}" for k, v in sorted(faults.items())) or "none"),
+                  ("holds_by_cause", ", ".join(f"{k}={n}" for k, n in sorted(self.faults.events.items())) or "none")]
+        if self._configure_error:
+            values.append(("configure_error", self._configure_error))
+        if self._info is not None:
+            values += [("engine", self._info.description), ("engine_pid", self._info.pid),
+                       ("horizon", self._info.horizon)]
+        values += [("control_rate_hz", s.control_rate_hz), ("ticks", self._tick)]
+        values += self._loop_pairs()
+        for stage in STAGES:
+            values += percentile_pairs(f"engine_{stage}", self._stage_ms[stage])
+        values += percentile_pairs("engine_predict", self._predict_ms)
+        values += percentile_pairs("round_trip", self._round_trip_ms)
+        values += percentile_pairs("node_overhead", self._overhead_ms)
+        values += percentile_pairs("frame_ingest", self._ingest_ms)
+        if len(self._latency_ticks):
+            values.append(("latency_ticks_max", int(self._latency_ticks.values().max())))
+        values += list(self._counts.items())
+        if self._decoder is not None:
+            values.append(("compressed_frames_dropped", self._decoder.dropped))
+        values += self._age_pairs()
+        if self._memory is not None:
+            values += [("gpu_memory_allocated_mib", self._memory[0] / 2**20),
+                       ("gpu_memory_reserved_mib", self._memory[1] / 2**20)]
+        else:
+            values.append(("gpu_memory", f"n/a (device {s.device})"))
+        return values
+
+    def _loop_pairs(self) -> list:
+        if len(self._loop_period) < 3:
+            return [("command_period_ms", "no data")]
+        periods = np.diff(self._loop_period.values()) * 1e3
+        pairs = [("command_period_ms_p50", float(np.percentile(periods, 50)))]
+        if not self.get_parameter("use_sim_time").value:
+            jitter = np.abs(periods - self.settings.control_period_s * 1e3)
+            q = np.percentile(jitter, [50, 99])
+            pairs += [("command_jitter_ms_p50", float(q[0])), ("command_jitter_ms_p99", float(q[1])),
+                      ("command_jitter_ms_max", float(jitter.max()))]
+        return pairs
+
+    def _age_pairs(self) -> list:
+        if self._ring is None:
+            return []
+        now = self._now_ns()
+        pairs = []
+        for name, received in zip(self.settings.camera_names, self._ring.newest_received_ns()):
+            pairs.append((f"input_age_s.{name}", (now - received) / 1e9 if received is not None else "never"))
+        pairs.append(("input_age_s.joint_states",
+                      (now - self._joints[1]) / 1e9 if self._joints is not None else "never"))
+        return pairs
+
+
+def main(args=None) -> int:
+    rclpy.init(args=args)
+    node = None
+    try:
+        node = VLANode()
+        executor = SingleThreadedExecutor()
+        executor.add_node(node)
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    except (params.SettingsError, rclpy.exceptions.InvalidParameterValueException) as e:
+        print(f"vla_node: invalid parameters: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if node is not None:
+            node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Every tunable of the node: one table of declarations and one validation function.
+
+The defaults are the embedded configuration (config/tiny.yaml spells them out). A parameter is
+read-only when changing it needs a reload (the model, the camera set, the joint set); everything
+that only steers the control loop can change at run time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
+
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
+
+# Franka Panda (the DROID robot): 7 arm joints (rad) and the gripper opening in [0, 1].
+PANDA_JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
+PANDA_LOWER = [-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0]
+PANDA_UPPER = [2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0]
+# Per 20 ms tick: ~2.5 rad/s for the arm joints, the full gripper range in 0.1 s.
+PANDA_MAX_STEP = [0.05] * 7 + [0.2]
+
+HANDOVER_MODES = ("rtc", "average")
+
+_TYPES = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_INTEGER,
+          float: ParameterType.PARAMETER_DOUBLE, str: ParameterType.PARAMETER_STRING}
+_ARRAY_TYPES = {int: ParameterType.PARAMETER_INTEGER_ARRAY, float: ParameterType.PARAMETER_DOUBLE_ARRAY,
+                str: ParameterType.PARAMETER_STRING_ARRAY}
+
+
+@dataclass(frozen=True)
+class Spec:
+    default: Any
+    description: str
+    read_only: bool = False
+    range: Optional[tuple] = None   # inclusive (low, high) for int and double parameters
+
+    def descriptor(self, name: str) -> ParameterDescriptor:
+        value = self.default
+        kind = _ARRAY_TYPES[type(value[0])] if isinstance(value, list) else _TYPES[type(value)]
+        d = ParameterDescriptor(name=name, type=kind, description=self.description, read_only=self.read_only)
+        if self.range is not None:
+            low, high = self.range
+            if isinstance(value, float):
+                d.floating_point_range = [FloatingPointRange(from_value=float(low), to_value=float(high))]
+            else:
+                d.integer_range = [IntegerRange(from_value=int(low), to_value=int(high))]
+            d.additional_constraints = f"{low} <= value <= {high}"
+        return d
+
+
+SPECS: dict[str, Spec] = {
+    # -- start-up --------------------------------------------------------------------------
+    "autostart": Spec(False, "configure and activate at start-up instead of waiting for lifecycle transitions",
+                      read_only=True),
+    # -- engine (a change needs a reload: read-only) ----------------------------------------
+    "model_preset": Spec("tiny", "model preset used when no checkpoint is given (vla_node.model.PRESETS)",
+                         read_only=True),
+    "checkpoint": Spec("", "checkpoint folder (config.json + model.safetensors + tokenizer); empty: random "
+                           "weights of model_preset", read_only=True),
+    "engine_mode": Spec("eager", "engine speed mode (vla_node.runtime.MODES: eager ... fast)", read_only=True),
+    "device": Spec("cpu", "torch device of the engine, e.g. cpu or cuda:0", read_only=True),
+    "dtype": Spec("float32", "model dtype: float32 or bfloat16", read_only=True),
+    "seed": Spec(0, "seed of random weights and of the flow-matching noise", read_only=True, range=(0, 2**31 - 1)),
+    "flow_steps": Spec(0, "flow-matching Euler steps; 0: the model's default", read_only=True, range=(0, 1000)),
+    "max_instruction_tokens": Spec(48, "token budget of the instruction", read_only=True, range=(1, 4096)),
+    "engine_threads": Spec(1, "torch CPU threads of the engine process; 0: torch's default. One thread leaves "
+                              "a core to the control loop on small machines", read_only=True, range=(0, 1024)),
+    "engine_nice": Spec(10, "niceness added to the engine process, so the control loop wins the CPU",
+                        read_only=True, range=(0, 19)),
+    "engine_start_timeout_s": Spec(600.0, "longest wait for the engine to load and warm up during configure",
+                                   read_only=True, range=(1.0, 7200.0)),
+    "action_cache_schedule": Spec("", "action-cache schedule forwarded to the engine (empty: off); changeable "
+                                      "at run time when the engine supports it"),
+    # -- inputs (read-only: they shape the observation and the subscriptions) --------------
+    "camera_names": Spec(["exo", "wrist"], "camera names in the model's layout order", read_only=True),
+    "camera_topics": Spec(["/cameras/exo/image_raw", "/cameras/wrist/image_raw"],
+                          "one topic per camera, in camera_names order; a name ending in /compressed is a "
+                          "sensor_msgs/CompressedImage (jpeg or png), otherwise sensor_msgs/Image",
+                          read_only=True),
+    "camera_height": Spec(480, "camera image height in pixels", read_only=True, range=(1, 8192)),
+    "camera_width": Spec(640, "camera image width in pixels", read_only=True, range=(1, 8192)),
+    "history_frames": Spec(2, "frames per camera in one observation: the newest and history_frames - 1 older",
+                           read_only=True, range=(1, 16)),
+    "history_stride": Spec(8, "camera frames between consecutive history frames (t - k * stride)",
+                           read_only=True, range=(1, 256)),
+    "joint_names": Spec(PANDA_JOINTS, "joints of the state and the action, in model order; joint states are "
+                                      "reordered to this", read_only=True),
+    "joint_states_topic": Spec("/joint_states", "sensor_msgs/JointState input", read_only=True),
+    "instruction_topic": Spec("/instruction", "std_msgs/String input; sets the instruction parameter",
+                              read_only=True),
+    "estop_topic": Spec("/estop", "std_msgs/Bool input; true holds position until false", read_only=True),
+    "publish_joint_command": Spec(False, "also publish each command as sensor_msgs/JointState on "
+                                         "~/joint_command", read_only=True),
+    # -- run time ---------------------------------------------------------------------------
+    "instruction": Spec("pick up the red cup and put it in the bowl",
+                        "the task in words; empty: hold until one arrives"),
+    "control_rate_hz": Spec(50.0, "rate of ~/command; one chunk action per tick", range=(1.0, 1000.0)),
+    "replan_threshold": Spec(8, "start the next inference when this many planned actions remain "
+                                "(at most the model's horizon)", range=(1, 1024)),
+    "handover": Spec("rtc", "chunk hand-over: rtc (keep the actions that run during the inference latency, "
+                            "blend the rest) or average (weighted average over the overlap)"),
+    "blend_steps": Spec(4, "rtc: steps after the frozen ones over which the old plan fades out",
+                        range=(0, 1024)),
+    "average_weight": Spec(0.5, "average: weight of the new chunk over the overlap", range=(0.0, 1.0)),
+    "sync_slop_s": Spec(0.02, "largest stamp difference between frames of different cameras in one "
+                              "observation", range=(0.0, 10.0)),
+    "input_timeout_s": Spec(0.5, "hold when a camera or the joint states are silent for longer",
+                            range=(0.001, 60.0)),
+    "joint_lower_limits": Spec(PANDA_LOWER, "lower command limit per joint (joint_names order)"),
+    "joint_upper_limits": Spec(PANDA_UPPER, "upper command limit per joint (joint_names order)"),
+    "max_step_per_tick": Spec(PANDA_MAX_STEP, "largest command change per control tick, per joint"),
+}
+
+MAX_INSTRUCTION_CHARS = 4096
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A validated, immutable snapshot of every parameter."""
+    autostart: bool
+    model_preset: str
+    checkpoint: str
+    engine_mode: str
+    device: str
+    dtype: str
+    seed: int
+    flow_steps: int
+    max_instruction_tokens: int
+    engine_threads: int
+    engine_nice: int
+    engine_start_timeout_s: float
+    action_cache_schedule: str
+    camera_names: tuple
+    camera_topics: tuple
+    camera_height: int
+    camera_width: int
+    history_frames: int
+    history_stride: int
+    joint_names: tuple
+    joint_states_topic: str
+    instruction_topic: str
+    estop_topic: str
+    publish_joint_command: bool
+    instruction: str
+    control_rate_hz: float
+    replan_threshold: int
+    handover: str
+    blend_steps: int
+    average_weight: float
+    sync_slop_s: float
+    input_timeout_s: float
+    joint_lower_limits: tuple
+    joint_upper_limits: tuple
+    max_step_per_tick: tuple
+
+    @property
+    def control_period_s(self) -> float:
+        return 1.0 / self.control_rate_hz
+
+
+def validate(values: Mapping[str, Any], horizon: Optional[int] = None) -> Settings:
+    """The one place that decides whether a set of parameter values is usable. `horizon` is
+    the loaded model's chunk length (None before configure). Raises SettingsError(reason)."""
+    # Arrays arrive as lists, tuples or array.array (parameter services): compare them as tuples.
+    v = {name: (x if isinstance(x, str) or not hasattr(x, "__len__") else tuple(x)) for name, x in values.items()}
+    for name in ("model_preset", "engine_mode", "device", "dtype"):
+        if not v[name].strip():
+            raise SettingsError(f"{name} must not be empty")
+    cameras, topics = v["camera_names"], v["camera_topics"]
+    if not cameras or any(not c.strip() for c in cameras) or len(set(cameras)) != len(cameras):
+        raise SettingsError(f"camera_names must be non-empty and unique, got {list(cameras)}")
+    if len(topics) != len(cameras):
+        raise SettingsError(f"camera_topics has {len(topics)} entries, camera_names {len(cameras)}")
+    if any(not t.strip() for t in topics) or len(set(topics)) != len(topics):
+        raise SettingsError(f"camera_topics must be non-empty and unique, got {list(topics)}")
+    for name in ("joint_states_topic", "instruction_topic", "estop_topic"):
+        if not v[name].strip():
+            raise SettingsError(f"{name} must not be empty")
+    joints = v["joint_names"]
+    if not joints or any(not j.strip() for j in joints) or len(set(joints)) != len(joints):
+        raise SettingsError(f"joint_names must be non-empty and unique, got {list(joints)}")
+    for name in ("joint_lower_limits", "joint_upper_limits", "max_step_per_tick"):
+        if len(v[name]) != len(joints):
+            raise SettingsError(f"{name} has {len(v[name])} values, joint_names {len(joints)}")
+        if not all(math.isfinite(x) for x in v[name]):
+            raise SettingsError(f"{name} must be finite")
+    bad = [j for j, lo, hi in zip(joints, v["joint_lower_limits"], v["joint_upper_limits"]) if not lo < hi]
+    if bad:
+        raise SettingsError(f"joint_lower_limits must be below joint_upper_limits; not for {bad}")
+    if any(x <= 0 for x in v["max_step_per_tick"]):
+        raise SettingsError("max_step_per_tick must be > 0 for every joint")
+    if v["handover"] not in HANDOVER_MODES:
+        raise SettingsError(f"handover must be one of {list(HANDOVER_MODES)}, got {v['handover']!r}")
+    if len(v["instruction"]) > MAX_INSTRUCTION_CHARS:
+        raise SettingsError(f"instruction has {len(v['instruction'])} characters, at most {MAX_INSTRUCTION_CHARS}")
+    if horizon is not None and v["replan_threshold"] > horizon:
+        raise SettingsError(f"replan_threshold {v['replan_threshold']} exceeds the model's horizon {horizon}")
+    # rclpy enforces the descriptor ranges on declare and set; checked here too so that this
+    # function alone decides, whoever calls it.
+    for name, spec in SPECS.items():
+        if spec.range is not None and not spec.range[0] <= v[name] <= spec.range[1]:
+            raise SettingsError(f"{name}={v[name]} outside [{spec.range[0]}, {spec.range[1]}]")
+    return Settings(**{f.name: v[f.name] for f in fields(Settings)})
+
+
+def declare(node) -> Settings:
+    """Declare every parameter with its descriptor and return the validated start-up values."""
+    for name, spec in SPECS.items():
+        node.declare_parameter(name, spec.default, spec.descriptor(name))
+    return validate(current_values(node))
+
+
+def current_values(node) -> dict[str, Any]:
+    return {name: node.get_parameter(name).value for name in SPECS}
