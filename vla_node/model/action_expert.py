@@ -63,8 +63,15 @@ class ExpertBlock(nn.Module):
 
     def context_kv(self, llm_hidden: torch.Tensor, state_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """llm_hidden [B, T, llm_dim], state_token [B, 1, w] -> cross-attention K, V [B, heads, T+1, hd]."""
-        ctx = torch.cat([self.ctx_norm(self.ctx_proj(llm_hidden)), state_token], dim=1)
-        k, v = self.cross_kv(ctx)
+        return self.token_kv(torch.cat([self.context_tokens(llm_hidden), state_token], dim=1))
+
+    def context_tokens(self, llm_hidden: torch.Tensor) -> torch.Tensor:
+        """LLM hidden states projected to the expert width and normalised (per token)."""
+        return self.ctx_norm(self.ctx_proj(llm_hidden))
+
+    def token_kv(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention K, V [B, heads, T, hd] of context tokens [B, T, w] (per token)."""
+        k, v = self.cross_kv(tokens)
         return self._heads(k), self._heads(v)
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -126,12 +133,18 @@ def flow_times(steps: int) -> list[float]:
     return [i / steps for i in range(steps)]
 
 
-def euler(velocity: VelocityFn, noise: torch.Tensor, steps: int) -> torch.Tensor:
-    """Integrate dx/dt = velocity(x, step) from t=0 (noise) to t=1 with `steps` equal steps."""
+def euler(velocity: VelocityFn, noise: torch.Tensor, steps: int, reuse: Optional[dict[int, int]] = None) -> torch.Tensor:
+    """Integrate dx/dt = velocity(x, step) from t=0 (noise) to t=1 with `steps` equal steps.
+    `reuse` maps a step to an earlier computed step whose velocity it takes instead of calling
+    `velocity` (action caching; the runtime validates the schedule)."""
     if steps < 1:
         raise ValueError(f"flow steps must be >= 1, got {steps}")
     dt = 1.0 / steps
+    reuse = reuse or {}
+    computed: dict[int, torch.Tensor] = {}
     x = noise
     for i in range(steps):
-        x = x + dt * velocity(x, i)
+        v = computed[reuse[i]] if i in reuse else velocity(x, i)
+        computed[i] = v
+        x = x + dt * v
     return x

@@ -19,6 +19,8 @@ import torch
 from ..model import PromptBuilder, TINY_TOKENIZER, build_model, get_preset, init_random_, load_checkpoint, load_tokenizer
 from ..model.action_expert import euler, flow_times
 from ..model.layers import rope_tables
+from .action_cache import FlowSchedule
+from .fp8 import quantize_llm_
 from .fusion import fuse_projections
 from .preprocess import check_frames, preprocess_reference
 from .types import ActionChunk, EngineConfig, Observation, WindowLayout
@@ -33,6 +35,7 @@ class EngineStats:
     recompiles: int = 0           # dynamo graphs compiled after warm-up (should stay 0)
     graph_captures: int = 0
     queries: int = 0
+    fp8_weight_bytes: int = 0
 
 
 class StageTimer:
@@ -79,10 +82,14 @@ class PolicyEngine:
             raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {self.model_cfg.llm.vocab_size}")
         self.prompts = PromptBuilder(self.tokenizer, self.model_cfg.vision.tokens_per_image)
         self.flow_steps = config.flow_steps or self.model_cfg.action.flow_steps
+        self.schedule = FlowSchedule.parse(config.action_cache, self.flow_steps)
+        self._check_schedule(self.schedule)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stats = EngineStats()
         if config.fused:
             fuse_projections(self.model)
+        if config.fp8 != "off":
+            self.stats.fp8_weight_bytes = quantize_llm_(self.model, config.fp8)
         if config.triton_attention:
             from .kernels.few_query_attention import few_query_attention
             for block in self.model.expert.blocks:
@@ -128,6 +135,26 @@ class PolicyEngine:
         actions = self.model.denormalize_actions(normalized)
         return ActionChunk(actions=actions.cpu().numpy().astype(np.float32),
                            normalized=normalized.float().cpu().numpy(), stamp=obs.stamp, timings=timings)
+
+    def set_flow(self, steps: Optional[int] = None, action_cache: Optional[str] = None) -> None:
+        """Change the flow steps and/or the action-cache schedule between queries. Invalid values
+        raise ValueError and change nothing. Re-captures the flow loop's CUDA graphs (no recompile)."""
+        steps = steps or self.flow_steps
+        spec = self.config.action_cache if action_cache is None else action_cache
+        schedule = FlowSchedule.parse(spec, steps)
+        self._check_schedule(schedule)
+        self.flow_steps, self.schedule = steps, schedule
+        self.config = self.config.replace(flow_steps=steps, action_cache=spec)
+        if self.static is not None:
+            self.static.reschedule()
+
+    def _check_schedule(self, schedule: FlowSchedule) -> None:
+        if schedule.adaptive_threshold is not None and not self.config.static_shapes:
+            raise ValueError("the adaptive action cache needs static_shapes (its per-step buffers)")
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights the model holds (fp8 weights count at one byte)."""
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     def draw_noise(self) -> torch.Tensor:
         a = self.model_cfg.action
@@ -196,6 +223,6 @@ class PolicyEngine:
             kv = m.expert.context_kv(hidden, state)  # recomputed every step: the uncached reference
             return m.expert.velocity(x.to(self.dtype), m.expert.modulations(t), kv).float()
 
-        normalized = euler(velocity, noise.float(), self.flow_steps)[0]
+        normalized = euler(velocity, noise.float(), self.flow_steps, self.schedule.reuse_map)[0]
         timer.mark("action")
         return normalized, timer.total()

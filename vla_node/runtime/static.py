@@ -16,9 +16,11 @@ import torch
 
 from ..model.action_expert import euler, flow_times
 from ..model.layers import rope_tables
+from .action_cache import MAX_ADAPTIVE_REUSE, relative_change
 from .compile import compile_count, compile_regions
 from .frame_store import FrameStore
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
+from .streaming import StreamBuffers
 from .types import Observation, WindowLayout
 
 if TYPE_CHECKING:
@@ -46,8 +48,14 @@ class Bucket:
         a = m.cfg.action
         self.state = torch.zeros((1, a.state_dim), dtype=torch.float32, device=dev)
         self.noise = torch.zeros((1, a.horizon, a.action_dim), dtype=torch.float32, device=dev)
+        self.x = torch.zeros_like(self.noise)          # adaptive action caching: the flow state,
+        self.v_last = torch.zeros_like(self.noise)     # the last computed velocity,
+        self.change = torch.zeros((), device=dev)      # and its relative change from the one before
         self.instruction: str | None = None
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.stream: StreamBuffers | None = None
+        if engine.config.streaming_kv and layout.frames > 1:
+            self.stream = StreamBuffers(engine, self, prompt.prefix_len, prompt.block_len)
         # Stage outputs; under CUDA graphs these are the graphs' own output tensors.
         self.hidden: list[torch.Tensor] = []
         self.state_norm: torch.Tensor | None = None
@@ -95,6 +103,9 @@ class StaticRunner:
         self.regions = compile_regions(m) if cfg.compile else []
         self.graphs_on = cfg.cuda_graphs
         self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
+        self.stream_layout: WindowLayout | None = None  # whose KV the LLM caches hold
+        self.stream_steps = 0
+        self.expert_calls = 0
         m.llm.setup_caches(1, max(self.bucket(layout).length for layout in layouts), engine.dtype, dev)
 
     def bucket(self, layout: WindowLayout) -> Bucket:
@@ -104,6 +115,10 @@ class StaticRunner:
 
     def reset(self) -> None:
         self.store.clear()
+        self.stream_layout = None
+        for b in self.buckets.values():
+            if b.stream is not None:
+                b.stream.last_ids = None
 
     @torch.inference_mode()
     def _modulation_table(self) -> list:
@@ -128,20 +143,53 @@ class StaticRunner:
         b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
         if self.mod_table is not None:
             b.kv = m.expert.context_kv(b.hidden, b.state_norm)
+            if b.stream is not None:  # the streaming step updates these in place
+                b.stream.store_full(b.kv)
+                b.kv = b.stream.kv
+
+    def _stream_stage(self, b: Bucket) -> None:
+        new_rows = b.frame_rows[-b.stream.cameras:]
+        tokens = self.store.tokens.index_select(0, new_rows).reshape(1, -1, self.engine.model.cfg.llm.dim)
+        b.stream.step(self.engine, b, tokens)
+
+    def _velocity(self, b: Bucket, x: torch.Tensor, i: int) -> torch.Tensor:
+        e, expert = self.engine, self.engine.model.expert
+        if self.mod_table is not None:
+            kv, mods = b.kv, self.mod_table[i]
+        else:
+            kv = expert.context_kv(b.hidden, b.state_norm)
+            mods = expert.modulations(torch.full((1,), flow_times(e.flow_steps)[i], device=e.device))
+        return expert.velocity(x.to(e.dtype), mods, kv, b.ctx_mask).float()
 
     def _action_stage(self, b: Bucket) -> None:
-        e, expert = self.engine, self.engine.model.expert
-        times = flow_times(e.flow_steps)
+        """The whole flow loop with a static schedule (one graph)."""
+        e = self.engine
+        b.out = euler(lambda x, i: self._velocity(b, x, i), b.noise, e.flow_steps, e.schedule.reuse_map)
 
-        def velocity(x: torch.Tensor, i: int) -> torch.Tensor:
-            if self.mod_table is not None:
-                kv, mods = b.kv, self.mod_table[i]
-            else:
-                kv = expert.context_kv(b.hidden, b.state_norm)
-                mods = expert.modulations(torch.full((1,), times[i], device=e.device))
-            return expert.velocity(x.to(e.dtype), mods, kv, b.ctx_mask).float()
+    def _flow_step_stage(self, b: Bucket, i: int) -> None:
+        """One computed flow step of the adaptive schedule (one graph per step)."""
+        v = self._velocity(b, b.x, i)
+        b.change.copy_(relative_change(v, b.v_last))
+        b.v_last.copy_(v)
+        b.x.add_(v, alpha=1.0 / self.engine.flow_steps)
 
-        b.out = euler(velocity, b.noise, e.flow_steps)
+    def _adaptive_action(self, b: Bucket) -> None:
+        """Reuse the last velocity while it barely changes; the decision needs the change on the
+        host, so each computed step is its own graph."""
+        e = self.engine
+        threshold, reused, change = e.schedule.adaptive_threshold, 0, float("inf")
+        b.x.copy_(b.noise)
+        for i in range(e.flow_steps):
+            if i >= 2 and change < threshold and reused < MAX_ADAPTIVE_REUSE:
+                b.x.add_(b.v_last, alpha=1.0 / e.flow_steps)
+                reused += 1
+                continue
+            self._run(b, f"step{i}", lambda: self._flow_step_stage(b, i))
+            reused = 0
+            if i >= 1:
+                change = float(b.change)
+            self.expert_calls += 1
+        b.out = b.x
 
     def _run(self, b: Bucket, name: str, fn: Callable[[], None]) -> None:
         graph = b.graphs.get(name) or self.vision_graphs.get(name)
@@ -174,9 +222,20 @@ class StaticRunner:
             timer.mark("preprocess")
             self._run(b, f"vision{batch}", lambda: self._vision_stage(batch))
             timer.mark("vision")
-        self._run(b, "prefill", lambda: self._prefill_stage(b))
+        if b.stream is not None and self.stream_layout == layout and b.stream.slides_from(ids):
+            self._run(b, "stream", lambda: self._stream_stage(b))
+            self.stream_steps += 1
+        else:
+            self._run(b, "prefill", lambda: self._prefill_stage(b))
+        if b.stream is not None:
+            b.stream.last_ids = list(ids)
+        self.stream_layout = layout
         timer.mark("llm")
-        self._run(b, "action", lambda: self._action_stage(b))
+        if e.schedule.adaptive_threshold is not None:
+            self._adaptive_action(b)
+        else:
+            self._run(b, "action", lambda: self._action_stage(b))
+            self.expert_calls += e.schedule.expert_calls
         timer.mark("action")
         return b.out[0].clone(), timer.total()
 
@@ -195,13 +254,14 @@ class StaticRunner:
         for layout in e.config.layouts:
             b = self.bucket(layout)
             t0 = time.perf_counter()
-            obs = e.dummy_observation(layout)
-            noise = e.draw_noise()
             with torch.inference_mode():
-                self.predict(obs, noise, layout)  # compiles every region at this bucket's shapes
+                # Two windows one frame time apart: a full prefill, then (streaming) a sliding step.
+                for obs in self._warmup_windows(layout):
+                    self.predict(obs, e.draw_noise(), layout)
                 for batch in self.vision_batches:
                     self._vision_stage(batch)
-            e.progress(f"bucket {layout.images} images ({b.length} tokens): eager/compile pass {time.perf_counter() - t0:.1f}s")
+            e.progress(f"bucket {layout.images} images ({b.length} tokens): eager/compile pass "
+                       f"{time.perf_counter() - t0:.1f}s")
             if self.graphs_on:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
@@ -209,12 +269,45 @@ class StaticRunner:
                         if f"vision{batch}" not in self.vision_graphs:
                             self.vision_graphs[f"vision{batch}"] = self._capture(lambda: self._vision_stage(batch))
                     b.graphs["prefill"] = self._capture(lambda: self._prefill_stage(b))
-                    b.graphs["action"] = self._capture(lambda: self._action_stage(b))
+                    if b.stream is not None:
+                        b.graphs["stream"] = self._capture(lambda: self._stream_stage(b))
+                    self._capture_action(b)
                 e.progress(f"bucket {layout.images} images: captured {len(b.graphs)} CUDA graphs in "
                            f"{time.perf_counter() - t0:.1f}s")
         e.stats.compiled_graphs = compile_count() - compiled_before
         self.compiled_at_ready = compile_count()
         self.reset()
+        self.expert_calls = self.stream_steps = 0
+
+    def _warmup_windows(self, layout: WindowLayout) -> list[Observation]:
+        obs = self.engine.dummy_observation(layout)
+        windows = []
+        for shift in range(2):
+            ids = [(cam, t + shift) for t in range(layout.frames) for cam in layout.cameras]
+            windows.append(Observation(images=obs.images, state=obs.state, instruction=obs.instruction, frame_ids=ids))
+        return windows
+
+    def _capture_action(self, b: Bucket) -> None:
+        """The flow loop's graphs for the current schedule: one for a static schedule, one per
+        step for the adaptive one."""
+        for name in [n for n in b.graphs if n == "action" or n.startswith("step")]:
+            del b.graphs[name]
+        if self.engine.schedule.adaptive_threshold is None:
+            b.graphs["action"] = self._capture(lambda: self._action_stage(b))
+        else:
+            for i in range(self.engine.flow_steps):
+                b.graphs[f"step{i}"] = self._capture(lambda: self._flow_step_stage(b, i))
+
+    def reschedule(self) -> None:
+        """After the flow steps or the action-cache schedule changed: new modulation table and
+        flow-loop graphs (the compiled blocks are shape-independent of both, so no recompile)."""
+        if self.mod_table is not None:
+            self.mod_table = self._modulation_table()
+        if self.graphs_on:
+            with torch.inference_mode():
+                for b in self.buckets.values():
+                    if "prefill" in b.graphs:  # captured buckets only
+                        self._capture_action(b)
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream()

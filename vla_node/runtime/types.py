@@ -87,6 +87,10 @@ class EngineConfig:
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     vision_cache: bool = False
     vision_cache_frames: int = 64         # frames kept by the vision cache
+    # Opt-in options that change the numbers (each reported with its deviation).
+    streaming_kv: bool = False            # reuse surviving frames' LLM KV across sliding windows
+    action_cache: str = ""                # flow-step velocity reuse schedule (runtime/action_cache.py)
+    fp8: str = "off"                      # off | rowwise | tensorwise: e4m3 LLM linears
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -95,6 +99,10 @@ class EngineConfig:
             raise ValueError(f"flow_steps must be >= 1, got {self.flow_steps}")
         if self.max_instruction_tokens < 1:
             raise ValueError("max_instruction_tokens must be >= 1")
+        if self.streaming_kv and not (self.vision_cache and self.ctx_kv_once):
+            raise ValueError("streaming_kv needs vision_cache and ctx_kv_once (only new frames are encoded and prefilled)")
+        if self.fp8 not in ("off", "rowwise", "tensorwise"):
+            raise ValueError(f"fp8 must be off, rowwise or tensorwise, got {self.fp8!r}")
         for feature in ("cuda_graphs", "compile", "vision_cache"):
             if getattr(self, feature) and not self.static_shapes:
                 raise ValueError(f"{feature} needs static_shapes")

@@ -40,21 +40,73 @@ def deviation(out: np.ndarray, ref: np.ndarray) -> dict:
             "rel_l2": float(np.linalg.norm(diff) / np.linalg.norm(ref))}
 
 
-def run_mode(name: str, base: EngineConfig, iters: int, dev_inputs, progress) -> tuple[dict, list[np.ndarray]]:
+# Opt-in options a mode name can stack: "fast+stream+fp8t+cache".
+OPTIONS = {
+    "stream": {"streaming_kv": True, "vision_cache": True},
+    "fp8": {"fp8": "rowwise"},
+    "fp8t": {"fp8": "tensorwise"},
+    "cache": {"flow_steps": 8, "action_cache": "flashdrive"},
+    "adaptive": {"action_cache": "adaptive:0.05"},
+    "steps8": {"flow_steps": 8},
+    "steps5": {"flow_steps": 5},
+}
+BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "camera_height", "camera_width",
+               "flow_steps", "max_instruction_tokens")
+
+
+def mode_config(spec: str, base: EngineConfig) -> EngineConfig:
+    """'fast+stream+fp8' -> the fast mode's features plus those options."""
+    name, *options = spec.split("+")
+    unknown = [o for o in options if o not in OPTIONS]
+    if name not in MODES or unknown:
+        raise ValueError(f"unknown mode {spec!r}: modes {list(MODES)}, options {list(OPTIONS)}")
+    overrides = {k: getattr(base, k) for k in BASE_FIELDS}
+    for option in options:
+        overrides.update(OPTIONS[option])
+    return EngineConfig.for_mode(name, **overrides)
+
+
+def synthetic_stream(layout, windows: int) -> list:
+    """A stream of sliding windows over the rendered DROID-like scene of the sample bag (camera
+    frames at 15 Hz, windows every `stride` frames, so each shares frames with the last)."""
+    from ..runtime import Observation
+    from .sample_bag import CAMERA_HZ, joint_positions, render_exo, render_wrist
+
+    render = {"exo": render_exo, "wrist": render_wrist}
+    frames: dict = {}
+    out = []
+    for w in range(windows):
+        times = [(w + k) * layout.stride for k in range(layout.frames)]
+        ids = [(cam, f) for f in times for cam in layout.cameras]
+        for cam, f in ids:
+            if (cam, f) not in frames:
+                frames[cam, f] = render[cam if cam in render else "exo"](f / CAMERA_HZ)
+        state = joint_positions(times[-1] / CAMERA_HZ).astype(np.float32)
+        noise = torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(w))
+        out.append((Observation(images=[frames[i] for i in ids], state=state, instruction="put the red cup in the bowl",
+                                stamp=times[-1] / CAMERA_HZ, frame_ids=ids), noise))
+    return out
+
+
+def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool, progress) -> tuple[dict, list[np.ndarray]]:
+    """Full queries: outputs on `inputs`, then `iters` timed repeats of the first. Stream: every
+    window of `inputs` in order (each sharing frames with the last), timed as it goes."""
     cuda = base.device.startswith("cuda")
     torch._dynamo.reset()  # each mode compiles for itself, so its ready time is its own
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    cfg = EngineConfig.for_mode(name, **{k: getattr(base, k) for k in
-                                         ("preset", "checkpoint", "seed", "device", "dtype", "layout",
-                                          "camera_height", "camera_width", "flow_steps", "max_instruction_tokens")})
-    engine = PolicyEngine(cfg, progress=lambda m: progress(f"[{name}] {m}"))
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    cfg = mode_config(spec, base)
+    engine = PolicyEngine(cfg, progress=lambda m: progress(f"[{spec}] {m}"))
     stats = engine.warmup()
-    outs = [engine.predict(obs, noise=noise).normalized for obs, noise in dev_inputs]
-    obs = dev_inputs[0][0]
-    timings = [engine.predict(obs).timings for _ in range(iters)]
+    dev = engine.device
+    if stream:
+        chunks = [engine.predict(obs, noise=noise.to(dev)) for obs, noise in inputs]
+        outs = [c.normalized for c in chunks]
+        timings = [c.timings for c in chunks[1:]]  # the first window is a cold full query
+    else:
+        outs = [engine.predict(obs, noise=noise.to(dev)).normalized for obs, noise in inputs]
+        timings = [engine.predict(inputs[0][0]).timings for _ in range(iters)]
     result = {
         "total_ms": statistics.median(t["total"] for t in timings),
         "total_min_ms": min(t["total"] for t in timings),
@@ -62,11 +114,16 @@ def run_mode(name: str, base: EngineConfig, iters: int, dev_inputs, progress) ->
         "ready_s": stats.ready_s,
         "compiled_graphs": stats.compiled_graphs,
         "graph_captures": stats.graph_captures,
-        "weight_gb": weight_bytes / 1e9,
-        "features": list(MODES[name]),
+        "weight_gb": engine.weight_bytes() / 1e9,
+        "features": [f for f in MODES[spec.split("+")[0]]] + spec.split("+")[1:],
+        "flow_steps": engine.flow_steps,
+        "action_cache": cfg.action_cache,
     }
-    if engine.static is not None and cfg.compile:
-        result["recompiles_after_ready"] = engine.static.recompiles()
+    if engine.static is not None:
+        result["stream_steps"] = engine.static.stream_steps
+        result["expert_calls_per_query"] = engine.static.expert_calls / max(1, engine.stats.queries)
+        if cfg.compile:
+            result["recompiles_after_ready"] = engine.static.recompiles()
     if cuda:
         result["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
         result["reserved_mem_gb"] = torch.cuda.memory_reserved() / 1e9
@@ -151,10 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
-    ap.add_argument("--modes", default="eager", help=f"comma-separated, from {list(MODES)}")
+    ap.add_argument("--modes", default="eager",
+                    help=f"comma-separated, from {list(MODES)}, each optionally +{'+'.join(OPTIONS)}")
     ap.add_argument("--layout", default="droid", choices=sorted(LAYOUTS))
     ap.add_argument("--iters", type=int, default=20, help="warm queries timed per mode")
-    ap.add_argument("--dev-windows", type=int, default=5, help="inputs compared against eager per mode")
+    ap.add_argument("--dev-windows", type=int, default=5, help="full-query inputs compared against eager per mode")
+    ap.add_argument("--stream", type=int, default=0, metavar="N",
+                    help="instead of repeated full queries, run N sliding windows of a rendered scene")
     ap.add_argument("--baseline", action="store_true", help="also time transformers' ViT + LLM of the same size")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG stage breakdown (default: next to --json)")
@@ -163,26 +223,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        ap.error(f"unknown modes {unknown}; known: {list(MODES)}")
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    for spec in modes:
+        try:
+            mode_config(spec, EngineConfig(device=args.device))
+        except ValueError as err:
+            ap.error(str(err))
     base = EngineConfig(preset=args.preset, checkpoint=args.checkpoint, device=args.device, dtype=dtype,
                         layout=LAYOUTS[args.layout])
     progress = lambda m: print(m, flush=True)  # noqa: E731
 
     probe = PolicyEngine(base)
-    dev_inputs = [(probe.dummy_observation(seed=i), torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(i))
-                   .to(args.device)) for i in range(args.dev_windows)]
-    prompt = probe.prompts.build(len(base.layout.cameras), base.layout.frames, dev_inputs[0][0].instruction)
+    if args.stream:
+        inputs = synthetic_stream(base.layout, args.stream)
+    else:
+        inputs = [(probe.dummy_observation(seed=i), torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(i)))
+                  for i in range(args.dev_windows)]
+    prompt = probe.prompts.build(len(base.layout.cameras), base.layout.frames, inputs[0][0].instruction)
     results = {"machine": machine(), "preset": args.preset, "device": args.device, "dtype": dtype,
                "layout": args.layout, "images": base.layout.images, "tokens": len(prompt),
-               "flow_steps": probe.flow_steps, "iters": args.iters, "modes": {}}
+               "flow_steps": probe.flow_steps, "iters": args.iters,
+               "scenario": f"stream of {args.stream} sliding windows" if args.stream else "full queries",
+               "modes": {}}
     probe.close()
     del probe
     reference = None
     for name in modes:
-        res, outs = run_mode(name, base, args.iters, dev_inputs, progress)
+        res, outs = run_mode(name, base, args.iters, inputs, bool(args.stream), progress)
         if reference is None and name == "eager":
             reference = outs
         if reference is not None:
@@ -190,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             res["max_abs_dev"] = max(d["max_abs_dev"] for d in devs)
             res["mean_abs_dev"] = statistics.mean(d["mean_abs_dev"] for d in devs)
             res["rel_l2"] = max(d["rel_l2"] for d in devs)
+            res["max_dev_pct_of_range"] = 100 * res["max_abs_dev"] / 2  # normalised actions span [-1, 1]
         results["modes"][name] = res
         progress(f"[{name}] total {res['total_ms']:.2f} ms median")
         save(results, args)  # after every mode, so a run cut short keeps what it measured
@@ -213,19 +281,22 @@ def save(results: dict, args) -> None:
 def print_table(results: dict) -> None:
     print(f"\n{results['preset']} {results['layout']} ({results['images']} images, {results['tokens']} tokens, "
           f"{results['flow_steps']} flow steps) on {results['device']} {results['dtype']}")
-    head = f"{'mode':<9}{'total':>9}{'min':>9}" + "".join(f"{s:>11}" for s in STAGES) + f"{'ready s':>9}{'max|dev|':>10}{'relL2':>9}"
+    w = max(9, max(len(n) for n in results["modes"]) + 1)
+    print(f"scenario: {results.get('scenario', 'full queries')}")
+    head = f"{'mode':<{w}}{'total':>9}{'min':>9}" + "".join(f"{s:>11}" for s in STAGES) + f"{'ready s':>9}{'max|dev|':>10}{'relL2':>9}{'wt GB':>8}"
     print(head)
     eager = results["modes"].get("eager", {}).get("total_ms")
     for name, r in results["modes"].items():
-        row = f"{name:<9}{r['total_ms']:>9.2f}{r['total_min_ms']:>9.2f}"
+        row = f"{name:<{w}}{r['total_ms']:>9.2f}{r['total_min_ms']:>9.2f}"
         row += "".join(f"{r['stages'][s]['median']:>11.2f}" for s in STAGES)
         row += f"{r['ready_s']:>9.1f}{r.get('max_abs_dev', float('nan')):>10.2e}{r.get('rel_l2', float('nan')):>9.1e}"
+        row += f"{r['weight_gb']:>8.2f}"
         if eager:
             row += f"  x{eager / r['total_ms']:.1f}"
         print(row)
     if "baseline" in results:
         b = results["baseline"]
-        print(f"{'hf-base':<9}{b['total_ms']:>9.2f}   (transformers {b['transformers']}: vision "
+        print(f"{'hf-base':<{w}}{b['total_ms']:>9.2f}   (transformers {b['transformers']}: vision "
               f"{b['vision']['median']:.2f} + llm {b['llm']['median']:.2f})")
 
 

@@ -4,7 +4,8 @@
 Library kernels parallelise over (batch, head, query block): with 16 queries and 8 heads that
 is 8 thread blocks on a 132-SM GPU, and each call took ~26 us on the H200. Here every head's
 keys are cut into chunks, each chunk is one program (partial softmax statistics), and a second
-kernel merges the chunks.
+kernel merges the chunks (skipped when one chunk holds every key, as in the expert's
+16-token self-attention).
 
 Exposed as the custom op `vla::few_query_attention` so torch.compile and CUDA graphs treat it as
 one opaque call. Runs on the CPU under TRITON_INTERPRET=1 (the CI tests).
@@ -23,10 +24,10 @@ BLOCK_N = 64
 
 
 @triton.jit
-def _partial(Q, K, V, Mask, OPart, MPart, LPart, n_keys, heads, scale,
-             sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb,
+def _partial(Q, K, V, Mask, OPart, MPart, LPart, Out, n_keys, heads, scale,
+             sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, sob, soh, som,
              M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-             KEYS_PER_PROGRAM: tl.constexpr, HAS_MASK: tl.constexpr):
+             KEYS_PER_PROGRAM: tl.constexpr, HAS_MASK: tl.constexpr, DIRECT: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // heads
@@ -56,10 +57,14 @@ def _partial(Q, K, V, Mask, OPart, MPart, LPart, n_keys, heads, scale,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    base = (bh * tl.num_programs(1) + split) * M
-    tl.store(OPart + (base + offs_m[:, None]) * BLOCK_D + offs_d[None, :], acc)
-    tl.store(MPart + base + offs_m, m_i)
-    tl.store(LPart + base + offs_m, l_i)
+    if DIRECT:  # one chunk holds every key: normalise and write the output, no merge pass
+        tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :],
+                 (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=d_ok[None, :])
+    else:
+        base = (bh * tl.num_programs(1) + split) * M
+        tl.store(OPart + (base + offs_m[:, None]) * BLOCK_D + offs_d[None, :], acc)
+        tl.store(MPart + base + offs_m, m_i)
+        tl.store(LPart + base + offs_m, l_i)
 
 
 @triton.jit
@@ -89,18 +94,23 @@ def few_query_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     n_keys = k.shape[2]
     splits = triton.next_power_of_2(triton.cdiv(n_keys, KEYS_PER_PROGRAM))
     block_d = triton.next_power_of_2(d)
-    opart = torch.empty((b * heads * splits * m, block_d), dtype=torch.float32, device=q.device)
-    mpart = torch.empty((b * heads * splits * m,), dtype=torch.float32, device=q.device)
+    direct = splits == 1
+    parts = 1 if direct else b * heads * splits * m  # no partials when one chunk covers every key
+    opart = torch.empty((parts, block_d), dtype=torch.float32, device=q.device)
+    mpart = torch.empty((parts,), dtype=torch.float32, device=q.device)
     lpart = torch.empty_like(mpart)
     out = torch.empty((b, m, heads, d), dtype=q.dtype, device=q.device).transpose(1, 2)  # [B, H, M, D] view
     mask_arg = mask.reshape(mask.shape[0], -1) if mask is not None else q  # any pointer when unused
     _partial[(b * heads, splits)](
-        q, k, v, mask_arg, opart, mpart, lpart, n_keys, heads, 1.0 / math.sqrt(d),
+        q, k, v, mask_arg, opart, mpart, lpart, out, n_keys, heads, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask_arg.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
-        M=m, D=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N, KEYS_PER_PROGRAM=KEYS_PER_PROGRAM, HAS_MASK=mask is not None)
-    _merge[(b * heads,)](opart, mpart, lpart, out, heads, out.stride(0), out.stride(1), out.stride(2),
-                         SPLITS=splits, M=m, D=d, BLOCK_D=block_d)
+        out.stride(0), out.stride(1), out.stride(2),
+        M=m, D=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N, KEYS_PER_PROGRAM=KEYS_PER_PROGRAM, HAS_MASK=mask is not None,
+        DIRECT=direct)
+    if not direct:
+        _merge[(b * heads,)](opart, mpart, lpart, out, heads, out.stride(0), out.stride(1), out.stride(2),
+                             SPLITS=splits, M=m, D=d, BLOCK_D=block_d)
     return out
 
 

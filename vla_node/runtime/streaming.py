@@ -1,0 +1,88 @@
+"""Streaming LLM KV across overlapping windows (opt-in `streaming_kv`).
+
+A robot re-queries on windows that share most frames: with frames t-8 and t per camera,
+re-queried every 8 frames, the newest frame time of one window is the oldest of the next.
+Slot j of the new window is slot j + C of the old one (C cameras). The streaming step:
+
+1. shifts the surviving frames' keys/values from slot j + C to slot j. Keys are cached after
+   RoPE, so they are rotated by -C * block_len positions: every key then carries exactly the
+   position a full recompute would give it (RoPE rotations compose);
+2. shifts the action expert's per-token context K/V the same way (it has no positions);
+3. prefills only the new frames' blocks and the instruction, attending to the cached prefix
+   and surviving frames, and recomputes the state token's K/V.
+
+The text prefix before the images is never recomputed. What is not exact: the surviving
+frames' keys/values were computed while the evicted frames were visible (and under their old
+"Image k" labels). The benchmark measures the action deviation this causes against a full
+recompute.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Hashable, Optional, Sequence
+
+import torch
+
+from ..model.layers import apply_rope, rope_tables
+
+if TYPE_CHECKING:
+    from .engine import PolicyEngine
+    from .static import Bucket
+
+
+class StreamBuffers:
+    """Static index tables and the persistent expert context of one bucket."""
+
+    def __init__(self, engine: "PolicyEngine", bucket: "Bucket", prefix_len: int, block_len: int):
+        m, dev = engine.model, engine.device
+        layout = bucket.layout
+        cams, n = len(layout.cameras), layout.images
+        self.cameras = cams
+        llm = m.cfg.llm
+        shift = cams * block_len
+        self.new_start = prefix_len + (n - cams) * block_len
+        self.shift_src = torch.arange(prefix_len + shift, prefix_len + n * block_len, device=dev)
+        self.shift_dst = self.shift_src - shift
+        self.rot_cos, self.rot_sin = rope_tables(llm.head_dim, torch.tensor([-shift], device=dev), llm.rope_theta)
+        self.new_slots = bucket.slots[self.new_start:]
+        self.new_cos, self.new_sin = bucket.cos[self.new_start:], bucket.sin[self.new_start:]
+        # New tokens see every cached slot at or before their own position.
+        self.mask = bucket.slots[None, :] <= self.new_slots[:, None]
+        self.new_patch_positions = bucket.patch_positions[(n - cams) * m.cfg.vision.tokens_per_image:] - self.new_start
+        heads, hd = m.cfg.action.heads, m.cfg.action.width // m.cfg.action.heads
+        shape = (1, heads, bucket.length + 1, hd)
+        self.kv = [(torch.zeros(shape, dtype=engine.dtype, device=dev), torch.zeros(shape, dtype=engine.dtype, device=dev))
+                   for _ in m.expert.blocks]
+        self.last_ids: Optional[list[Hashable]] = None
+
+    def slides_from(self, frame_ids: Sequence[Optional[Hashable]]) -> bool:
+        """Is this window the last one moved on by one frame time (surviving frames known)?"""
+        if self.last_ids is None or any(f is None for f in frame_ids):
+            return False
+        return list(frame_ids[:-self.cameras]) == self.last_ids[self.cameras:]
+
+    def store_full(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for (k_dst, v_dst), (k, v) in zip(self.kv, kv):
+            k_dst.copy_(k)
+            v_dst.copy_(v)
+
+    def step(self, engine: "PolicyEngine", bucket: "Bucket", frame_tokens: torch.Tensor) -> None:
+        """The streaming prefill (a captured stage): static buffers in, caches updated in place."""
+        m = engine.model
+        for layer in m.llm.layers:
+            cache = layer.attn.cache
+            keys = apply_rope(cache.k.index_select(2, self.shift_src), self.rot_cos, self.rot_sin)
+            cache.k.index_copy_(2, self.shift_dst, keys)
+            cache.v.index_copy_(2, self.shift_dst, cache.v.index_select(2, self.shift_src))
+        for k, v in self.kv:
+            k.index_copy_(2, self.shift_dst, k.index_select(2, self.shift_src))
+            v.index_copy_(2, self.shift_dst, v.index_select(2, self.shift_src))
+        embeds = m.embed(bucket.ids[:, self.new_start:], frame_tokens, self.new_patch_positions)
+        hidden = m.llm(embeds, self.new_cos, self.new_sin, self.new_slots, self.mask)
+        state_token = m.expert.state_enc(m.normalize_state(bucket.state).to(engine.dtype))[:, None]
+        for block, h, (k, v) in zip(m.expert.blocks, hidden, self.kv):
+            new_k, new_v = block.token_kv(block.context_tokens(h))
+            k.index_copy_(2, self.new_slots, new_k)
+            v.index_copy_(2, self.new_slots, new_v)
+            state_k, state_v = block.token_kv(state_token)
+            k[:, :, -1:].copy_(state_k)
+            v[:, :, -1:].copy_(state_v)
