@@ -11,8 +11,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/gpu.txt"
 for w in $what; do
   case $w in
-    tests) timeout ${TESTS_S:-250} python3 -m pytest -q -rs -p no:cacheprovider -k "gpu or cuda or few_query or triton" \
-              test/test_fast_path.py test/test_kernels.py test/test_options.py 2>&1 | tee "$OUT/tests.log" | tail -8 ;;
+    tests) timeout ${TESTS_S:-250} python3 -m pytest -q -rs -p no:cacheprovider -m cuda test/test_fast_path.py test/test_options.py \
+              test/test_kernels.py 2>&1 | tee "$OUT/tests.log" | tail -8 ;;
     bench8) timeout ${BENCH_S:-330} python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout 8img \
               --modes "${MODES8:-eager,compile,graphs,triton,fast}" --baseline --json "$OUT/bench_4b_8img.json" 2>&1 | tee "$OUT/bench8.log" | grep -v Warning | tail -12 ;;
     fp8) timeout ${BENCH_S:-330} python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout 8img \

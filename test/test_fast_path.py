@@ -12,7 +12,6 @@ from vla_node.runtime import LAYOUTS, EngineConfig, Observation, PolicyEngine
 from vla_node.runtime.compile import uncompile
 from vla_node.runtime.preprocess import preprocess_reference, resize_normalize
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 INSTRUCTIONS = ["pick up the red cup", "open the drawer", "put the marker in the bowl and close the lid",
                 "wipe the table", "stack the blue block on the yellow cube next to the plate", "push the box",
                 "grasp the spoon", "pour the bottle into the mug slowly and carefully", "turn", "fold the towel"]
@@ -123,7 +122,7 @@ def gpu_config(mode: str, **kw) -> EngineConfig:
     return EngineConfig.for_mode(mode, device="cuda", dtype="bfloat16", **kw)
 
 
-@cuda
+@pytest.mark.cuda
 def test_gpu_preprocess_matches_cpu_within_one_uint8_step():
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(4)]
@@ -132,7 +131,7 @@ def test_gpu_preprocess_matches_cpu_within_one_uint8_step():
     assert (dev - ref).abs().max() * 127.5 <= 1.0
 
 
-@cuda
+@pytest.mark.cuda
 def test_fast_matches_eager_within_bf16_noise():
     eager = PolicyEngine(gpu_config("eager"))
     fast = PolicyEngine(gpu_config("fast"))
@@ -142,7 +141,7 @@ def test_fast_matches_eager_within_bf16_noise():
         assert np.linalg.norm(b - a) / np.linalg.norm(a) < 1e-2
 
 
-@cuda
+@pytest.mark.cuda
 def test_graph_replay_is_bit_stable():
     fast = PolicyEngine(gpu_config("fast"))
     fast.warmup()
@@ -152,7 +151,7 @@ def test_graph_replay_is_bit_stable():
         assert np.array_equal(fast.predict(obs, noise=noise).normalized, first)
 
 
-@cuda
+@pytest.mark.cuda
 def test_interleaved_buckets_leave_each_other_alone():
     a_layout, b_layout = LAYOUTS["droid"], LAYOUTS["8img"]
     fast = PolicyEngine(gpu_config("fast", layout=a_layout, extra_layouts=(b_layout,)))

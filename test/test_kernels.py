@@ -40,6 +40,21 @@ def test_few_query_attention_rejects_odd_query_counts():
         few_query_attention(q, q, q)
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is CI's")),
+    pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_few_query_attention_runs_on(device):
+    """The same call on the CPU (interpreter) and, on the GPU machine, natively."""
+    if device == "cuda":
+        q = torch.randn(1, 8, 16, 96, device=device, dtype=torch.bfloat16)
+        k = torch.randn(1, 8, 1677, 96, device=device, dtype=torch.bfloat16)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), k.float())
+        out = few_query_attention(q, k, k).float()
+        assert float((out - ref).norm() / ref.norm()) < 1e-2
+    else:
+        assert few_query_attention(*(torch.randn(1, 2, 16, 8) for _ in range(3))).shape == (1, 2, 16, 8)
+
+
 def test_engine_with_triton_attention_matches_sdpa():
     from vla_node.runtime import EngineConfig, PolicyEngine
 

@@ -176,7 +176,6 @@ def test_fp8_engine_halves_llm_weight_bytes_and_stays_close():
 
 
 # -- on the GPU: the options under compile + CUDA graphs ----------------------------------------
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 
 
 def gpu(mode: str, **kw) -> PolicyEngine:
@@ -186,7 +185,7 @@ def gpu(mode: str, **kw) -> PolicyEngine:
     return engine
 
 
-@cuda
+@pytest.mark.cuda
 def test_gpu_streaming_under_graphs_matches_eager_execution_of_the_same_option():
     graphs = gpu("fast", streaming_kv=True)
     plain = gpu("ctxkv", vision_cache=True, streaming_kv=True)
@@ -197,7 +196,7 @@ def test_gpu_streaming_under_graphs_matches_eager_execution_of_the_same_option()
     assert graphs.static.stream_steps == plain.static.stream_steps == 4
 
 
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
 def test_gpu_fp8_under_graphs_stays_close(scaling):
     fp8 = gpu("fast", fp8=scaling)
@@ -208,7 +207,7 @@ def test_gpu_fp8_under_graphs_stays_close(scaling):
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.1
 
 
-@cuda
+@pytest.mark.cuda
 def test_gpu_action_cache_schedules_under_graphs():
     engine = gpu("fast", flow_steps=8, action_cache="flashdrive")
     obs = engine.dummy_observation()

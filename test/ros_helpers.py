@@ -1,0 +1,393 @@
+"""Shared helpers for the node tests: the node as a real subprocess, and a test-side rclpy node
+that feeds it synthetic camera + joint streams and watches everything it publishes.
+
+Every wait is on a condition (a message, a matched count, a log line) with a timeout, never a
+fixed sleep. Each test session gets its own ROS domain, so parallel runs on one machine do not
+hear each other.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = ROOT / "config" / "tiny.yaml"
+JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
+HOME = np.array([0.0, -0.5, 0.0, -2.0, 0.0, 1.5, 0.8, 0.5])
+CAMERA_TOPICS = ["/cameras/exo/image_raw", "/cameras/wrist/image_raw"]
+FRAME_LOOP = 8
+_counter = iter(range(1, 10**6))
+
+
+def ros_env() -> dict:
+    """Environment for this process and the node: one ROS domain per test session (chosen once),
+    Fast DDS's large-data transport (shared memory with room for raw 640x480 frames; the default
+    transports lose most of them), logs where the caller says."""
+    if "VLA_TEST_DOMAIN" not in os.environ:
+        os.environ["VLA_TEST_DOMAIN"] = str(random.Random(os.getpid() ^ time.time_ns()).randint(30, 200))
+    os.environ["ROS_DOMAIN_ID"] = os.environ["VLA_TEST_DOMAIN"]
+    os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = "LARGE_DATA"
+    os.environ.setdefault("ROS_LOG_DIR", str(ROOT / "out" / "ros_log"))
+    os.environ["RCUTILS_COLORIZED_OUTPUT"] = "0"
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    return dict(os.environ)
+
+
+def node_command() -> list[str]:
+    script = Path(sys.executable).parent / "vla-node"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vla_node.ros.node"]
+
+
+class NodeProcess:
+    """`vla-node --ros-args --params-file config/tiny.yaml -p name:=value ...` with its output
+    collected line by line. Each node gets its own namespace, so a test never talks to another
+    test's node."""
+
+    def __init__(self, overrides: Optional[dict] = None, params_file: Path = TINY_YAML, ros_args: tuple = ()):
+        self.namespace = f"/t{os.getpid()}_{next(_counter)}"
+        self.name = f"{self.namespace}/vla_node"
+        args = ["--ros-args", "--params-file", str(params_file), "-r", f"__ns:={self.namespace}"]
+        for name, value in (overrides or {}).items():
+            args += ["-p", f"{name}:={_yaml(value)}"]
+        self.command = node_command() + args + list(ros_args)
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=ros_env(), start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def count(self, text: str) -> int:
+        with self._changed:
+            return sum(text in line for line in self.lines)
+
+    def wait_for_line(self, text: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.lines:
+                    if text in line:
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise AssertionError(f"no log line with {text!r} (exit code {self.proc.poll()}); output:\n"
+                                         + "\n".join(self.lines[-40:]))
+                self._changed.wait(min(left, 0.5))
+
+    def output(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """Ctrl-C, as a user would; the node must end its engine process and exit."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode
+
+
+def _yaml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, str):
+        return f"'{value}'" if value else "''"
+    return repr(value)
+
+
+def rgb_frame(height: int, width: int, seed: int) -> np.ndarray:
+    """A smooth synthetic camera image (gradients that move with the seed)."""
+    y = np.linspace(0, 255, height, dtype=np.float32)[:, None]
+    x = np.linspace(0, 255, width, dtype=np.float32)[None, :]
+    r = (x + seed * 7) % 256
+    g = (y + seed * 3) % 256
+    b = (x * 0.5 + y * 0.5 + seed * 11) % 256
+    return np.stack([np.broadcast_to(c, (height, width)) for c in (r, g, b)], axis=-1).astype(np.uint8)
+
+
+class Harness:
+    """A test-side node on its own executor thread: publishes synthetic inputs, records outputs."""
+
+    def __init__(self, node: NodeProcess):
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+
+        ros_env()
+        self.target = node.name
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node(f"harness_{next(_counter)}", context=self.context)
+        self.sim_time_ns: Optional[int] = None       # set: stamps and /clock use this simulated time
+        self.changed = threading.Condition()
+        self.received: dict[str, list] = {"command": [], "trajectory": [], "diagnostics": [], "joint_command": []}
+        self._streams = []
+        self._make_io()
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self._spinner = threading.Thread(target=self._spin, daemon=True)
+        self._spinner.start()
+
+    def _spin(self) -> None:
+        from rclpy.executors import ExternalShutdownException
+        try:
+            self.executor.spin()
+        except ExternalShutdownException:
+            pass
+
+    def _make_io(self) -> None:
+        from diagnostic_msgs.msg import DiagnosticArray
+        from lifecycle_msgs.srv import ChangeState, GetState
+        from rcl_interfaces.srv import DescribeParameters, GetParameters, SetParameters
+        from rclpy.qos import qos_profile_sensor_data
+        from rosgraph_msgs.msg import Clock
+        from sensor_msgs.msg import CompressedImage, Image, JointState
+        from std_msgs.msg import Bool, Float64MultiArray, String
+        from trajectory_msgs.msg import JointTrajectory
+
+        n = self.node
+        self.camera_pubs = {}
+        for topic in CAMERA_TOPICS:
+            self.camera_pubs[topic] = n.create_publisher(Image, topic, qos_profile_sensor_data)
+            self.camera_pubs[topic + "/compressed"] = n.create_publisher(CompressedImage, topic + "/compressed",
+                                                                         qos_profile_sensor_data)
+        self.joint_pub = n.create_publisher(JointState, "/joint_states", qos_profile_sensor_data)
+        self.instruction_pub = n.create_publisher(String, "/instruction", 10)
+        self.estop_pub = n.create_publisher(Bool, "/estop", 10)
+        self.clock_pub = n.create_publisher(Clock, "/clock", 10)
+        self.subs = [
+            n.create_subscription(Float64MultiArray, f"{self.target}/command", self._recorder("command"), 50),
+            n.create_subscription(JointTrajectory, f"{self.target}/joint_trajectory", self._recorder("trajectory"), 50),
+            n.create_subscription(JointState, f"{self.target}/joint_command", self._recorder("joint_command"), 50),
+            n.create_subscription(DiagnosticArray, "/diagnostics", self._recorder("diagnostics"), 50),
+        ]
+        self.change_state = n.create_client(ChangeState, f"{self.target}/change_state")
+        self.get_state = n.create_client(GetState, f"{self.target}/get_state")
+        self.set_params = n.create_client(SetParameters, f"{self.target}/set_parameters")
+        self.get_params = n.create_client(GetParameters, f"{self.target}/get_parameters")
+        self.describe_params = n.create_client(DescribeParameters, f"{self.target}/describe_parameters")
+
+    def _recorder(self, key: str):
+        def record(msg):
+            with self.changed:
+                self.received[key].append((time.monotonic(), msg))
+                self.changed.notify_all()
+        return record
+
+    # -- time -------------------------------------------------------------------------------------
+    def now_ns(self) -> int:
+        if self.sim_time_ns is not None:
+            return self.sim_time_ns
+        return self.node.get_clock().now().nanoseconds
+
+    def stamp(self):
+        from builtin_interfaces.msg import Time
+        t = self.now_ns()
+        return Time(sec=t // 1_000_000_000, nanosec=t % 1_000_000_000)
+
+    def publish_clock(self, t_ns: int) -> None:
+        from rosgraph_msgs.msg import Clock
+        self.sim_time_ns = t_ns
+        msg = Clock()
+        msg.clock = self.stamp()
+        self.clock_pub.publish(msg)
+
+    # -- streams ----------------------------------------------------------------------------------
+    def every(self, period_s: float, callback: Callable[[], None]):
+        """A wall-clock timer on the harness executor (keeps publishing while the test waits)."""
+        from rclpy.clock import Clock, ClockType
+        timer = self.node.create_timer(period_s, callback, clock=Clock(clock_type=ClockType.STEADY_TIME))
+        self._streams.append(timer)
+        return timer
+
+    def stop_streams(self) -> None:
+        for timer in self._streams:
+            self.node.destroy_timer(timer)
+        self._streams = []
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def wait_until(self, predicate: Callable[[], object], timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+                self.changed.wait(min(left, 0.1))
+
+    def wait_matched(self, timeout: float = 20.0) -> None:
+        """Until DDS has matched the node's inputs and outputs with this node's."""
+        def matched():
+            pubs = [self.joint_pub, self.instruction_pub, self.estop_pub]
+            return all(p.get_subscription_count() > 0 for p in pubs) and \
+                all(s.get_publisher_count() > 0 for s in self.subs[:2])
+        self.wait_until(matched, timeout, "the node's topics to match")
+
+    def messages(self, key: str, since: float = 0.0) -> list:
+        with self.changed:
+            return [m for t, m in self.received[key] if t >= since]
+
+    def times(self, key: str, since: float = 0.0) -> list[float]:
+        with self.changed:
+            return [t for t, _ in self.received[key] if t >= since]
+
+    def diagnostics_since(self, since: float) -> list[dict]:
+        out = []
+        for msg in self.messages("diagnostics", since):
+            for status in msg.status:
+                if status.hardware_id == self.target:
+                    values = {kv.key: kv.value for kv in status.values}
+                    values["_message"], values["_level"] = status.message, int.from_bytes(status.level, "little") \
+                        if isinstance(status.level, bytes) else int(status.level)
+                    out.append(values)
+        return out
+
+    def wait_diagnostics(self, predicate: Callable[[dict], bool], timeout: float, what: str,
+                         since: Optional[float] = None) -> dict:
+        since = time.monotonic() if since is None else since
+        def find():
+            for d in self.diagnostics_since(since):
+                if predicate(d):
+                    return d
+            return None
+        return self.wait_until(find, timeout, what)
+
+    def wait_commands(self, count: int, timeout: float = 20.0, since: Optional[float] = None) -> list:
+        since = time.monotonic() if since is None else since
+        return self.wait_until(lambda: len(self.messages("command", since)) >= count and
+                               self.messages("command", since), timeout, f"{count} commands")
+
+    # -- services ---------------------------------------------------------------------------------
+    def call(self, client, request, timeout: float = 60.0):
+        if not client.wait_for_service(timeout_sec=20.0):
+            raise AssertionError(f"service {client.srv_name} not available")
+        future = client.call_async(request)
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            raise AssertionError(f"no answer from {client.srv_name} within {timeout:.0f} s")
+        return future.result()
+
+    def transition(self, label: str, timeout: float = 120.0) -> bool:
+        from lifecycle_msgs.srv import ChangeState
+        request = ChangeState.Request()
+        request.transition.label = label
+        return self.call(self.change_state, request, timeout).success
+
+    def state(self) -> str:
+        from lifecycle_msgs.srv import GetState
+        return self.call(self.get_state, GetState.Request()).current_state.label
+
+    def set_parameter(self, name: str, value):
+        """-> rcl_interfaces SetParametersResult (successful, reason)."""
+        from rcl_interfaces.srv import SetParameters
+        from rclpy.parameter import Parameter
+        request = SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()])
+        return self.call(self.set_params, request).results[0]
+
+    def get_parameter(self, name: str):
+        from rcl_interfaces.srv import GetParameters
+        from rclpy.parameter import parameter_value_to_python
+        value = self.call(self.get_params, GetParameters.Request(names=[name])).values[0]
+        return parameter_value_to_python(value)
+
+    def close(self) -> None:
+        self.stop_streams()
+        self.executor.shutdown()
+        self.node.destroy_node()
+        self.context.try_shutdown()
+        self._spinner.join(5)
+
+
+class Robot:
+    """Synthetic inputs: two cameras (raw or JPEG each) and joint states at fixed rates, each
+    produced by a function a test may swap to inject malformed messages."""
+
+    def __init__(self, harness: Harness, camera_hz: float = 15.0, joint_hz: float = 50.0,
+                 size: tuple[int, int] = (480, 640), compressed: tuple = (False, False)):
+        self.h = harness
+        self.size = size
+        self.compressed = compressed
+        self.frame_count = 0
+        self.joint_count = 0
+        self.joints = HOME.copy()
+        self.camera_messages: dict[int, Callable] = {}   # camera index -> f(stamp, seq) -> msg, overrides
+        self.joint_message: Optional[Callable] = None     # f(stamp) -> msg, overrides
+        self.cameras_on = [True, True]
+        self.joints_on = True
+        # A short loop of precomputed frames keeps the test process's CPU for DDS.
+        self._data = {}
+        for camera in range(2):
+            for k in range(FRAME_LOOP):
+                frame = rgb_frame(size[0], size[1], 5 * k + 50 * camera)
+                if compressed[camera]:
+                    import cv2
+                    self._data[camera, k] = cv2.imencode(".jpg", np.ascontiguousarray(frame[..., ::-1]))[1].tobytes()
+                else:
+                    self._data[camera, k] = frame.tobytes()
+        harness.every(1.0 / camera_hz, self._publish_cameras)
+        harness.every(1.0 / joint_hz, self._publish_joints)
+
+    def image(self, camera: int, stamp, seq: int):
+        from sensor_msgs.msg import CompressedImage, Image
+        h, w = self.size
+        if self.compressed[camera]:
+            msg = CompressedImage(format="jpeg")
+        else:
+            msg = Image(height=h, width=w, encoding="rgb8", step=w * 3)
+        msg.data = self._data[camera, seq % FRAME_LOOP]
+        msg.header.stamp = stamp
+        msg.header.frame_id = f"camera{camera}"
+        return msg
+
+    def joint_state(self, stamp):
+        from sensor_msgs.msg import JointState
+        msg = JointState(name=list(reversed(JOINTS)), position=[float(x) for x in reversed(self.joints)])
+        msg.header.stamp = stamp
+        return msg
+
+    def _publish_cameras(self) -> None:
+        stamp = self.h.stamp()
+        self.frame_count += 1
+        for i, topic in enumerate(CAMERA_TOPICS):
+            if not self.cameras_on[i]:
+                continue
+            make = self.camera_messages.get(i, self.image)
+            msg = make(i, stamp, self.frame_count)
+            key = topic + "/compressed" if type(msg).__name__ == "CompressedImage" else topic
+            self.h.camera_pubs[key].publish(msg)
+
+    def _publish_joints(self) -> None:
+        if not self.joints_on:
+            return
+        self.joint_count += 1
+        stamp = self.h.stamp()
+        msg = (self.joint_message or self.joint_state)(stamp)
+        self.h.joint_pub.publish(msg)
+
+
+def diag_float(d: dict, key: str) -> float:
+    return float(d[key])

@@ -1,0 +1,137 @@
+"""The node as a user runs it: `vla-node --ros-args --params-file config/tiny.yaml` in its own
+process, driven through its lifecycle services over DDS, fed synthetic camera + joint streams."""
+import os
+import time
+
+import numpy as np
+import pytest
+
+from ros_helpers import HOME, JOINTS, Harness, NodeProcess, Robot
+
+pytestmark = pytest.mark.timeout(180)
+
+RATE = 50.0
+
+
+def pid_alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
+
+
+@pytest.fixture(scope="module")
+def running():
+    node = NodeProcess({"publish_joint_command": True})
+    h = Harness(node)
+    try:
+        yield node, h
+    finally:
+        h.close()
+        node.stop()
+
+
+def test_starts_unconfigured_and_configure_loads_the_engine_in_a_process(running):
+    node, h = running
+    assert h.state() == "unconfigured"
+    assert h.transition("configure")
+    assert h.state() == "inactive"
+    node.wait_for_line("loaded tiny on cpu")         # the engine's progress, forwarded to the log
+    node.wait_for_line("ready in")
+    d = h.wait_diagnostics(lambda d: d.get("state") == "inactive", 10, "inactive diagnostics", since=0)
+    assert pid_alive(int(d["engine_pid"])) and int(d["engine_pid"]) != node.proc.pid
+    assert not h.messages("command")                 # configured is not commanding
+
+
+def test_active_node_commands_at_the_configured_rate_and_publishes_trajectories(running):
+    node, h = running
+    Robot(h)
+    h.wait_matched()
+    assert h.transition("activate")
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run")
+    since = time.monotonic()
+    h.wait_until(lambda: len(h.messages("trajectory", since)) >= 5, 30, "5 trajectories")
+    start = time.monotonic()
+    h.wait_commands(int(RATE * 3), since=start, timeout=30)
+    times = h.times("command", start)
+    rate = (len(times) - 1) / (times[-1] - times[0])
+    assert rate == pytest.approx(RATE, rel=0.1)
+
+    commands = np.array([m.data for m in h.messages("command", since)])
+    assert commands.shape[1] == len(JOINTS) and np.isfinite(commands).all()
+    joint_command = h.messages("joint_command", since)[-1]
+    assert list(joint_command.name) == JOINTS and len(joint_command.position) == len(JOINTS)
+
+    for traj in h.messages("trajectory", since):
+        assert list(traj.joint_names) == JOINTS
+        assert 8 <= len(traj.points) <= 16               # what is left of a 16-action chunk
+        steps = [p.time_from_start.sec * 10**9 + p.time_from_start.nanosec for p in traj.points]
+        assert steps == [i * 20_000_000 for i in range(len(steps))]
+        assert all(len(p.positions) == len(JOINTS) for p in traj.points)
+    # The header stamp is when the first point executes: the next control tick.
+    last = h.messages("trajectory", since)[-1]
+    stamp = last.header.stamp.sec + last.header.stamp.nanosec * 1e-9
+    assert abs(stamp - time.time()) < 1.0
+
+
+def test_commands_start_at_the_measured_position_and_stay_in_limits(running):
+    node, h = running
+    first = np.array(h.messages("command")[0].data)
+    np.testing.assert_allclose(first, HOME)          # nothing planned yet: hold where the robot is
+    commands = np.array([m.data for m in h.messages("command")])
+    steps = np.abs(np.diff(commands, axis=0))
+    assert (steps <= np.array([0.05] * 7 + [0.2]) + 1e-9).all()
+
+
+def test_deactivate_stops_commands_and_cleanup_ends_the_engine_process(running):
+    node, h = running
+    pid = int(h.diagnostics_since(0)[-1]["engine_pid"])
+    assert h.transition("deactivate")
+    stopped = time.monotonic()
+    h.wait_diagnostics(lambda d: d.get("state") == "inactive", 10, "inactive diagnostics")
+    later = time.monotonic()
+    h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")   # time passes, on the node's clock
+    assert not h.messages("command", later)
+    assert len(h.messages("command", stopped)) <= 2          # in flight when it stopped
+    assert h.transition("cleanup")
+    assert h.state() == "unconfigured"
+    assert not pid_alive(pid)                                # the engine's memory went with it
+    node.wait_for_line("cleaned up: engine process ended")
+
+
+def test_configure_again_after_cleanup_and_shutdown(running):
+    node, h = running
+    assert h.transition("configure")
+    assert h.transition("activate")
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run again")
+    pid = int(h.diagnostics_since(0)[-1]["engine_pid"])
+    assert h.transition("shutdown")
+    assert h.state() == "finalized"
+    assert not pid_alive(pid)
+
+
+def test_failed_load_fails_configure_with_the_reason(tmp_path):
+    node = NodeProcess({"checkpoint": str(tmp_path / "missing")})
+    h = Harness(node)
+    try:
+        assert not h.transition("configure")
+        assert h.state() == "unconfigured"
+        line = node.wait_for_line("configure failed")
+        assert "does not exist" in line
+        d = h.wait_diagnostics(lambda d: "configure failed" in d["_message"], 10, "the failure on /diagnostics",
+                               since=0)
+        assert "does not exist" in d["_message"] and d["_level"] == 2
+        assert node.proc.poll() is None                      # still up, can be fixed and configured again
+    finally:
+        h.close()
+        assert node.stop() == 0
+
+
+def test_ctrl_c_ends_the_node_and_its_engine_process():
+    node = NodeProcess({"autostart": True})
+    h = Harness(node)
+    try:
+        d = h.wait_diagnostics(lambda d: "engine_pid" in d, 60, "an engine pid", since=0)
+        pid = int(d["engine_pid"])
+        assert pid_alive(pid)
+    finally:
+        h.close()
+        assert node.stop() == 0
+    assert not pid_alive(pid)

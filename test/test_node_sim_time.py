@@ -1,0 +1,68 @@
+"""use_sim_time with a /clock publisher: the control loop, the stamps and the input timeouts
+follow simulated time, and a clock that jumps back makes the node hold, say so, and recover.
+Also `autostart`: this node is never sent a lifecycle transition."""
+import time
+
+import pytest
+
+from ros_helpers import Harness, NodeProcess, Robot
+
+pytestmark = pytest.mark.timeout(120)
+
+SIM_START_NS = 1000 * 10**9
+STEP_NS = 5_000_000          # simulated time per /clock message ...
+EVERY_S = 0.01               # ... sent this often: the simulation runs at half speed
+
+
+@pytest.fixture(scope="module")
+def sim():
+    node = NodeProcess({"autostart": True, "use_sim_time": True})
+    h = Harness(node)
+    h.publish_clock(SIM_START_NS)
+    h.every(EVERY_S, lambda: h.publish_clock(h.sim_time_ns + STEP_NS))
+    Robot(h)
+    try:
+        h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run on simulated time", since=0)
+        yield node, h
+    finally:
+        h.close()
+        node.stop()
+
+
+def test_control_loop_runs_on_simulated_time(sim):
+    _, h = sim
+    since = time.monotonic()
+    h.wait_commands(60, since=since, timeout=30)
+    times = h.times("command", since)[1:]
+    wall_rate = (len(times) - 1) / (times[-1] - times[0])
+    assert wall_rate == pytest.approx(50.0 * STEP_NS / 1e9 / EVERY_S, rel=0.15)    # 50 Hz of simulated time
+
+    traj = h.wait_until(lambda: h.messages("trajectory", since), 20, "a trajectory")[-1]
+    stamp_ns = traj.header.stamp.sec * 10**9 + traj.header.stamp.nanosec
+    assert abs(stamp_ns - h.sim_time_ns) < 10**9              # simulated time, not the wall clock
+    d = h.wait_diagnostics(lambda d: "command_period_ms_p50" in d, 10, "loop statistics")
+    assert "command_jitter_ms_p99" not in d                   # wall-clock jitter means nothing here
+
+
+def test_clock_jump_back_holds_reports_once_and_recovers(sim):
+    node, h = sim
+    start = time.monotonic()
+    h.publish_clock(h.sim_time_ns - 10 * 10**9)
+    d = h.wait_diagnostics(lambda d: "clock jumped back" in d["_message"], 15, "the jump on /diagnostics",
+                           since=start)
+    assert d["_level"] == 2 and node.proc.poll() is None
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "recovery after the jump")
+    assert node.count("holding: clock: clock jumped back by 10.0") == 1
+    since = time.monotonic()
+    traj = h.wait_until(lambda: h.messages("trajectory", since), 20, "a chunk after the jump")[-1]
+    stamp_ns = traj.header.stamp.sec * 10**9 + traj.header.stamp.nanosec
+    assert abs(stamp_ns - h.sim_time_ns) < 10**9
+
+
+def test_input_timeout_counts_simulated_time(sim):
+    node, h = sim
+    h.stop_streams()          # the simulation pauses: nothing is stale while time stands still
+    paused = time.monotonic()
+    # Diagnostics run on the wall clock: three of them span more than the (simulated) timeout.
+    h.wait_until(lambda: len(h.diagnostics_since(paused)) >= 3, 10, "diagnostics while paused")
+    assert all("stale" not in d["_message"] for d in h.diagnostics_since(paused))
