@@ -477,7 +477,6 @@ class CameraInput:
     name: str           # the layout's camera name
     topic: str          # topic in the bag
     msgtype: str        # Image or CompressedImage
-    node_topic: str     # the node's Image topic (the bag topic without /compressed)
 
 
 @dataclass(frozen=True)
@@ -497,22 +496,21 @@ class BagInputs:
 def resolve_inputs(bag: Bag, camera_names: Sequence[str], camera_topics: Sequence[str] = CAMERA_TOPICS,
                    joint_states: str = JOINT_STATES_TOPIC, instruction: Optional[str] = INSTRUCTION_TOPIC,
                    reference: Optional[str] = REFERENCE_TOPIC) -> BagInputs:
-    """Match the node's topics to the bag's; clear errors for missing topics and unusable types.
-    instruction=None: no instruction topic is needed; reference is optional either way."""
+    """The bag's topic for each input; clear errors for missing topics and unusable types. A camera
+    topic matches its raw or its /compressed variant. instruction=None: no instruction topic is
+    needed; reference is optional either way."""
     if len(camera_names) != len(camera_topics):
         raise BagError(f"{len(camera_topics)} camera topics for the layout's {len(camera_names)} cameras "
                        f"{list(camera_names)}")
     cameras = []
     for name, topic in zip(camera_names, camera_topics):
-        if topic in bag.topics:
-            msgtype = bag.require(topic, (IMAGE, COMPRESSED_IMAGE))
-            cameras.append(CameraInput(name, topic, msgtype, topic.removesuffix(COMPRESSED_SUFFIX)))
-        elif topic + COMPRESSED_SUFFIX in bag.topics:
-            msgtype = bag.require(topic + COMPRESSED_SUFFIX, (COMPRESSED_IMAGE,))
-            cameras.append(CameraInput(name, topic + COMPRESSED_SUFFIX, msgtype, topic))
-        else:
-            raise BagError(f"camera topic {topic} (or {topic}{COMPRESSED_SUFFIX}) is not in {bag.path}; "
+        # A camera recorded raw or through image_transport's compressed topic serves either.
+        base = topic.removesuffix(COMPRESSED_SUFFIX)
+        found = next((t for t in (topic, base, base + COMPRESSED_SUFFIX) if t in bag.topics), None)
+        if found is None:
+            raise BagError(f"camera topic {base} (or {base}{COMPRESSED_SUFFIX}) is not in {bag.path}; "
                            f"it has: {', '.join(sorted(bag.topics)) or 'none'}")
+        cameras.append(CameraInput(name, found, bag.require(found, (IMAGE, COMPRESSED_IMAGE))))
     bag.require(joint_states, (JOINT_STATE,))
     if instruction is not None:
         bag.require(instruction, (STRING,))

@@ -2,8 +2,9 @@
 
     vla-replay offline BAG --configs eager,fast            # engine only, frame for frame, same noise
     vla-replay offline BAG --configs eager,fast:flow_steps=5 --set device=cuda --set dtype=bfloat16
+    vla-replay live BAG --rate 0.5                         # into a running vla_node; records its outputs
 
-offline needs no ROS.
+offline needs no ROS; live needs rclpy and a running node (vla-node --ros-args -p autostart:=true).
 """
 from __future__ import annotations
 
@@ -20,17 +21,20 @@ def _csv(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
-def add_topic_arguments(parser: argparse.ArgumentParser) -> None:
-    topics = parser.add_argument_group("topics")
-    topics.add_argument("--camera-topics", type=_csv, default=list(CAMERA_TOPICS),
-                        help="the node's camera topics in layout order; a bag may hold TOPIC/compressed instead "
-                             "(default %(default)s)")
-    topics.add_argument("--joint-states", default=JOINT_STATES_TOPIC)
-    topics.add_argument("--instruction-topic", default=INSTRUCTION_TOPIC)
+def add_topic_arguments(parser: argparse.ArgumentParser, live: bool) -> None:
+    """The bag's topics. Offline defaults to the node's default topic names; live to the running
+    node's own topic names (read from its parameters)."""
+    topics = parser.add_argument_group("the bag's topics")
+    node = "the node's" if live else None
+    topics.add_argument("--camera-topics", type=_csv, default=None if live else list(CAMERA_TOPICS),
+                        help="camera topics in the layout's camera order; TOPIC/compressed matches too "
+                             f"(default: {node or list(CAMERA_TOPICS)})")
+    topics.add_argument("--joint-states", default=None if live else JOINT_STATES_TOPIC,
+                        help=f"(default: {node or JOINT_STATES_TOPIC})")
+    topics.add_argument("--instruction-topic", default=None if live else INSTRUCTION_TOPIC,
+                        help=f"(default: {node or INSTRUCTION_TOPIC})")
     topics.add_argument("--instruction", default=None,
-                        help="instruction text, for bags without an instruction topic (replaces the topic)")
-    topics.add_argument("--joint-names", type=_csv, default=None,
-                        help="joint state entries that make the model's state, in order (default: all, as recorded)")
+                        help="instruction text, instead of the bag's instruction topic")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +61,27 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--sync-slop", type=float, default=SYNC_SLOP_S,
                      help="largest stamp difference between cameras in one query, s (the node's sync_slop_s)")
     off.add_argument("--out", type=Path, default=Path("out/replay_offline"), help="report.json and plots go here")
-    add_topic_arguments(off)
+    off.add_argument("--joint-names", type=_csv, default=None,
+                     help="joint state entries that make the model's state, in order (default: all, as recorded)")
+    add_topic_arguments(off, live=False)
+
+    live = sub.add_parser("live", help="publish the bag into a running node and record what it publishes")
+    live.add_argument("bag", type=Path)
+    live.add_argument("--rate", type=float, default=1.0, help="playback speed factor (default %(default)s)")
+    live.add_argument("--clock", choices=("auto", "on", "off"), default="auto",
+                      help="publish /clock from the bag's time: auto = when the node has use_sim_time; without "
+                           "it header stamps are shifted to the wall-clock time of playback (default %(default)s)")
+    live.add_argument("--clock-hz", type=float, default=0.0,
+                      help="/clock rate (default: 4x the node's control rate, at least 100 Hz)")
+    live.add_argument("--node", default="/vla_node", help="the node under test (default %(default)s)")
+    live.add_argument("--out", type=Path, default=Path("out/replay_live"),
+                      help="the recording (a new bag), summary.json and plots go here (default %(default)s)")
+    live.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap", help="of the recording")
+    live.add_argument("--wait", type=float, default=60.0,
+                      help="seconds to wait for the node, its topics and subscriptions (default %(default)s)")
+    live.add_argument("--tail", type=float, default=1.0,
+                      help="seconds to keep recording after the last message (default %(default)s)")
+    add_topic_arguments(live, live=True)
 
     return parser
 
@@ -79,10 +103,27 @@ def run_offline(args) -> int:
     return 0
 
 
+def run_live(args) -> int:
+    from .live import LiveError, LiveOptions, print_summary, replay_live
+
+    options = LiveOptions(bag=args.bag, rate=args.rate, clock=args.clock, clock_hz=args.clock_hz, node=args.node,
+                          out=args.out, storage=args.storage, wait_s=args.wait, tail_s=args.tail,
+                          camera_topics=args.camera_topics, joint_states=args.joint_states,
+                          instruction_topic=args.instruction_topic, instruction=args.instruction)
+    try:
+        summary = replay_live(options, progress=lambda m: print(m, flush=True))
+    except LiveError as err:
+        print(f"vla-replay: error: {err}", file=sys.stderr)
+        return 2
+    print()
+    print_summary(summary)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run_offline(args)
+        return run_offline(args) if args.command == "offline" else run_live(args)
     except (BagError, ValueError) as err:
         print(f"vla-replay: error: {err}", file=sys.stderr)
         return 2

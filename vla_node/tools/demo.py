@@ -1,0 +1,165 @@
+"""vla-demo (`make demo`): the tiny policy as a ROS 2 node on the CPU, fed the bag shipped with
+the package, in about a minute.
+
+  1. starts `vla-node --ros-args --params-file config/tiny.yaml -p autostart:=true`;
+  2. replays vla_node/data/sample_droid.mcap into it in recorded timing, records everything it
+     publishes, and prints chunks, command rate and jitter, latency per stage and holds;
+  3. replays the same bag offline through two engine configurations on the same noise: how
+     far their actions are apart, and how fast each is.
+
+Plots, the recording and JSON summaries go to out/demo/. The demo keeps to itself: its own ROS
+domain (ROS_DOMAIN_ID if set, else a random one) and localhost-only discovery.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from .live import LiveOptions, print_summary, replay_live
+from .sample_bag import SAMPLE_BAG
+
+Print = Callable[[str], None]
+NODE = "/vla_node"
+OFFLINE_CONFIGS = "eager,fused"
+
+
+def tiny_config() -> Path:
+    """config/tiny.yaml of the source tree, else the copy installed under share/vla_node."""
+    for path in (Path(__file__).resolve().parents[2] / "config" / "tiny.yaml",
+                 Path(sys.prefix) / "share" / "vla_node" / "config" / "tiny.yaml"):
+        if path.exists():
+            return path
+    raise FileNotFoundError("config/tiny.yaml not found in the source tree or under share/vla_node")
+
+
+def isolate_ros() -> str:
+    """Environment for this process and its children: a ROS domain of our own, discovery on this
+    machine only, and Fast DDS's large-data transport (raw 640x480 frames are lost without it)."""
+    os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(100, 199)))
+    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = "LARGE_DATA"
+    os.environ.setdefault("ROS_LOG_DIR", str(Path("out") / "ros_log"))
+    return os.environ["ROS_DOMAIN_ID"]
+
+
+class NodeProcess:
+    """`vla-node` as a child process (its own session, so Ctrl-C of the demo reaches it only
+    through stop()), its output in a log file."""
+
+    def __init__(self, params_file: Path, log_path: Path, overrides: Optional[dict[str, str]] = None):
+        script = Path(sys.executable).parent / "vla-node"
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "vla_node.ros.node"]
+        command += ["--ros-args", "--params-file", str(params_file)]
+        for name, value in {"autostart": "true", **(overrides or {})}.items():
+            command += ["-p", f"{name}:={value}"]
+        self.command = command
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def exited(self) -> Optional[str]:
+        """Why the node is gone, or None while it runs."""
+        code = self.proc.poll()
+        return None if code is None else f"vla-node exited with code {code}; its log: {self.log_path}"
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> Optional[int]:
+        """Ctrl-C, as a user would: the node ends its engine process and exits."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "NodeProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class DemoResult:
+    live: dict
+    offline: Optional[dict]
+    seconds: float
+
+
+def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_fn: Print = print,
+             node_overrides: Optional[dict[str, str]] = None) -> DemoResult:
+    t0 = time.monotonic()
+    domain = isolate_ros()
+    if out.exists():
+        shutil.rmtree(out)   # the demo's own output folder: each run starts clean
+    out.mkdir(parents=True)
+    params_file = tiny_config()
+    print_fn(f"vla-demo: tiny VLA policy as a ROS 2 node on the CPU (ROS domain {domain}, localhost only)")
+    print_fn(f"[1/3] starting vla-node with {params_file} (log: {out / 'node.log'})")
+    with NodeProcess(params_file, out / "node.log", node_overrides) as node:
+        print_fn(f"[2/3] live replay of {SAMPLE_BAG.name} into {NODE}")
+        try:
+            live = replay_live(LiveOptions(bag=SAMPLE_BAG, node=NODE, out=out / "live", wait_s=180.0,
+                                           abort_if=node.exited),
+                               progress=lambda m: print_fn(f"      {m}"))
+        except BaseException:
+            print_fn(f"      the node's last log lines:\n{node.log_tail()}")
+            raise
+    print_fn("")
+    print_summary(live, print_fn)
+    offline = None
+    if offline_configs:
+        # Imported here: torch's import would compete with the node's start-up for the CPU.
+        from ..runtime import LAYOUTS
+        from .bag_io import CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_STATES_TOPIC, REFERENCE_TOPIC
+        from .offline import BagQuery, evaluate, parse_configs
+        from .offline import print_summary as print_offline
+        print_fn("")
+        print_fn(f"[3/3] offline replay of {SAMPLE_BAG.name} through {offline_configs} (same frames, same noise)")
+        query = BagQuery(SAMPLE_BAG, CAMERA_TOPICS, JOINT_STATES_TOPIC, INSTRUCTION_TOPIC, None, REFERENCE_TOPIC)
+        offline = evaluate(query, parse_configs(offline_configs), {"preset": "tiny", "device": "cpu",
+                                                                   "layout": LAYOUTS["droid"]},
+                           out / "offline", progress=lambda m: None)
+        print_offline(offline, print_fn)
+    seconds = time.monotonic() - t0
+    print_fn("")
+    print_fn(f"done in {seconds:.0f} s. Plots: {out / 'live'} (commands.png, timing.png), "
+             f"{out / 'offline'} (actions_*.png, latency.png)" if offline else f"done in {seconds:.0f} s.")
+    return DemoResult(live, offline, seconds)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="vla-demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="output folder (default %(default)s)")
+    parser.add_argument("--offline-configs", default=OFFLINE_CONFIGS,
+                        help="engine configurations compared offline; empty: skip (default %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        run_demo(args.out, args.offline_configs or None, print_fn=lambda m: print(m, flush=True))
+    except KeyboardInterrupt:
+        print("vla-demo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:   # a demo ends with a sentence, not a traceback
+        print(f"vla-demo: failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
