@@ -3,7 +3,9 @@
 #   bash scripts/gpu_sweep.sh [what...]   what: tests bench8 fp8 streamdroid stream8 (default: all)
 # Writes logs and JSON/PNG under $OUT (or out/ when unset); the tables print last.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# Packages missing there (rosbags for the rendered stream scene) travel as wheels in .whl/,
+# installed to /tmp/site by the calling command (see BENCHMARKS.md).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 what=${*:-tests bench8 fp8 streamdroid stream8}

@@ -6,7 +6,6 @@ state_dict); `uncompile` returns the modules to eager.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..model.policy import VLAPolicy

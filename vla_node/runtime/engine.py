@@ -23,6 +23,7 @@ from .action_cache import FlowSchedule
 from .fp8 import quantize_llm_
 from .fusion import fuse_projections
 from .preprocess import check_frames, preprocess_reference
+from .timing import StageTimer
 from .types import ActionChunk, EngineConfig, Observation, WindowLayout
 
 Progress = Callable[[str], None]
@@ -36,29 +37,6 @@ class EngineStats:
     graph_captures: int = 0
     queries: int = 0
     fp8_weight_bytes: int = 0
-
-
-class StageTimer:
-    """Wall time per stage; on CUDA each mark waits for the device so stages are attributed."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.times: dict[str, float] = {}
-        self.start = self.last = self._now()
-
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def mark(self, stage: str) -> None:
-        now = self._now()
-        self.times[stage] = self.times.get(stage, 0.0) + (now - self.last) * 1e3
-        self.last = now
-
-    def total(self) -> dict[str, float]:
-        self.times["total"] = (self.last - self.start) * 1e3
-        return self.times
 
 
 class PolicyEngine:

@@ -21,6 +21,7 @@ from .compile import compile_count, compile_regions
 from .frame_store import FrameStore
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
 from .streaming import StreamBuffers
+from .timing import StageTimer
 from .types import Observation, WindowLayout
 
 if TYPE_CHECKING:
@@ -201,8 +202,6 @@ class StaticRunner:
 
     # -- a query --------------------------------------------------------------------------------
     def predict(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout):
-        from .engine import StageTimer
-
         e = self.engine
         b = self.bucket(layout)
         timer = StageTimer(e.device)

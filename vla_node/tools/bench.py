@@ -170,8 +170,6 @@ def hf_baseline(preset: str, device: str, dtype: torch.dtype, images: int, token
     with torch.inference_mode():
         vit_ms = timed(lambda: vit(pixel_values=pixels, output_hidden_states=True))
         llm_ms = timed(lambda: llm(input_ids=ids, output_hidden_states=True, use_cache=False))
-    del vit, llm
-    gc.collect()
     return {"vision": summarize(vit_ms), "llm": summarize(llm_ms),
             "total_ms": statistics.median(vit_ms) + statistics.median(llm_ms),
             "transformers": transformers.__version__}
