@@ -17,8 +17,7 @@ from vla_node.tools.sample_bag import SAMPLE_BAG
 
 @pytest.fixture(scope="module", autouse=True)
 def own_ros_domain():
-    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE",
-                                            "FASTDDS_BUILTIN_TRANSPORTS", "ROS_LOG_DIR")}
+    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "FASTDDS_BUILTIN_TRANSPORTS", "ROS_LOG_DIR")}
     os.environ["ROS_DOMAIN_ID"] = str(random.Random(os.getpid()).randint(100, 199))
     isolate_ros()
     yield
