@@ -76,13 +76,14 @@ class NodeProcess:
         with self._changed:
             return sum(text in line for line in self.lines)
 
-    def wait_for_line(self, text: str, timeout: float = 30.0) -> str:
+    def wait_for_line(self, text: str, timeout: float = 30.0, occurrence: int = 1) -> str:
+        """The `occurrence`-th line containing `text`, once the node has printed it."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
-                for line in self.lines:
-                    if text in line:
-                        return line
+                found = [line for line in self.lines if text in line]
+                if len(found) >= occurrence:
+                    return found[occurrence - 1]
                 left = deadline - time.monotonic()
                 if left <= 0 or self.proc.poll() is not None:
                     raise AssertionError(f"no log line with {text!r} (exit code {self.proc.poll()}); output:\n"
@@ -134,6 +135,7 @@ class Harness:
         from rclpy.executors import SingleThreadedExecutor
 
         ros_env()
+        self.process = node
         self.target = node.name
         self.context = rclpy.Context()
         rclpy.init(context=self.context)
@@ -235,8 +237,14 @@ class Harness:
                     return value
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+                    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n"
+                                         f"last diagnostics: {self._last_status()}\nnode output:\n"
+                                         + "\n".join(self.process.output().splitlines()[-30:]))
                 self.changed.wait(min(left, 0.1))
+
+    def _last_status(self):
+        statuses = self.diagnostics_since(0.0)
+        return statuses[-1] if statuses else None
 
     def wait_matched(self, timeout: float = 20.0) -> None:
         """Until DDS has matched the node's inputs and outputs with this node's."""

@@ -150,6 +150,7 @@ def test_malformed_input_holds_reports_once_and_recovers(rig, case):
     node, h, robot = rig
     before = h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run before the case")
     logged = node.count(f"holding: {case.source}: ")
+    resolved = node.count(f"resolved: {case.source}: ")
     frames, joint_msgs = robot.frame_count, robot.joint_count
     start = time.monotonic()
     restore = case.inject(robot, h)
@@ -169,9 +170,10 @@ def test_malformed_input_holds_reports_once_and_recovers(rig, case):
     resumed = h.wait_diagnostics(lambda d: d["_message"] == "running", 30, f"recovery from {case.name}",
                                  since=time.monotonic())
     assert events(resumed, case.source) == events(before, case.source) + 1
+    # The log arrives on another path than DDS: wait until it has caught up.
+    node.wait_for_line(f"resolved: {case.source}: ", occurrence=resolved + 1)
     lines = [line for line in node.output().splitlines() if f"holding: {case.source}: " in line]
     assert len(lines) == logged + 1 and case.text in lines[-1], "\n".join(lines)
-    node.wait_for_line(f"resolved: {case.source}: ")
     since = time.monotonic()
     h.wait_until(lambda: h.messages("trajectory", since), 20, "a new chunk after recovery")
 

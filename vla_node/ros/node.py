@@ -25,7 +25,7 @@ import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from lifecycle_msgs.msg import State
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.clock import JumpThreshold
+from rclpy.clock import Clock, ClockType, JumpThreshold
 from rclpy.duration import Duration
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
@@ -106,7 +106,8 @@ class VLANode(LifecycleNode):
         # decoder thread).
         self._diagnostics_now = self.create_guard_condition(self._publish_diagnostics)
         self.faults = Faults(self.get_logger(), on_change=self._diagnostics_now.trigger)
-        self.create_timer(1.0, self._publish_diagnostics)
+        # Wall time: diagnostics keep coming while a simulation is paused.
+        self.create_timer(1.0, self._publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME))
         self._clock_jump = self.get_clock().create_jump_callback(
             JumpThreshold(min_forward=None, min_backward=Duration(nanoseconds=-1), on_clock_change=False),
             post_callback=self._on_clock_jump)
