@@ -63,14 +63,16 @@ def test_every_message_type_round_trips(tmp_path, target):
         assert bag.topics == {topic: msgtype for msgtype, topic in topics.items()}
         read = list(bag.messages(list(topics.values())))
         assert bag.damage is None
-        assert [(topic, time_ns) for topic, _, time_ns, _ in read] == [(topics[m], STAMP + i) for i, m in enumerate(SAMPLES)]
+        assert [(topic, time_ns) for topic, _, time_ns, _ in read] == [(topics[m], STAMP + i)
+                                                                       for i, m in enumerate(SAMPLES)]
         msgs = {msgtype: bag.deserialize(raw, msgtype) for _, msgtype, _, raw in read}
         for msgtype, (_, _, _, raw) in zip(SAMPLES, read):
             assert bytes(raw) == serialized(msgtype)
     assert np.array_equal(decode_image(msgs[IMAGE], "/t0"), RGB)
     assert stamp_ns(msgs[IMAGE].header.stamp) == STAMP and msgs[IMAGE].header.frame_id == "exo_camera_optical_frame"
     jpeg = decode_image(msgs[COMPRESSED_IMAGE], "/t1")
-    assert jpeg.shape == RGB.shape and np.abs(jpeg.astype(int) - RGB).mean() < 12  # a swapped colour order is off by ~100
+    # A swapped colour order would be off by ~100.
+    assert jpeg.shape == RGB.shape and np.abs(jpeg.astype(int) - RGB).mean() < 12
     assert list(msgs[JOINT_STATE].name) == list(JOINT_NAMES)
     assert np.array_equal(msgs[JOINT_STATE].position, np.arange(8) * 0.1)
     assert msgs[STRING].data == "pick up the red cup – and put it in the bowl"

@@ -12,7 +12,7 @@ import pytest
 from vla_node.tools.bag_io import Bag, BagError
 from vla_node.tools.demo import NodeProcess, isolate_ros, run_demo, tiny_config
 from vla_node.tools.live import LiveError, LiveOptions, replay_live
-from vla_node.tools.sample_bag import SAMPLE_BAG
+from vla_node.tools.sample_bag import SAMPLE_BAG, SampleSpec, write_sample_bag
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -97,3 +97,34 @@ def test_live_errors(tmp_path):
         replay_live(LiveOptions(bag=tmp_path / "missing.mcap", out=tmp_path))
     with pytest.raises(LiveError, match="node /nobody not found"):
         replay_live(LiveOptions(bag=SAMPLE_BAG, node="/nobody", out=tmp_path, wait_s=2.0))
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """A node on the wall clock, for replays other than the demo's."""
+    with NodeProcess(tiny_config(), tmp_path_factory.mktemp("node") / "node.log") as running:
+        yield running
+
+
+def test_live_raw_sqlite_bag_at_double_speed(node, tmp_path):
+    """Raw Image cameras pass through as they are (restamped), from a sqlite3 bag, at 2x; the
+    recording is a sqlite3 bag too."""
+    bag = write_sample_bag(tmp_path / "raw", SampleSpec(duration_s=2.0, compressed=False, reference=False), "sqlite3")
+    live = replay_live(LiveOptions(bag=bag, rate=2.0, out=tmp_path / "live", storage="sqlite3", abort_if=node.exited),
+                       progress=lambda m: None)
+    assert live["published"] == {"/cameras/exo/image_raw": 30, "/cameras/wrist/image_raw": 30, "/joint_states": 200,
+                                 "/instruction": 1}
+    assert live["chunks"] >= max(1, live["expected_chunks"] - 2)
+    assert abs(live["command_rate_hz"] - 50.0) <= 0.05 * 50.0   # the node's clock is the wall clock
+    with Bag(live["recording"]) as recording:
+        assert recording.storage == "sqlite3" and "/vla_node/command" in recording.topics
+
+
+def test_live_partial_bag_plays_up_to_the_damage(node, tmp_path):
+    bag = tmp_path / "cut.mcap"
+    bag.write_bytes(SAMPLE_BAG.read_bytes()[:SAMPLE_BAG.stat().st_size // 2])
+    live = replay_live(LiveOptions(bag=bag, out=tmp_path / "live", abort_if=node.exited), progress=lambda m: None)
+    damage = live["bag_damage"]
+    assert damage and "cut off at byte" in damage["reason"] and damage["summary"].startswith("stopped after")
+    assert 0 < live["published"]["/cameras/exo/image_raw"] < 90
+    assert live["chunks"] > 0

@@ -54,6 +54,11 @@ def test_config_specs_and_overrides():
     specs = parse_configs("eager, fast:flow_steps=5:dtype=bfloat16 ,eager")
     assert [s.label for s in specs] == ["eager", "fast:flow_steps=5:dtype=bfloat16", "eager#2"]
     assert specs[1].mode == "fast" and specs[1].overrides == {"flow_steps": 5, "dtype": "bfloat16"}
+    # Values may hold commas and colons (action-cache schedules do).
+    specs = parse_configs("static,static:action_cache=4:3,5:3:seed=2,eager:action_cache=adaptive:0.05")
+    assert [(s.mode, s.overrides) for s in specs] == [
+        ("static", {}), ("static", {"action_cache": "4:3,5:3", "seed": 2}),
+        ("eager", {"action_cache": "adaptive:0.05"})]
     assert parse_overrides(["compile=off", "flow_steps=none", "layout=8img", "seed=3"]) == {
         "compile": False, "flow_steps": None, "layout": LAYOUTS["8img"], "seed": 3}
     with pytest.raises(ValueError, match="unknown mode 'fastest'"):

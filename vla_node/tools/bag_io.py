@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import apsw
+import cv2
 import numpy as np
 from rosbags.highlevel import AnyReader, AnyReaderError
 from rosbags.image import ImageError, image_to_cvimage
-from rosbags.rosbag2 import ReaderError, StoragePlugin, Writer, WriterError
+from rosbags.rosbag2 import ReaderError, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
 
 from ..runtime import Observation, WindowLayout
@@ -37,7 +38,6 @@ IMAGE = "sensor_msgs/msg/Image"
 COMPRESSED_IMAGE = "sensor_msgs/msg/CompressedImage"
 JOINT_STATE = "sensor_msgs/msg/JointState"
 STRING = "std_msgs/msg/String"
-BOOL = "std_msgs/msg/Bool"
 FLOAT64_MULTI_ARRAY = "std_msgs/msg/Float64MultiArray"
 JOINT_TRAJECTORY = "trajectory_msgs/msg/JointTrajectory"
 DIAGNOSTIC_ARRAY = "diagnostic_msgs/msg/DiagnosticArray"
@@ -92,7 +92,6 @@ def image_msg(rgb: np.ndarray, ns: int, frame_id: str = ""):
 
 
 def compressed_image_msg(rgb: np.ndarray, ns: int, frame_id: str = "", quality: int = 85):
-    import cv2
     ok, jpeg = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:
         raise BagError("JPEG encoding failed")
@@ -141,7 +140,6 @@ def canonical_cdr(raw: bytes, msgtype: str) -> bytes:
 def decode_image(msg, topic: str) -> np.ndarray:
     """sensor_msgs Image or CompressedImage -> HxWx3 uint8 RGB."""
     if hasattr(msg, "format"):   # CompressedImage: JPEG / PNG
-        import cv2
         bgr = cv2.imdecode(np.asarray(msg.data, np.uint8), cv2.IMREAD_COLOR)
         if bgr is None:
             raise BagError(f"{topic}: cannot decode a compressed image of format {msg.format!r}")
@@ -163,6 +161,7 @@ class BagWriter:
         self.path = Path(path)
         if self.path.exists():
             raise BagError(f"{self.path} exists already; not overwriting")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.suffix in STORAGE_SUFFIXES:
             storage = STORAGE_SUFFIXES[self.path.suffix]
             self._staging = Path(tempfile.mkdtemp(prefix="bag_", dir=self.path.parent))
@@ -172,12 +171,9 @@ class BagWriter:
             directory = self.path
         if storage not in STORAGES:
             raise BagError(f"unknown storage {storage!r}; known: {sorted(STORAGES)}")
-        self.storage = storage
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._writer = Writer(directory, version=Writer.VERSION_LATEST, storage_plugin=STORAGES[storage])
         self._writer.open()
         self._connections = {}
-        self.counts: dict[str, int] = {}
 
     def add_topic(self, topic: str, msgtype: str) -> None:
         if topic in self._connections:
@@ -185,7 +181,6 @@ class BagWriter:
         if msgtype not in TYPESTORE.fielddefs:
             raise BagError(f"{topic}: message type {msgtype} is not known to the {Stores.ROS2_KILTED.name} typestore")
         self._connections[topic] = self._writer.add_connection(topic, msgtype, typestore=TYPESTORE)
-        self.counts[topic] = 0
 
     def write(self, topic: str, msgtype: str, time_ns: int, msg) -> None:
         """Write a rosbags message object."""
@@ -195,7 +190,6 @@ class BagWriter:
         """Write CDR bytes as rosbags would serialise them (see canonical_cdr for DDS bytes)."""
         self.add_topic(topic, msgtype)
         self._writer.write(self._connections[topic], int(time_ns), data)
-        self.counts[topic] += 1
 
     def close(self) -> None:
         if self._writer is None:
@@ -265,10 +259,13 @@ class Bag:
         self.end_ns: Optional[int] = self._reader.end_time if self._reader.message_count else None
         self.message_count: int = self._reader.message_count
 
+    def _storage_files(self) -> list[Path]:
+        return [self.path] if self.path.is_file() else [*self.path.glob("*.mcap"), *self.path.glob("*.db3")]
+
     @property
     def storage(self) -> str:
-        files = [self.path] if self.path.is_file() else [*self.path.glob("*.mcap"), *self.path.glob("*.db3")]
-        return STORAGE_SUFFIXES.get(files[0].suffix, "?") if files else "?"
+        files = self._storage_files()
+        return STORAGE_SUFFIXES[files[0].suffix] if files else "?"
 
     @property
     def duration_s(self) -> float:
@@ -284,7 +281,7 @@ class Bag:
         """The bag did not open as it is. A directory whose metadata.yaml is missing (a recording
         that was killed never writes it) or unusable: read its storage file directly. A storage
         file cut off or damaged: copy what precedes the damage to a temporary file and read that."""
-        storage_files = [self.path] if self.path.is_file() else [*self.path.glob("*.mcap"), *self.path.glob("*.db3")]
+        storage_files = self._storage_files()
         if not storage_files:
             raise BagError(f"{self.path} is not a rosbag2 bag: no metadata.yaml, no .mcap or .db3 file")
         if len(storage_files) != 1:
@@ -381,8 +378,10 @@ def salvage_mcap(source: Path, copy: Path) -> str:
     copy with a footer without summary (readers scan it). Records of an uncompressed chunk cut off
     part-way are kept as loose records. Returns where the damage starts."""
     magic = b"\x89MCAP0\r\n"
-    with open(source, "rb") as f, open(copy, "wb") as out:
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if source.stat().st_size else b""
+    if source.stat().st_size < len(magic):
+        raise BagError("not an MCAP file (too short)")
+    with open(source, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, \
+            open(copy, "wb") as out:
         if data[:len(magic)] != magic:
             raise BagError("not an MCAP file (bad magic)")
         out.write(magic)
@@ -450,17 +449,12 @@ def salvage_sqlite(source: Path, copy: Path) -> str:
                 continue
             dst.execute(sql)
             copied = 0
-            rows = src.execute(f'SELECT * FROM "{name}" ORDER BY rowid')
-            while True:
-                try:
-                    row = rows.fetchone()
-                except sqlite3.DatabaseError as err:
-                    stop = f"table {name} unreadable after {copied} rows ({err})"
-                    break
-                if row is None:
-                    break
-                dst.execute(f'INSERT INTO "{name}" VALUES ({",".join("?" * len(row))})', row)
-                copied += 1
+            try:
+                for row in src.execute(f'SELECT * FROM "{name}" ORDER BY rowid'):
+                    dst.execute(f'INSERT INTO "{name}" VALUES ({",".join("?" * len(row))})', row)
+                    copied += 1
+            except sqlite3.DatabaseError as err:
+                stop = stop or f"table {name} unreadable after {copied} rows ({err})"
         for kind, name, sql in schema:
             if kind == "index":
                 dst.execute(sql)

@@ -27,7 +27,7 @@ import numpy as np
 
 from .bag_io import (CLOCK, COMPRESSED_IMAGE, COMPRESSED_SUFFIX, DIAGNOSTIC_ARRAY, FLOAT64_MULTI_ARRAY, IMAGE,
                      JOINT_STATE, JOINT_TRAJECTORY, STRING, TYPESTORE, Bag, BagError, BagWriter, canonical_cdr,
-                     compressed_image_msg, decode_image, image_msg, resolve_inputs, stamp_ns, string_msg, time_msg)
+                     compressed_image_msg, decode_image, image_msg, resolve_inputs, stamp_ns, time_msg)
 
 Progress = Callable[[str], None]
 
@@ -35,12 +35,15 @@ Progress = Callable[[str], None]
 class LiveError(RuntimeError):
     """The node under test or the replay's own processes did not do what a replay needs."""
 
+
 # The node's parameters the replay adapts to.
 NODE_PARAMETERS = ("camera_names", "camera_topics", "joint_names", "joint_states_topic", "instruction_topic",
                    "control_rate_hz", "replan_threshold", "input_timeout_s", "use_sim_time")
 LOG = "rcl_interfaces/msg/Log"
 PARAMETER_EVENT = "rcl_interfaces/msg/ParameterEvent"
-START_LEAD_S = 0.3          # playback starts this long after the go, so both processes agree on t0
+# Playback starts this long after the go: both processes agree on t0, and the node, which matches
+# the player's publishers a moment after the player matched its subscriptions, gets the first frames.
+START_LEAD_S = 0.3
 
 
 def ros_type(msgtype: str):
@@ -140,7 +143,8 @@ def play(plan: PlaybackPlan, conn) -> None:
     node = rclpy.create_node("vla_replay_player", context=context, start_parameter_services=False)
     try:
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
         publishers = {r.bag_topic: node.create_publisher(ros_type(r.node_type), r.node_topic,
                                                          latched if r.latched else reliable) for r in plan.routes}
         instruction_pub = (node.create_publisher(ros_type(STRING), plan.instruction_topic, latched)
@@ -521,7 +525,8 @@ def summarize(run: LiveRun) -> tuple[dict, Series]:
         "node_chunks": _number(node_values.get("chunks")),
         "commands": len(commands), "control_rate_hz": rate_hz, "command_rate_hz": measured_hz,
         "command_period_ms": _stats(periods_ms), "command_jitter_ms": _stats(jitter),
-        "node_command_jitter_ms": {k: _number(node_values.get(f"command_jitter_ms_{k}")) for k in ("p50", "p99", "max")},
+        "node_command_jitter_ms": {k: _number(node_values.get(f"command_jitter_ms_{k}"))
+                                   for k in ("p50", "p99", "max")},
         "latency_ms": stages,
         "round_trip_ms": {k: _number(node_values.get(f"round_trip_ms_{k}")) for k in ("p50", "p99", "max")},
         "holds": {"by_cause": _counts(node_values.get("holds_by_cause")),
@@ -645,7 +650,7 @@ def print_summary(summary: dict, print_fn: Progress = print) -> None:
     holds = summary["holds"]
     causes = ", ".join(f"{cause} x{n}" for cause, n in holds["by_cause"].items()) or "none"
     print_fn(f"  holds:             {causes}; plan ran out {holds['plan_underruns']} times")
-    for change in holds["changes"]:
+    for change in (c for c in holds["changes"] if c["t_s"] >= 0):   # during playback
         status = change["status"] if len(change["status"]) <= 100 else change["status"][:97] + "..."
         print_fn(f"    t={change['t_s']:6.2f} s  {status}")
     for topic, why in summary["skipped_topics"].items():

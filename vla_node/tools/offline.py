@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine, WindowLayout
-from .bag_io import SYNC_SLOP_S, Bag, BagError, BagInputs, ObservationStream, StreamStats, image_shape, read_references, resolve_inputs
+from .bag_io import (SYNC_SLOP_S, Bag, BagError, BagInputs, ObservationStream, StreamStats, image_shape,
+                     read_references, resolve_inputs)
 from .bench import STAGES, deviation
 
 Progress = Callable[[str], None]
@@ -90,16 +91,21 @@ def parse_overrides(items: Sequence[str]) -> dict:
 
 
 def parse_configs(text: str) -> list[ConfigSpec]:
+    """Comma-separated `MODE[:KEY=VALUE...]`. Values may hold commas and colons (action-cache
+    schedules such as `4:3,5:3` do): a comma starts a configuration only before a name followed by
+    `:`, `,` or the end, a colon starts an override only before `NAME=`."""
     specs, seen = [], {}
-    for item in (s.strip() for s in text.split(",")):
+    for item in re.split(r",(?=\s*[A-Za-z_]\w*\s*(?::|,|$))", text):
+        item = item.strip()
         if not item:
             continue
-        mode, *overrides = item.split(":")
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r} in {item!r}; known: {list(MODES)}")
+        mode, _, rest = item.partition(":")
+        if mode.strip() not in MODES:
+            raise ValueError(f"unknown mode {mode.strip()!r} in {item!r}; known: {list(MODES)}")
+        overrides = re.split(r":(?=\s*[A-Za-z_]\w*\s*=)", rest) if rest else []
         seen[item] = seen.get(item, 0) + 1
         label = item if seen[item] == 1 else f"{item}#{seen[item]}"
-        specs.append(ConfigSpec(label, mode, parse_overrides(overrides)))
+        specs.append(ConfigSpec(label, mode.strip(), parse_overrides(overrides)))
     if not specs:
         raise ValueError("no configurations given")
     return specs
@@ -194,11 +200,8 @@ def run_config(spec: ConfigSpec, config: EngineConfig, query: BagQuery, log: Fra
         if len(timings) != len(log.noises):
             raise RuntimeError(f"[{spec.label}] {len(timings)} queries, the baseline had {len(log.noises)}: "
                                f"the bag did not read the same way twice")
-        shape = (0, engine.model_cfg.action.horizon, engine.model_cfg.action.action_dim)
-        run = ConfigRun(spec, config, stats.ready_s,
-                        np.stack(actions) if actions else np.zeros(shape, np.float32),
-                        np.stack(normalized) if normalized else np.zeros(shape, np.float32),
-                        timings, stats.compiled_graphs)
+        run = ConfigRun(spec, config, stats.ready_s, np.stack(actions), np.stack(normalized), timings,
+                        stats.compiled_graphs)
         return run, bag, stream
     finally:
         engine.close()
@@ -211,12 +214,12 @@ def compare(run: ConfigRun, base: ConfigRun) -> tuple[dict, list[dict]]:
     frames = [dict(deviation(n, b), identical=bool(np.array_equal(a, ba)))
               for n, b, a, ba in zip(run.normalized, base.normalized, run.actions, base.actions)]
     summary = {
-        "bit_identical": bool(len(run.actions) == len(base.actions) and all(f["identical"] for f in frames)),
+        "bit_identical": all(f["identical"] for f in frames),
         "identical_frames": sum(f["identical"] for f in frames),
-        "max_abs_dev": max((f["max_abs_dev"] for f in frames), default=0.0),
-        "mean_abs_dev": float(np.mean([f["mean_abs_dev"] for f in frames])) if frames else 0.0,
-        "max_rel_l2": max((f["rel_l2"] for f in frames), default=0.0),
-        "max_abs_dev_raw": float(np.abs(run.actions - base.actions).max()) if frames else 0.0,
+        "max_abs_dev": max(f["max_abs_dev"] for f in frames),
+        "mean_abs_dev": float(np.mean([f["mean_abs_dev"] for f in frames])),
+        "max_rel_l2": max(f["rel_l2"] for f in frames),
+        "max_abs_dev_raw": float(np.abs(run.actions - base.actions).max()),
     }
     return summary, frames
 
@@ -232,7 +235,8 @@ def compare_reference(run: ConfigRun, log: FrameLog, references: dict[int, np.nd
             raise BagError(f"reference actions have {ref.shape[1]} joints, the model's actions {actions.shape[1]}")
         steps = min(len(ref), len(actions))
         err = np.abs(actions[:steps] - ref[:steps])
-        per_frame.append({"mae": float(err.mean()), "max_abs": float(err.max()), "first_step_mae": float(err[0].mean())})
+        per_frame.append({"mae": float(err.mean()), "max_abs": float(err.max()),
+                          "first_step_mae": float(err[0].mean())})
     matched = [f for f in per_frame if f is not None]
     if not matched:
         return None, per_frame
@@ -270,7 +274,8 @@ def build_report(runs: list[ConfigRun], log: FrameLog, bag: Bag, stream: Observa
             "vs_baseline": vs_base, "vs_reference": vs_ref,
         })
         for entry, dev, ref, timing in zip(report["per_frame"], frames, ref_frames, run.timings):
-            entry["configs"][run.spec.label] = {"total_ms": timing["total"], **dev, **({"reference": ref} if ref else {})}
+            entry["configs"][run.spec.label] = {"total_ms": timing["total"], **dev,
+                                                **({"reference": ref} if ref else {})}
     return report
 
 
@@ -285,7 +290,7 @@ def write_plots(report: dict, runs: list[ConfigRun], log: FrameLog, references: 
     import matplotlib.pyplot as plt
 
     times = np.array([f["time_s"] for f in report["per_frame"]], np.float64)
-    states = np.stack(log.states) if log.states else None
+    states = np.stack(log.states)
     ref_first = np.array([references[s][0] if s in references else np.full(runs[0].actions.shape[2], np.nan)
                           for s in log.stamps_ns]) if references else None
     paths = []
@@ -293,15 +298,13 @@ def write_plots(report: dict, runs: list[ConfigRun], log: FrameLog, references: 
         dims = run.actions.shape[2]
         fig, axes = plt.subplots((dims + 1) // 2, 2, figsize=(11, 1.9 * ((dims + 1) // 2) + 0.6), sharex=True)
         for d, ax in enumerate(axes.flat[:dims]):
-            if states is not None and len(times):
-                ax.plot(times, states[:, d], color="0.6", lw=1, label="joint state")
-            if ref_first is not None and len(times):
+            ax.plot(times, states[:, d], color="0.6", lw=1, label="joint state")
+            if ref_first is not None:
                 ax.plot(times, ref_first[:, d], "k--", lw=1, label="reference (step 0)")
-            if run is not runs[0] and len(times):
+            if run is not runs[0]:
                 ax.plot(times, runs[0].actions[:, 0, d], color="tab:orange", lw=1, ls=":",
                         label=f"{runs[0].spec.label} (step 0)")
-            if len(times):
-                ax.plot(times, run.actions[:, 0, d], color="tab:blue", lw=1.3, label=f"{run.spec.label} (step 0)")
+            ax.plot(times, run.actions[:, 0, d], color="tab:blue", lw=1.3, label=f"{run.spec.label} (step 0)")
             ax.set_ylabel(joint_names[d] if d < len(joint_names) else f"action {d}", fontsize=8)
         for ax in axes.flat[dims:]:
             ax.set_visible(False)
@@ -317,16 +320,14 @@ def write_plots(report: dict, runs: list[ConfigRun], log: FrameLog, references: 
 
     fig, (hist, bars) = plt.subplots(1, 2, figsize=(12, 4))
     for run in runs:
-        totals = [t["total"] for t in run.timings]
-        if totals:
-            hist.hist(totals, bins=30, histtype="step", lw=1.5, label=run.spec.label)
+        hist.hist([t["total"] for t in run.timings], bins=30, histtype="step", lw=1.5, label=run.spec.label)
     hist.set_xlabel("latency per query (ms)")
     hist.set_ylabel("queries")
     hist.legend(fontsize=8)
     labels = [r.spec.label for r in runs]
     bottom = np.zeros(len(runs))
     for stage in STAGES:
-        means = np.array([np.mean([t.get(stage, 0.0) for t in r.timings]) if r.timings else 0.0 for r in runs])
+        means = np.array([np.mean([t.get(stage, 0.0) for t in r.timings]) for r in runs])
         bars.bar(labels, means, bottom=bottom, label=stage)
         bottom += means
     bars.set_ylabel("mean ms per stage")
@@ -359,7 +360,7 @@ def evaluate(query: BagQuery, specs: Sequence[ConfigSpec], common: dict, out_dir
         run, bag, stream = run_config(spec, config, query, log, baseline=(i == 0), progress=progress)
         runs.append(run)
         progress(f"[{spec.label}] {len(run.timings)} queries, median "
-                 f"{np.median([t['total'] for t in run.timings]) if run.timings else float('nan'):.1f} ms")
+                 f"{np.median([t['total'] for t in run.timings]):.1f} ms")
     report = build_report(runs, log, bag, stream, inputs, references)
     report["wall_s"] = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -378,19 +379,24 @@ def print_summary(report: dict, print_fn: Progress = print) -> None:
         print_fn(f"  note: {note}")
     if bag["damage"]:
         print_fn(f"  PARTIAL BAG: {bag['damage']['summary']}")
-    head = f"  {'config':<22}{'median ms':>10}{'p99 ms':>9}{'ready s':>9}{'max|dev| vs ' + report['baseline']:>22}{'identical':>11}"
+    width = max(len("config"), *(len(c["label"]) for c in report["configs"])) + 2
+    deviation_head = f"max|dev| vs {report['baseline']}"
+    dev_width = max(len(deviation_head), 10) + 2
+    head = (f"  {'config':<{width}}{'median ms':>10}{'p99 ms':>9}{'ready s':>9}{deviation_head:>{dev_width}}"
+            f"{'identical':>11}")
     has_ref = any(c["vs_reference"] for c in report["configs"])
     print_fn(head + (f"{'ref MAE':>10}" if has_ref else ""))
     for c in report["configs"]:
         lat, dev = c["latency_ms"].get("total", {}), c["vs_baseline"]
-        row = (f"  {c['label']:<22}{lat.get('p50', float('nan')):>10.1f}{lat.get('p99', float('nan')):>9.1f}"
-               f"{c['ready_s']:>9.1f}{dev['max_abs_dev']:>22.2e}{'yes' if dev['bit_identical'] else 'no':>11}")
+        row = (f"  {c['label']:<{width}}{lat.get('p50', float('nan')):>10.1f}{lat.get('p99', float('nan')):>9.1f}"
+               f"{c['ready_s']:>9.1f}{dev['max_abs_dev']:>{dev_width}.2e}{'yes' if dev['bit_identical'] else 'no':>11}")
         if has_ref:
             row += f"{c['vs_reference']['mae']:>10.3f}" if c["vs_reference"] else f"{'-':>10}"
         print_fn(row)
     stages = [s for s in STAGES if s in report["configs"][0]["latency_ms"]]
     print_fn("  per-stage median ms: " + "; ".join(
-        f"{c['label']}: " + ", ".join(f"{s} {c['latency_ms'][s]['p50']:.1f}" for s in stages if "p50" in c["latency_ms"][s])
+        f"{c['label']}: " + ", ".join(f"{s} {c['latency_ms'][s]['p50']:.1f}" for s in stages
+                                      if "p50" in c["latency_ms"][s])
         for c in report["configs"]))
     print_fn(f"  report: {report['report']}")
     print_fn("  plots:  " + ", ".join(report["plots"]))

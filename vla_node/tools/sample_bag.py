@@ -174,7 +174,6 @@ class SampleSpec:
     compressed: bool = True        # CompressedImage (JPEG) on <topic>/compressed, else raw rgb8 Image
     reference: bool = True         # reference actions on REFERENCE_TOPIC
     jpeg_quality: int = 80
-    scale: int = 1                 # image size divisor (tests that do not need 640x480)
 
 
 def write_sample_bag(path: str | Path, spec: SampleSpec = SampleSpec(), storage: str = "mcap",
@@ -204,8 +203,6 @@ def write_sample_bag(path: str | Path, spec: SampleSpec = SampleSpec(), storage:
                              joint_state_msg(stamp, JOINT_NAMES, joint_positions(t), joint_velocities(t)))
             else:
                 rgb = RENDERERS[kind](t)
-                if spec.scale > 1:
-                    rgb = cv2.resize(rgb, (WIDTH // spec.scale, HEIGHT // spec.scale), interpolation=cv2.INTER_AREA)
                 frame_id = f"{kind}_camera_optical_frame"
                 if spec.compressed:
                     writer.write(topic + COMPRESSED_SUFFIX, COMPRESSED_IMAGE, log_ns,
