@@ -229,17 +229,19 @@ class Harness:
 
     # -- waiting ----------------------------------------------------------------------------------
     def wait_until(self, predicate: Callable[[], object], timeout: float, what: str):
+        # The predicate runs without the lock: it may call a service, whose answer needs the
+        # executor thread, which takes the lock to record messages.
         deadline = time.monotonic() + timeout
-        with self.changed:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n"
-                                         f"last diagnostics: {self._last_status()}\nnode output:\n"
-                                         + "\n".join(self.process.output().splitlines()[-30:]))
+        while True:
+            value = predicate()
+            if value:
+                return value
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n"
+                                     f"last diagnostics: {self._last_status()}\nnode output:\n"
+                                     + "\n".join(self.process.output().splitlines()[-30:]))
+            with self.changed:
                 self.changed.wait(min(left, 0.1))
 
     def _last_status(self):

@@ -36,7 +36,7 @@ class EngineInfo:
     action_dim: int
     state_dim: int
     description: str
-    runtime_schedule: bool     # the engine can change its action-cache schedule at run time
+    runtime_schedule: bool     # the engine can change its action-cache schedule between queries
 
 
 @dataclass
@@ -52,15 +52,15 @@ class Result:
     memory: Optional[tuple] = None   # (allocated, reserved) device bytes; None on the CPU
 
 
-SCHEDULE_METHOD = "set_action_cache_schedule"   # engine method for run-time schedule changes
-SCHEDULE_FIELD = "action_cache_schedule"        # EngineConfig field for the start-up schedule
+SCHEDULE_METHOD = "set_flow"          # PolicyEngine.set_flow(action_cache=...): run-time schedule changes
+SCHEDULE_FIELD = "action_cache"       # EngineConfig field of the start-up schedule
 
 
 class EngineProcess:
     def __init__(self, options: dict, frame_bytes: int):
         """options: mode, preset, checkpoint, device, dtype, seed, flow_steps,
         max_instruction_tokens, camera_height, camera_width, cameras, frames, stride,
-        action_cache_schedule, threads, nice, ring_shape."""
+        action_cache, threads, nice, ring_shape."""
         self.options = options
         fd = os.memfd_create("vla_node_frames")
         try:
@@ -115,7 +115,7 @@ class EngineProcess:
     def reset_stream(self) -> None:
         self._conn.send(("reset", None))
 
-    def set_action_cache_schedule(self, schedule: str) -> None:
+    def set_action_cache(self, schedule: str) -> None:
         """Applied between predictions; the answer comes back from poll() as kind "schedule"."""
         self._conn.send(("schedule", schedule))
 
@@ -197,10 +197,10 @@ def _load_engine(conn, options: dict):
                      camera_height=options["camera_height"], camera_width=options["camera_width"],
                      flow_steps=options["flow_steps"] or None,
                      max_instruction_tokens=options["max_instruction_tokens"])
-    if options["action_cache_schedule"]:
+    if options["action_cache"]:
         if SCHEDULE_FIELD not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            raise ValueError(f"action_cache_schedule is set but this engine has no {SCHEDULE_FIELD} option")
-        overrides[SCHEDULE_FIELD] = options["action_cache_schedule"]
+            raise ValueError(f"action_cache is set but this engine has no {SCHEDULE_FIELD} option")
+        overrides[SCHEDULE_FIELD] = options["action_cache"]
     config = EngineConfig.for_mode(options["mode"], **overrides)
     engine = PolicyEngine(config, progress=lambda message: conn.send(("progress", message)))
     engine.warmup()
@@ -227,7 +227,7 @@ def _serve(conn, engine, pixels: np.ndarray) -> None:
             engine.reset_stream()
         elif kind == "schedule":
             try:
-                getattr(engine, SCHEDULE_METHOD)(payload)
+                getattr(engine, SCHEDULE_METHOD)(action_cache=payload)
                 conn.send(("schedule", dict(request_id=-1, reason="")))
             except Exception as e:
                 conn.send(("schedule", dict(request_id=-1, reason=f"{type(e).__name__}: {e}")))

@@ -126,7 +126,7 @@ class VLANode(LifecycleNode):
         self._reset_control()
         self._joints: Optional[tuple[np.ndarray, int]] = None   # (positions, received ns)
         self._next_request_id = 0
-        self._schedule_accepted = self.settings.action_cache_schedule
+        self._schedule_accepted = self.settings.action_cache
 
         self._loop_period = Rolling(STATS_WINDOW)     # control tick start times (steady clock, s)
         self._stage_ms = {s: Rolling(200) for s in STAGES}
@@ -269,7 +269,7 @@ class VLANode(LifecycleNode):
                     dtype=s.dtype, seed=s.seed, flow_steps=s.flow_steps,
                     max_instruction_tokens=s.max_instruction_tokens, camera_height=s.camera_height,
                     camera_width=s.camera_width, cameras=list(s.camera_names), frames=s.history_frames,
-                    stride=s.history_stride, action_cache_schedule=s.action_cache_schedule,
+                    stride=s.history_stride, action_cache=s.action_cache,
                     threads=s.engine_threads, nice=s.engine_nice,
                     ring_shape=FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width,
                                                   s.history_frames, s.history_stride))
@@ -552,7 +552,7 @@ class VLANode(LifecycleNode):
         except params.SettingsError as e:
             return SetParametersResult(successful=False, reason=str(e))
         names = {p.name for p in changes}
-        if "action_cache_schedule" in names and self._info is not None and not self._info.runtime_schedule:
+        if "action_cache" in names and self._info is not None and not self._info.runtime_schedule:
             return SetParametersResult(successful=False, reason="this engine cannot change its action-cache "
                                                                 "schedule at run time; cleanup and configure")
         return SetParametersResult(successful=True)
@@ -569,20 +569,19 @@ class VLANode(LifecycleNode):
             self._safety = self._make_safety()
         if "instruction" in names:
             self.faults.clear("instruction")
-        if "action_cache_schedule" in names and self._engine is not None \
-                and new.action_cache_schedule != self._schedule_accepted:
-            self._engine.set_action_cache_schedule(new.action_cache_schedule)
+        if "action_cache" in names and self._engine is not None and new.action_cache != self._schedule_accepted:
+            self._engine.set_action_cache(new.action_cache)
 
     def _schedule_answer(self, result: Result) -> None:
         """The engine validates schedules itself, in its own process, and the control loop must
         not wait for it: a schedule it refuses is reported and the parameter set back."""
         if not result.reason:
-            self._schedule_accepted = self.settings.action_cache_schedule
-            self.faults.clear("action_cache_schedule")
+            self._schedule_accepted = self.settings.action_cache
+            self.get_logger().info(f"action_cache {self._schedule_accepted!r} in effect")
             return
-        self.get_logger().error(f"action_cache_schedule {self.settings.action_cache_schedule!r} refused by the "
-                                f"engine: {result.reason}; restored {self._schedule_accepted!r}")
-        self.set_parameters([Parameter("action_cache_schedule", Parameter.Type.STRING, self._schedule_accepted)])
+        self.get_logger().error(f"action_cache {self.settings.action_cache!r} refused by the engine: "
+                                f"{result.reason}; restored {self._schedule_accepted!r}")
+        self.set_parameters([Parameter("action_cache", Parameter.Type.STRING, self._schedule_accepted)])
 
     def _make_safety(self) -> SafetyFilter:
         s = self.settings

@@ -69,8 +69,9 @@ SPECS: dict[str, Spec] = {
                         read_only=True, range=(0, 19)),
     "engine_start_timeout_s": Spec(600.0, "longest wait for the engine to load and warm up during configure",
                                    read_only=True, range=(1.0, 7200.0)),
-    "action_cache_schedule": Spec("", "action-cache schedule forwarded to the engine (empty: off); changeable "
-                                      "at run time when the engine supports it"),
+    "action_cache": Spec("", "the engine's action-cache schedule (empty: every flow step computed; e.g. "
+                             "flashdrive, 3-6:2, adaptive:0.05; see vla_node/runtime/action_cache.py); "
+                             "changeable at run time"),
     # -- inputs (read-only: they shape the observation and the subscriptions) --------------
     "camera_names": Spec(["exo", "wrist"], "camera names in the model's layout order", read_only=True),
     "camera_topics": Spec(["/cameras/exo/image_raw", "/cameras/wrist/image_raw"],
@@ -133,7 +134,7 @@ class Settings:
     engine_threads: int
     engine_nice: int
     engine_start_timeout_s: float
-    action_cache_schedule: str
+    action_cache: str
     camera_names: tuple
     camera_topics: tuple
     camera_height: int
