@@ -337,9 +337,13 @@ class VLANode(LifecycleNode):
 
     def _on_clock_jump(self, jump) -> None:
         """Time went backwards (a restarted simulation or bag): every stored stamp is from the
-        future now. Forget the frames and the plan; the next complete window clears it."""
+        future now. Forget the frames and the plan, and the engine's stream state too (a
+        replayed frame may carry a stamp it has cached another picture under); the next complete
+        window clears it."""
         if self._ring is not None:
             self._ring.clear()
+        if self._engine is not None:
+            self._engine.reset_stream()
         self._joints = None
         self._plan.clear()
         self._epoch += 1
