@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -411,6 +412,10 @@ def replay_live(options: LiveOptions, progress: Progress = print) -> dict:
         with Bag(options.bag) as bag:
             plan = plan_playback(bag, params, options, clock)
             bag_start_ns, duration_s = bag.start_ns, bag.duration_s
+        large_data = os.environ.get("FASTDDS_BUILTIN_TRANSPORTS") == "LARGE_DATA"
+        if any(r.node_type == IMAGE for r in plan.routes) and not large_data:
+            progress("note: Fast DDS's default transports lose many raw camera images; run the node and the "
+                     "replay with FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA")
         topics = _node_topics(node, wait, fqn)
         recording = options.out / f"recording_{datetime.now():%Y%m%d_%H%M%S}"
         with BagWriter(recording, options.storage) as writer:
