@@ -73,6 +73,9 @@ class Rolling:
     def __len__(self) -> int:
         return len(self._values)
 
+    def newest(self) -> Optional[float]:
+        return self._values[-1] if self._values else None
+
     def values(self) -> np.ndarray:
         # deque.copy() runs in C under the GIL: safe against appends from another thread.
         values = self._values.copy()

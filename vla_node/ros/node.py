@@ -46,6 +46,7 @@ STAGES = ("preprocess", "vision", "llm", "action", "total")
 # Faults the engine's next answer can clear: observations keep being sent while they are active.
 RETRY_SOURCES = {"engine", "output", "sync", "clock"}
 STATS_WINDOW = 1000     # samples in each rolling statistic (20 s of ticks at 50 Hz)
+DIAGNOSTICS_PERIOD_S = 1.0
 LATENCY_WINDOW = 10     # recent inference latencies (in ticks) that set the rtc freeze
 
 
@@ -107,7 +108,9 @@ class VLANode(LifecycleNode):
         self._diagnostics_now = self.create_guard_condition(self._publish_diagnostics)
         self.faults = Faults(self.get_logger(), on_change=self._diagnostics_now.trigger)
         # Wall time: diagnostics keep coming while a simulation is paused.
-        self.create_timer(1.0, self._publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME))
+        self.create_timer(DIAGNOSTICS_PERIOD_S, self._on_diagnostics_timer,
+                          clock=Clock(clock_type=ClockType.STEADY_TIME))
+        self._diagnostics_sent = 0.0    # time.monotonic() of the last /diagnostics message
         self._clock_jump = self.get_clock().create_jump_callback(
             JumpThreshold(min_forward=None, min_backward=Duration(nanoseconds=-1), on_clock_change=False),
             post_callback=self._on_clock_jump)
@@ -132,6 +135,9 @@ class VLANode(LifecycleNode):
         self._stage_ms = {s: Rolling(200) for s in STAGES}
         self._predict_ms = Rolling(200)
         self._overhead_ms = Rolling(200)
+        # Its parts: choosing + sending the window, the hop to the worker, the worker's wrapping
+        # around predict(), taking the answer in.
+        self._overhead_parts_ms = {part: Rolling(200) for part in ("send", "to_worker", "worker", "take")}
         self._round_trip_ms = Rolling(200)
         self._ingest_ms = Rolling(STATS_WINDOW)
         self._counts = dict(chunks=0, requests=0, rejected=0, discarded=0, observations_dropped=0,
@@ -391,6 +397,10 @@ class VLANode(LifecycleNode):
         self._hold = blocked or (None if target is not None else self._no_plan_cause())
         self._collect()
         self._dispatch(now_ns)
+        # Building /diagnostics takes a few milliseconds: while the loop runs it is done right
+        # after a tick, where it cannot delay one.
+        if time.monotonic() - self._diagnostics_sent >= DIAGNOSTICS_PERIOD_S:
+            self._publish_diagnostics()
 
     def _blocking_cause(self) -> Optional[str]:
         """What stops the plan from running: the fault sources, or no instruction."""
@@ -428,6 +438,7 @@ class VLANode(LifecycleNode):
         """Take the engine's answer, if there is one."""
         if self._engine is None:
             return
+        arrived = time.perf_counter()
         try:
             result = self._engine.poll()
         except EngineError as e:
@@ -438,7 +449,6 @@ class VLANode(LifecycleNode):
         if result.kind == "schedule":
             self._schedule_answer(result)
             return
-        arrived = time.perf_counter()
         request, self._in_flight = self._in_flight, None
         self._ring.unpin()
         if result.kind == "rejected":
@@ -488,7 +498,10 @@ class VLANode(LifecycleNode):
         worker_ms = (result.sent_at - result.received_at) * 1e3 - result.predict_ms
         to_worker_ms = (result.received_at - request.sent_at) * 1e3
         take_ms = (time.perf_counter() - arrived) * 1e3
-        self._overhead_ms.add(request.send_ms + to_worker_ms + worker_ms + take_ms)
+        parts = dict(send=request.send_ms, to_worker=to_worker_ms, worker=worker_ms, take=take_ms)
+        for part, ms in parts.items():
+            self._overhead_parts_ms[part].add(ms)
+        self._overhead_ms.add(sum(parts.values()))
         self._memory = result.memory
 
     def _dispatch(self, now_ns: int) -> None:
@@ -595,6 +608,11 @@ class VLANode(LifecycleNode):
     def _now_ns(self) -> int:
         return self.get_clock().now().nanoseconds
 
+    def _on_diagnostics_timer(self) -> None:
+        """Diagnostics when no control tick sends them (inactive, or a paused simulation)."""
+        if self._loop_period.newest() is None or time.perf_counter() - self._loop_period.newest() > 0.5:
+            self._publish_diagnostics()
+
     def _publish_diagnostics(self) -> None:
         status = DiagnosticStatus(name="vla_node: policy", hardware_id=self.get_fully_qualified_name())
         faults = self.faults.active()
@@ -613,6 +631,7 @@ class VLANode(LifecycleNode):
         msg = DiagnosticArray(status=[status])
         msg.header.stamp = self.get_clock().now().to_msg()
         self._diagnostics_pub.publish(msg)
+        self._diagnostics_sent = time.monotonic()
 
     def _diagnostic_values(self, faults: dict) -> list:
         s = self.settings
@@ -631,6 +650,8 @@ class VLANode(LifecycleNode):
         values += percentile_pairs("engine_predict", self._predict_ms)
         values += percentile_pairs("round_trip", self._round_trip_ms)
         values += percentile_pairs("node_overhead", self._overhead_ms)
+        for part, rolling in self._overhead_parts_ms.items():
+            values += percentile_pairs(f"node_overhead_{part}", rolling)
         values += percentile_pairs("frame_ingest", self._ingest_ms)
         if len(self._latency_ticks):
             values.append(("latency_ticks_max", int(self._latency_ticks.values().max())))

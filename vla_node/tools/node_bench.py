@@ -10,7 +10,8 @@
    its control ticks and as received here, engine latency per stage, and the node's overhead
    beyond engine.predict() per observation, all from its /diagnostics.
 
-Jitter = |period - 1/rate|. The floor of the machine (a plain sleep loop) is printed first.
+Jitter = |period - 1/rate|. Beside every measurement a plain sleep loop runs in a process of its
+own: the machine's floor at that moment (on a shared or virtual machine it moves a lot).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def ros_environment(domain: int) -> None:
 
 
 # -- 0. the machine's floor ------------------------------------------------------------------------
-def sleep_loop(rate_hz: float, seconds: float) -> dict:
+def sleep_loop(rate_hz: float, seconds: float, out=None) -> dict:
     period = 1.0 / rate_hz
     start = time.monotonic()
     stamps = []
@@ -58,7 +59,25 @@ def sleep_loop(rate_hz: float, seconds: float) -> dict:
         while (left := target - time.monotonic()) > 0:
             time.sleep(left)
         stamps.append(time.perf_counter())
-    return jitter_stats(stamps, rate_hz)
+    stats = jitter_stats(stamps, rate_hz)
+    if out is not None:
+        out.put(stats)
+    return stats
+
+
+class Floor:
+    """The sleep loop in a process of its own, running beside a measurement."""
+
+    def __init__(self, rate_hz: float, seconds: float):
+        ctx = mp.get_context("spawn")
+        self.out = ctx.Queue()
+        self.process = ctx.Process(target=sleep_loop, args=(rate_hz, seconds, self.out))
+        self.process.start()
+
+    def result(self) -> dict:
+        stats = self.out.get()
+        self.process.join()
+        return stats
 
 
 # -- 1. engine in a thread or a process -----------------------------------------------------------
@@ -110,6 +129,7 @@ def _timer_run(where: str, rate_hz: float, seconds: float, threads: int, nice: i
     node.create_timer(1.0 / rate_hz, tick)
     executor = SingleThreadedExecutor()
     executor.add_node(node)
+    out.put("measuring")
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         executor.spin_once(timeout_sec=0.1)
@@ -127,9 +147,13 @@ def where_to_infer(rate_hz: float, seconds: float, threads: int, nice: int, doma
         out = ctx.Queue()
         p = ctx.Process(target=_timer_run, args=(where, rate_hz, seconds, threads, nice, domain, out))
         p.start()
-        results[where] = out.get(timeout=seconds + 180)
+        assert out.get(timeout=180) == "measuring"
+        floor = Floor(rate_hz, seconds - 1)
+        results[where] = out.get(timeout=seconds + 60)
         p.join()
+        results[where]["floor"] = floor.result()
         print(f"  timer + engine in {where:8s}: {_fmt(results[where])}", flush=True)
+        print(f"      floor beside it:             {_fmt(results[where]['floor'])}", flush=True)
     return results
 
 
@@ -225,10 +249,12 @@ def run_node(args, domain: int) -> dict:
         start = time.perf_counter()
         received_from = len(feeder.commands)
         chunks_from = feeder.chunks
+        floor = Floor(args.rate, seconds)
         time.sleep(seconds)
         received = [t for t in feeder.commands[received_from:] if t >= start]
         d = dict(feeder.diagnostics)
         result = {"seconds": seconds, "chunks": feeder.chunks - chunks_from, "diagnostics": d,
+                  "floor": floor.result(),
                   "received": jitter_stats(received, args.rate),
                   "node_loop": {"ticks": min(int(d["ticks"]), 999), "period_ms_p50": float(d["command_period_ms_p50"]),
                                 "jitter_ms_p50": float(d["command_jitter_ms_p50"]),
@@ -265,8 +291,6 @@ def main(argv=None) -> int:
                           "load_average_before": os.getloadavg()},
               "args": {k: str(v) for k, v in vars(args).items()}}
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True)
-    report["floor"] = sleep_loop(args.rate, min(args.seconds, 10.0))
-    print(f"  sleep loop (the machine's floor):  {_fmt(report['floor'])}", flush=True)
     if args.only in (None, "where"):
         report["where"] = where_to_infer(args.rate, args.seconds, args.threads, args.nice, domain)
     if args.only in (None, "node"):
@@ -274,11 +298,15 @@ def main(argv=None) -> int:
         d = r["diagnostics"]
         print(f"  node control loop (its own ticks): {_fmt(r['node_loop'])}")
         print(f"  node commands as received here:   {_fmt(r['received'])}")
+        print(f"      floor beside it:             {_fmt(r['floor'])}")
         print(f"  chunks: {r['chunks']} in {r['seconds']:.0f} s; engine total p50 {d.get('engine_total_ms_p50')} ms, "
               f"predict() p50 {d.get('engine_predict_ms_p50')} / p99 {d.get('engine_predict_ms_p99')} ms")
         print(f"  node overhead per observation: p50 {d.get('node_overhead_ms_p50')} / p99 "
               f"{d.get('node_overhead_ms_p99')} ms; frame ingest (copy into shared memory) per frame: p50 "
               f"{d.get('frame_ingest_ms_p50')} / p99 {d.get('frame_ingest_ms_p99')} ms")
+        print("      parts (p50 / p99 ms): " + ", ".join(
+            f"{part} {d.get(f'node_overhead_{part}_ms_p50')} / {d.get(f'node_overhead_{part}_ms_p99')}"
+            for part in ("send", "to_worker", "worker", "take")))
     report["machine"]["load_average_after"] = os.getloadavg()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
