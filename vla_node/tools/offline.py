@@ -395,7 +395,7 @@ def print_summary(report: dict, print_fn: Progress = print) -> None:
         print_fn(row)
     if has_ref:
         untrained = report["configs"][0]["engine_config"]["checkpoint"] is None
-        print_fn(f"  ref MAE: mean |action - the bag's reference action| over each chunk, in joint units"
+        print_fn("  ref MAE: mean |action - the bag's reference action| over each chunk, in joint units"
                  + ("; random weights are not expected to follow it" if untrained else ""))
     stages = [s for s in STAGES if s in report["configs"][0]["latency_ms"]]
     print_fn("  per-stage median ms: " + "; ".join(
