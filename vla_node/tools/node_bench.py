@@ -102,6 +102,7 @@ def _timer_run(where: str, rate_hz: float, seconds: float, threads: int, nice: i
     spawned process of its own, so every variant starts from the same state)."""
     ros_environment(domain)
     import rclpy
+    from rclpy.clock import Clock, ClockType
     from rclpy.executors import SingleThreadedExecutor
     from std_msgs.msg import Float64MultiArray
 
@@ -126,7 +127,7 @@ def _timer_run(where: str, rate_hz: float, seconds: float, threads: int, nice: i
     if worker is not None:
         worker.start()
         ready.wait(120)
-    node.create_timer(1.0 / rate_hz, tick)
+    node.create_timer(1.0 / rate_hz, tick, clock=Clock(clock_type=ClockType.STEADY_TIME))   # as the node's loop
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     out.put("measuring")
