@@ -52,6 +52,9 @@ def test_live_replay_yields_the_expected_chunks_at_the_configured_rate(demo):
     assert expected - max(2, expected // 10) <= live["chunks"] <= expected + 1
     assert abs(live["command_rate_hz"] - 50.0) <= 0.05 * 50.0
     assert live["latency_ms"]["total"]["p50"] > 0
+    # The node heard the bag from its first frame: the t-8 history is complete at the 9th exterior
+    # frame (0.55 s), and the first chunk follows one inference later.
+    assert 0.55 < live["first_chunk_s"] < 0.55 + 0.5
 
 
 def test_recording_holds_what_the_node_published(demo):

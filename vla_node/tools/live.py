@@ -42,9 +42,7 @@ NODE_PARAMETERS = ("camera_names", "camera_topics", "joint_names", "joint_states
                    "control_rate_hz", "replan_threshold", "input_timeout_s", "use_sim_time")
 LOG = "rcl_interfaces/msg/Log"
 PARAMETER_EVENT = "rcl_interfaces/msg/ParameterEvent"
-# Playback starts this long after the go: both processes agree on t0, and the node, which matches
-# the player's publishers a moment after the player matched its subscriptions, gets the first frames.
-START_LEAD_S = 0.3
+START_LEAD_S = 0.2     # playback starts this long after the go: both processes agree on t0
 
 
 def ros_type(msgtype: str):
@@ -135,36 +133,21 @@ def convert(route: Route, raw: bytes, shift_ns: Optional[int]) -> bytes:
 
 
 def play(plan: PlaybackPlan, conn) -> None:
-    """Child process: publish the bag on the parent's go; report ('ready' | 'done' | 'error', ...)."""
+    """Child process. Reports ('ready', unmatched topics) once its publishers see the node's
+    subscriptions; on ('preroll',) publishes the bag's first joint state (and /clock) until the
+    node shows it hears it; on ('go', start wall ns) plays the bag and reports ('done', report)."""
     import rclpy
-    from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
     context = rclpy.Context()
     rclpy.init(context=context)
     node = rclpy.create_node("vla_replay_player", context=context, start_parameter_services=False)
     try:
-        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
-                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        publishers = {r.bag_topic: node.create_publisher(ros_type(r.node_type), r.node_topic,
-                                                         latched if r.latched else reliable) for r in plan.routes}
-        instruction_pub = (node.create_publisher(ros_type(STRING), plan.instruction_topic, latched)
-                           if plan.instruction else None)
-        # What rclpy's TimeSource subscribes with.
-        clock_pub = (node.create_publisher(ros_type(CLOCK), "/clock",
-                                           QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
-                     if plan.clock_hz else None)
-        waiting = {**{r.node_topic: publishers[r.bag_topic] for r in plan.routes},
-                   **({plan.instruction_topic: instruction_pub} if instruction_pub else {}),
-                   **({"/clock": clock_pub} if clock_pub else {})}
-        deadline = time.monotonic() + plan.wait_s
-        while time.monotonic() < deadline and any(p.get_subscription_count() == 0 for p in waiting.values()):
-            conn.poll(0.05)   # discovery runs in DDS threads: just wait for it, a bounded time
-        conn.send(("ready", sorted(t for t, p in waiting.items() if p.get_subscription_count() == 0)))
-        command, start_wall_ns = conn.recv()
-        if command != "go":
+        player = Player(node, plan)
+        conn.send(("ready", player.wait_for_subscribers()))
+        if conn.recv()[0] != "preroll":
             return
-        conn.send(("done", _publish(plan, start_wall_ns, publishers, instruction_pub, clock_pub)))
+        start_wall_ns = player.preroll(conn)
+        conn.send(("done", player.play(start_wall_ns)))
     except Exception as err:   # the parent reports it; a traceback in a child process helps nobody
         conn.send(("error", f"{type(err).__name__}: {err}"))
     finally:
@@ -172,63 +155,133 @@ def play(plan: PlaybackPlan, conn) -> None:
         rclpy.try_shutdown(context=context)
 
 
-def _publish(plan: PlaybackPlan, start_wall_ns: int, publishers: dict, instruction_pub, clock_pub) -> dict:
-    routes = {r.bag_topic: r for r in plan.routes}
-    start_perf = time.perf_counter() + (start_wall_ns - time.time_ns()) / 1e9
-    clock_period = 1.0 / plan.clock_hz if clock_pub else None
-    next_clock = start_perf
-    published = {r.node_topic: 0 for r in plan.routes}
-    late_ms = []
-    last_input_wall_ns = None
-    joint_times, joint_positions = [], []
-    with Bag(plan.bag) as bag:
-        bag_start = bag.start_ns
+class Player:
+    # Pre-roll /clock runs up to the bag's start from this far before it, then waits there: the
+    # node's timers tick during the handshake and time never jumps back.
+    PREROLL_CLOCK_S = 10.0
+    PREROLL_PERIOD_S = 0.05
+
+    def __init__(self, node, plan: PlaybackPlan):
+        from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+        self.plan = plan
+        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.routes = {r.bag_topic: r for r in plan.routes}
+        self.publishers = {r.bag_topic: node.create_publisher(ros_type(r.node_type), r.node_topic,
+                                                              latched if r.latched else reliable)
+                           for r in plan.routes}
+        self.instruction_pub = (node.create_publisher(ros_type(STRING), plan.instruction_topic, latched)
+                                if plan.instruction else None)
+        # What rclpy's TimeSource subscribes with.
+        self.clock_pub = (node.create_publisher(ros_type(CLOCK), "/clock",
+                                                QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
+                          if plan.clock_hz else None)
+        with Bag(plan.bag) as bag:
+            self.bag_start = bag.start_ns
+            joint_route = next(r for r in plan.routes if r.node_type == JOINT_STATE)
+            self.first_joint_state = next(raw for _, _, _, raw in bag.messages([joint_route.bag_topic]))
+        self.joint_route = joint_route
+        self.preroll_perf = time.perf_counter()
+        self.start_perf: Optional[float] = None
+
+    def wait_for_subscribers(self) -> list[str]:
+        """Topics the node has not subscribed to within wait_s (none, normally)."""
+        waiting = {**{r.node_topic: self.publishers[r.bag_topic] for r in self.plan.routes},
+                   **({self.plan.instruction_topic: self.instruction_pub} if self.instruction_pub else {}),
+                   **({"/clock": self.clock_pub} if self.clock_pub else {})}
+        deadline = time.monotonic() + self.plan.wait_s
+        while time.monotonic() < deadline and any(p.get_subscription_count() == 0 for p in waiting.values()):
+            time.sleep(0.05)   # discovery runs in DDS threads: poll it, for a bounded time
+        return sorted(t for t, p in waiting.items() if p.get_subscription_count() == 0)
+
+    def clock_ns(self, perf: float) -> int:
+        """The node's clock with /clock: up to the bag's start during pre-roll, the bag's time after."""
+        if self.start_perf is None or perf < self.start_perf:
+            rise = (perf - self.preroll_perf - self.PREROLL_CLOCK_S) * self.plan.rate
+            return self.bag_start + min(0, int(rise * 1e9))
+        return self.bag_start + int((perf - self.start_perf) * self.plan.rate * 1e9)
+
+    def preroll(self, conn) -> int:
+        """Our publishers matching the node's subscriptions does not mean the node matched ours
+        yet: until the parent has seen the node react (it commands once it has a joint state),
+        publish the bag's first joint state. Returns the go's start time (wall ns)."""
+        self.preroll_perf = time.perf_counter()
+        next_tick = self.preroll_perf
+        start_wall_ns = None
+        while self.start_perf is None or time.perf_counter() < self.start_perf:
+            if start_wall_ns is None and conn.poll():
+                command, start_wall_ns = conn.recv()
+                if command != "go":
+                    raise LiveError(f"unexpected {command!r} during pre-roll")
+                self.start_perf = time.perf_counter() + (start_wall_ns - time.time_ns()) / 1e9
+            now = time.perf_counter()
+            if now >= next_tick:
+                stamp = self.clock_ns(now) if self.clock_pub else time.time_ns()
+                if self.clock_pub:
+                    self.clock_pub.publish(ros_type(CLOCK)(clock=_ros_time(stamp)))
+                first = TYPESTORE.deserialize_cdr(self.first_joint_state, JOINT_STATE)
+                self.publishers[self.joint_route.bag_topic].publish(
+                    convert(self.joint_route, self.first_joint_state, stamp - stamp_ns(first.header.stamp)))
+                next_tick = now + (1.0 / self.plan.clock_hz if self.clock_pub else self.PREROLL_PERIOD_S)
+            wake = min(next_tick, self.start_perf) if self.start_perf is not None else next_tick
+            time.sleep(max(0.0, min(wake - time.perf_counter(), 0.01)))
+        return start_wall_ns
+
+    def play(self, start_wall_ns: int) -> dict:
+        plan, routes, bag_start = self.plan, self.routes, self.bag_start
+        clock_period = 1.0 / plan.clock_hz if self.clock_pub else None
+        next_clock = self.start_perf
+        published = {r.node_topic: 0 for r in plan.routes}
+        late_ms = []
+        last_input_wall_ns = None
+        joint_times, joint_positions = [], []
 
         def tick_clock_until(due: float) -> None:
             """Sleep until `due` (perf_counter s), publishing /clock on its period meanwhile."""
             nonlocal next_clock
             while True:
                 now = time.perf_counter()
-                if clock_pub is not None and next_clock <= min(now, due):
-                    bag_ns = bag_start + int((next_clock - start_perf) * plan.rate * 1e9)
-                    clock_pub.publish(ros_type(CLOCK)(clock=_ros_time(bag_ns)))
+                if self.clock_pub is not None and next_clock <= min(now, due):
+                    self.clock_pub.publish(ros_type(CLOCK)(clock=_ros_time(self.clock_ns(next_clock))))
                     next_clock += clock_period
                     continue
                 if now >= due:
                     return
-                time.sleep(min(due, next_clock if clock_pub is not None else due) - now)
+                time.sleep(min(due, next_clock if self.clock_pub is not None else due) - now)
 
-        tick_clock_until(start_perf)
-        if instruction_pub is not None:
-            instruction_pub.publish(ros_type(STRING)(data=plan.instruction))
+        if self.instruction_pub is not None:
+            self.instruction_pub.publish(ros_type(STRING)(data=plan.instruction))
         shift = None
-        for topic, _, time_ns, raw in bag.messages(list(routes)):
-            route = routes[topic]
-            due = start_perf + (time_ns - bag_start) / 1e9 / plan.rate
-            if plan.restamp:
-                # Stamps keep their offset from the message's log time, on the playback's clock.
-                shift = start_wall_ns + int((time_ns - bag_start) / plan.rate) - time_ns
-            data = convert(route, raw, shift)
-            tick_clock_until(due)
-            publishers[topic].publish(data)
-            late_ms.append((time.perf_counter() - due) * 1e3)
-            published[route.node_topic] += 1
-            if route.node_type != STRING:
-                last_input_wall_ns = time.time_ns()
-            if route.node_type == JOINT_STATE:
-                # On the node's clock: the bag's time with /clock, the playback's time without.
-                msg = TYPESTORE.deserialize_cdr(raw, JOINT_STATE)
-                index = {name: i for i, name in enumerate(msg.name)}
-                if all(name in index for name in plan.joint_names):
-                    joint_times.append((time_ns - bag_start) / 1e9 / (1.0 if clock_pub else plan.rate))
-                    joint_positions.append([float(msg.position[index[name]]) for name in plan.joint_names])
-        damage = bag.damage.to_dict(bag_start) if bag.damage else None
+        with Bag(plan.bag) as bag:
+            for topic, _, time_ns, raw in bag.messages(list(routes)):
+                route = routes[topic]
+                due = self.start_perf + (time_ns - bag_start) / 1e9 / plan.rate
+                if plan.restamp:
+                    # Stamps keep their offset from the message's log time, on the playback's clock.
+                    shift = start_wall_ns + int((time_ns - bag_start) / plan.rate) - time_ns
+                data = convert(route, raw, shift)
+                tick_clock_until(due)
+                self.publishers[topic].publish(data)
+                late_ms.append((time.perf_counter() - due) * 1e3)
+                published[route.node_topic] += 1
+                if route.node_type != STRING:
+                    last_input_wall_ns = time.time_ns()
+                if route.node_type == JOINT_STATE:
+                    # On the node's clock: the bag's time with /clock, the playback's time without.
+                    msg = TYPESTORE.deserialize_cdr(raw, JOINT_STATE)
+                    index = {name: i for i, name in enumerate(msg.name)}
+                    if all(name in index for name in plan.joint_names):
+                        joint_times.append((time_ns - bag_start) / 1e9 / (1.0 if self.clock_pub else plan.rate))
+                        joint_positions.append([float(msg.position[index[name]]) for name in plan.joint_names])
+            damage = bag.damage.to_dict(bag_start) if bag.damage else None
         tick_clock_until(time.perf_counter() + plan.tail_s)
-    lateness = np.asarray(late_ms) if late_ms else np.zeros(1)
-    return {"published": published, "damage": damage, "last_input_wall_ns": last_input_wall_ns,
-            "joint_states": {"times_s": joint_times, "positions": joint_positions},
-            "late_ms_p50": float(np.percentile(lateness, 50)),
-            "late_ms_p99": float(np.percentile(lateness, 99)), "late_ms_max": float(lateness.max())}
+        lateness = np.asarray(late_ms) if late_ms else np.zeros(1)
+        return {"published": published, "damage": damage, "last_input_wall_ns": last_input_wall_ns,
+                "joint_states": {"times_s": joint_times, "positions": joint_positions},
+                "late_ms_p50": float(np.percentile(lateness, 50)),
+                "late_ms_p99": float(np.percentile(lateness, 99)), "late_ms_max": float(lateness.max())}
 
 
 def _ros_time(ns: int):
@@ -243,6 +296,8 @@ class Recorder:
 
     def __init__(self, node, writer: BagWriter, topics: dict[str, str], node_name: str, node_fqn: str):
         self.writer = writer
+        self.command_topic = f"{node_fqn}/command"
+        self.commands = 0
         self.skipped: dict[str, str] = {}
         self.subscriptions = []
         self._pending: list[tuple[str, str, int, bytes]] = []
@@ -265,6 +320,7 @@ class Recorder:
 
     def _on_message(self, topic: str, msgtype: str, raw: bytes) -> None:
         wall_ns = time.time_ns()
+        self.commands += topic == self.command_topic
         data = canonical_cdr(raw, msgtype)
         keep = self._keep.get(msgtype)
         if keep is not None and not keep(TYPESTORE.deserialize_cdr(data, msgtype)):
@@ -429,6 +485,10 @@ def replay_live(options: LiveOptions, progress: Progress = print) -> dict:
             _, unmatched = _receive(conn, wait, player, wait.deadline + 30.0)
             if unmatched:
                 raise LiveError(f"{fqn} does not subscribe to {unmatched} (within {options.wait_s:g} s)")
+            conn.send(("preroll", None))
+            if not wait.until(lambda: recorder.commands > 0, time.monotonic() + options.wait_s):
+                raise LiveError(f"{fqn} published no command within {options.wait_s:g} s of being sent joint states "
+                                f"on {params['joint_states_topic']}")
             start_wall_ns = time.time_ns() + int(START_LEAD_S * 1e9)
             conn.send(("go", start_wall_ns))
             progress(f"playing {options.bag} into {fqn} at {options.rate:g}x"
@@ -527,6 +587,7 @@ def summarize(run: LiveRun) -> tuple[dict, Series]:
         "playback_late_ms": {k: run.playback[f"late_ms_{k}"] for k in ("p50", "p99", "max")},
         "bag_damage": run.playback["damage"], "skipped_topics": run.skipped_topics,
         "chunks": len(trajectories), "expected_chunks": expected, "chunk_period_s": chunk_period_s,
+        "first_chunk_s": (trajectories[0] - t0) / 1e9 if trajectories else None,
         "node_chunks": _number(node_values.get("chunks")),
         "commands": len(commands), "control_rate_hz": rate_hz, "command_rate_hz": measured_hz,
         "command_period_ms": _stats(periods_ms), "command_jitter_ms": _stats(jitter),
@@ -640,6 +701,9 @@ def print_summary(summary: dict, print_fn: Progress = print) -> None:
     print_fn(f"  chunks received:   {summary['chunks']} (the node counted {summary['node_chunks']})"
              + (f"; expected ~{expected}: one per {summary['chunk_period_s'] * 1e3:.0f} ms while inputs are fresh"
                 if expected is not None else ""))
+    if summary["first_chunk_s"] is not None:
+        print_fn(f"  first chunk:       {summary['first_chunk_s']:.2f} s after playback start "
+                 f"(history frames, then one inference)")
     print_fn(f"  command rate:      {summary['command_rate_hz']:.2f} Hz over {summary['commands']} commands "
              f"(configured {summary['control_rate_hz']:g} Hz)")
     print_fn(f"  command jitter:    {fmt(summary['command_jitter_ms'])} (p50 / p99 / max |period - "
