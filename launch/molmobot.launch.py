@@ -41,7 +41,8 @@ def _node_and_transitions(context):
 def generate_launch_description():
     return LaunchDescription([
         DeclareLaunchArgument(
-            "params_file", default_value=PathJoinSubstitution([FindPackageShare("vla_node"), "config", "molmobot.yaml"]),
+            "params_file",
+            default_value=PathJoinSubstitution([FindPackageShare("vla_node"), "config", "molmobot.yaml"]),
             description="parameters of the node (config/molmobot.yaml: MolmoBot-DROID on a GPU; "
                         "config/tiny.yaml: the tiny model on the CPU)"),
         DeclareLaunchArgument("namespace", default_value="", description="namespace of the node"),

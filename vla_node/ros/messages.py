@@ -8,6 +8,7 @@ in the same pass; compressed images are decoded, then copied once.
 """
 from __future__ import annotations
 
+import array
 from typing import Sequence
 
 import cv2
@@ -125,9 +126,10 @@ def trajectory_msg(names: Sequence[str], positions: np.ndarray, stamp, period_ns
     msg = JointTrajectory(joint_names=list(names))
     msg.header.stamp = stamp
     points = []
-    for i, q in enumerate(positions):
+    for i, q in enumerate(positions.astype(np.float64)):
         t = i * period_ns
-        points.append(JointTrajectoryPoint(positions=q.tolist(),
+        # array('d') is rclpy's fast path for float64[] (a list is checked value by value).
+        points.append(JointTrajectoryPoint(positions=array.array("d", q.tobytes()),
                                            time_from_start=DurationMsg(sec=t // 1_000_000_000,
                                                                        nanosec=t % 1_000_000_000)))
     msg.points = points

@@ -23,7 +23,6 @@ from typing import Optional
 import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-from lifecycle_msgs.msg import State
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.clock import Clock, ClockType, JumpThreshold
 from rclpy.duration import Duration
