@@ -18,7 +18,7 @@ from vla_node.tools.sample_bag import SAMPLE_BAG, SampleSpec, write_sample_bag
 @pytest.fixture(scope="module", autouse=True)
 def own_ros_domain():
     saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "FASTDDS_BUILTIN_TRANSPORTS", "ROS_LOG_DIR")}
-    os.environ["ROS_DOMAIN_ID"] = str(random.Random(os.getpid()).randint(100, 199))
+    os.environ["ROS_DOMAIN_ID"] = str(random.Random(os.getpid()).randint(30, 101))
     isolate_ros()
     yield
     for key, value in saved.items():

@@ -46,7 +46,9 @@ def isolate_ros() -> str:
     and Fast DDS's large-data transport (shared memory; the default transports lose most raw
     640x480 frames). Not localhost-only discovery: with ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
     Fast DDS falls back to UDP and loses about half of the raw frames again."""
-    os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(100, 199)))
+    # At most 101: the ports of higher domains fall into Linux's ephemeral range, where another
+    # socket can take them and discovery fails.
+    os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(30, 101)))
     os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = "LARGE_DATA"
     os.environ.setdefault("ROS_LOG_DIR", str(Path("out") / "ros_log"))
     return os.environ["ROS_DOMAIN_ID"]

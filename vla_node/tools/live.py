@@ -484,7 +484,8 @@ def replay_live(options: LiveOptions, progress: Progress = print) -> dict:
             player.start()
             _, unmatched = _receive(conn, wait, player, wait.deadline + 30.0)
             if unmatched:
-                raise LiveError(f"{fqn} does not subscribe to {unmatched} (within {options.wait_s:g} s)")
+                raise LiveError(f"the player's publishers on {unmatched} found no subscriber within {options.wait_s:g} s "
+                                f"(does {fqn} subscribe to them? is DDS discovery blocked?)")
             conn.send(("preroll", None))
             if not wait.until(lambda: recorder.commands > 0, time.monotonic() + options.wait_s):
                 raise LiveError(f"{fqn} published no command within {options.wait_s:g} s of being sent joint states "
