@@ -7,11 +7,13 @@ Every ROS participant of this module lives in a ROS domain of its own.
 import os
 import random
 
+import numpy as np
 import pytest
 
-from vla_node.tools.bag_io import Bag, BagError
+from vla_node.tools.bag_io import (COMPRESSED_IMAGE, IMAGE, TYPESTORE, Bag, BagError, compressed_image_msg,
+                                   decode_image, image_msg)
 from vla_node.tools.demo import NodeProcess, isolate_ros, run_demo, tiny_config
-from vla_node.tools.live import LiveError, LiveOptions, replay_live
+from vla_node.tools.live import LiveError, LiveOptions, Route, convert, replay_live
 from vla_node.tools.sample_bag import SAMPLE_BAG, SampleSpec, write_sample_bag
 
 
@@ -131,3 +133,16 @@ def test_live_partial_bag_plays_up_to_the_damage(node, tmp_path):
     assert damage and "cut off at byte" in damage["reason"] and damage["summary"].startswith("stopped after")
     assert 0 < live["published"]["/cameras/exo/image_raw"] < 90
     assert live["chunks"] > 0
+
+
+def test_player_converts_to_the_node_input_types():
+    """What the player publishes for each pairing of the bag's camera type with the node's."""
+    rgb = np.kron(np.array([[[200, 30, 30], [30, 30, 200]]], np.uint8), np.ones((16, 16, 1), np.uint8))
+    raw_image = bytes(TYPESTORE.serialize_cdr(image_msg(rgb, 1_000, "cam"), IMAGE))
+    jpeg = bytes(TYPESTORE.serialize_cdr(compressed_image_msg(rgb, 1_000, "cam"), COMPRESSED_IMAGE))
+    assert convert(Route("/c", IMAGE, "/c", IMAGE), raw_image, None) == raw_image        # as recorded
+    for bag_type, data in ((IMAGE, raw_image), (COMPRESSED_IMAGE, jpeg)):
+        for node_type in (IMAGE, COMPRESSED_IMAGE):
+            out = TYPESTORE.deserialize_cdr(convert(Route("/c", bag_type, "/n", node_type), data, 500), node_type)
+            assert (out.header.stamp.nanosec, out.header.frame_id) == (1_500, "cam")   # restamped
+            assert np.abs(decode_image(out, "/n").astype(int) - rgb).mean() < 12
