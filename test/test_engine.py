@@ -27,6 +27,14 @@ def test_deterministic_for_a_seed():
     assert not np.array_equal(c.predict(obs).actions, PolicyEngine(EngineConfig(seed=5)).predict(obs).actions)
 
 
+def test_noise_stream_is_the_same_in_every_mode_after_warmup():
+    eager = PolicyEngine(EngineConfig.for_mode("eager", seed=3))
+    static = PolicyEngine(EngineConfig.for_mode("ctxkv", seed=3))
+    eager.warmup()
+    static.warmup()
+    assert torch.equal(eager.draw_noise(), static.draw_noise())
+
+
 def test_given_noise_is_used(engine):
     obs = engine.dummy_observation()
     noise = torch.randn(1, 16, 8)

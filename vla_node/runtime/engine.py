@@ -88,8 +88,9 @@ class PolicyEngine:
         t0 = time.perf_counter()
         if self.static is not None:
             self.static.warmup()
-        else:
-            self.predict(self.dummy_observation())
+        else:  # zero noise: warm-up must not advance the engine's noise stream
+            a = self.model_cfg.action
+            self.predict(self.dummy_observation(), noise=torch.zeros((1, a.horizon, a.action_dim), device=self.device))
         self.stats.ready_s = time.perf_counter() - t0
         self.stats.queries = 0
         self.progress(f"ready in {self.stats.ready_s:.1f}s ({self.stats.compiled_graphs} compiled graphs, "

@@ -256,7 +256,9 @@ class StaticRunner:
             with torch.inference_mode():
                 # Two windows one frame time apart: a full prefill, then (streaming) a sliding step.
                 for obs in self._warmup_windows(layout):
-                    self.predict(obs, e.draw_noise(), layout)
+                    # Not from the engine's generator: warm-up must not shift the noise stream,
+                    # so engines of any mode with the same seed see the same noise per query.
+                    self.predict(obs, torch.zeros_like(b.noise), layout)
                 for batch in self.vision_batches:
                     self._vision_stage(batch)
             e.progress(f"bucket {layout.images} images ({b.length} tokens): eager/compile pass "
