@@ -138,6 +138,7 @@ class VLANode(LifecycleNode):
         # around predict(), taking the answer in.
         self._overhead_parts_ms = {part: Rolling(200) for part in ("send", "to_worker", "worker", "take")}
         self._round_trip_ms = Rolling(200)
+        self._trajectory_ms = Rolling(200)      # building + publishing ~/joint_trajectory, after the plan
         self._ingest_ms = Rolling(STATS_WINDOW)
         self._counts = dict(chunks=0, requests=0, rejected=0, discarded=0, observations_dropped=0,
                             plan_underruns=0)
@@ -478,9 +479,11 @@ class VLANode(LifecycleNode):
         s = self.settings
         self._plan.hand_over(result.actions, request.tick + 1, self._tick, s.handover, freeze, s.blend_steps,
                              s.average_weight)
+        self._record_timing(request, result, arrived)   # the chunk is in the plan: the control loop has it
+        t0 = time.perf_counter()
         self._publish_trajectory()
+        self._trajectory_ms.add((time.perf_counter() - t0) * 1e3)
         self._counts["chunks"] += 1
-        self._record_timing(request, result, arrived)
 
     def _publish_trajectory(self) -> None:
         upcoming = self._plan.upcoming(self._tick)
@@ -499,9 +502,10 @@ class VLANode(LifecycleNode):
                 self._stage_ms[stage].add(result.timings[stage])
         self._predict_ms.add(result.predict_ms)
         self._round_trip_ms.add((arrived - request.sent_at) * 1e3)
-        # Everything the node adds to engine.predict(): choosing and sending the window, the
-        # hop to the worker, the worker's wrapping, and taking the answer in (not the wait for
-        # the next tick, which is scheduling, not work).
+        # What the node adds to engine.predict() before the chunk is in the plan: choosing and
+        # sending the window, the hop to the worker, the worker's wrapping, taking the answer in
+        # (not the wait for the next tick, which is scheduling, not work; the trajectory message
+        # is built after and timed apart).
         worker_ms = (result.sent_at - result.received_at) * 1e3 - result.predict_ms
         to_worker_ms = (result.received_at - request.sent_at) * 1e3
         take_ms = (time.perf_counter() - arrived) * 1e3
@@ -663,6 +667,7 @@ class VLANode(LifecycleNode):
         values += percentile_pairs("node_overhead", self._overhead_ms)
         for part, rolling in self._overhead_parts_ms.items():
             values += percentile_pairs(f"node_overhead_{part}", rolling)
+        values += percentile_pairs("trajectory_publish", self._trajectory_ms)
         values += percentile_pairs("frame_ingest", self._ingest_ms)
         if len(self._latency_ticks):
             values.append(("latency_ticks_max", int(self._latency_ticks.values().max())))

@@ -308,6 +308,8 @@ def main(argv=None) -> int:
         print("      parts (p50 / p99 ms): " + ", ".join(
             f"{part} {d.get(f'node_overhead_{part}_ms_p50')} / {d.get(f'node_overhead_{part}_ms_p99')}"
             for part in ("send", "to_worker", "worker", "take")))
+        print(f"      then ~/joint_trajectory built and published: p50 {d.get('trajectory_publish_ms_p50')} / "
+              f"p99 {d.get('trajectory_publish_ms_p99')} ms")
     report["machine"]["load_average_after"] = os.getloadavg()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
