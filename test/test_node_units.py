@@ -208,6 +208,14 @@ def test_pinned_frames_are_never_overwritten():
     r.unpin()
 
 
+def test_a_frame_filled_across_a_clear_is_dropped():
+    r = ring()
+    put(r, 0, 5000)
+    r.write(0, 6000, 6000, lambda out: r.clear())      # the clock jumped back while it was copied
+    put(r, 0, 10)                                       # so its stamp does not refuse later frames
+    assert r.newest_received_ns()[0] == 10
+
+
 def test_clear_forgets_frames_and_stamps():
     r = ring()
     for t in range(5):

@@ -66,6 +66,7 @@ class FrameRing:
         self._cameras = [_Camera(name, list(range(i * per_camera, (i + 1) * per_camera)))
                          for i, name in enumerate(cameras)]
         self._pinned: set[int] = set()
+        self._generation = 0     # bumped by clear(): a frame being filled across it is dropped
         self._lock = threading.Lock()
 
     @staticmethod
@@ -86,8 +87,11 @@ class FrameRing:
                 # No stamps in the text: the same cause must read the same to be logged once.
                 raise InputError("out-of-order stamp: not newer than the camera's previous frame; dropped")
             slot = self._take_slot(cam)   # no longer a committed frame: no window can pick it
+            generation = self._generation
         fill(self.pixels[slot])
         with self._lock:
+            if generation != self._generation:
+                return
             cam.frames.append(Frame(slot, cam.next_seq, stamp_ns, received_ns))
             cam.next_seq += 1
             cam.last_stamp_ns = stamp_ns
@@ -152,6 +156,7 @@ class FrameRing:
         """Forget every frame (a clock jump made their stamps meaningless). Pinned slots stay
         untouched until unpin(): the engine may still be reading them."""
         with self._lock:
+            self._generation += 1
             for cam in self._cameras:
                 cam.frames.clear()
                 cam.last_stamp_ns = None

@@ -60,20 +60,21 @@ class Request:
 
 
 class Decoder:
-    """Decodes compressed frames off the executor thread: a 640x480 JPEG takes ~2 ms, more
-    than the control loop's jitter budget, and OpenCV releases the GIL while it decodes. Only
-    the newest undecoded frame of a camera is kept (stale frames are dropped, never queued)."""
+    """Converts camera frames off the executor thread, which runs the control loop: a 640x480
+    JPEG takes ~2 ms to decode and even a raw frame's copy ~0.2 ms (more under load), and both
+    OpenCV and numpy's large copies release the GIL. Only the newest unconverted frame of a
+    camera is kept (stale frames are dropped, never queued)."""
 
     def __init__(self, ingest):
         self._ingest = ingest
-        self._pending: dict[int, CompressedImage] = {}
+        self._pending: dict[int, Image | CompressedImage] = {}
         self._wake = threading.Condition()
         self._stop = False
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="vla_node_decoder", daemon=True)
         self._thread.start()
 
-    def push(self, camera: int, msg: CompressedImage) -> None:
+    def push(self, camera: int, msg: Image | CompressedImage) -> None:
         with self._wake:
             self.dropped += camera in self._pending
             self._pending[camera] = msg
@@ -86,7 +87,8 @@ class Decoder:
                 if self._stop:
                     return
                 camera, msg = self._pending.popitem()
-            self._ingest(camera, msg, messages.compressed_into)
+            fill = messages.compressed_into if isinstance(msg, CompressedImage) else messages.image_into
+            self._ingest(camera, msg, fill)
 
     def close(self) -> None:
         with self._wake:
@@ -291,16 +293,11 @@ class VLANode(LifecycleNode):
     # -- inputs ---------------------------------------------------------------------------------
     def _subscribe(self) -> None:
         s = self.settings
+        self._decoder = Decoder(self._ingest)
         for i, topic in enumerate(s.camera_topics):
-            if topic.rstrip("/").endswith("/compressed"):
-                if self._decoder is None:
-                    self._decoder = Decoder(self._ingest)
-                sub = self.create_subscription(CompressedImage, topic, lambda m, i=i: self._decoder.push(i, m),
-                                               qos_profile_sensor_data)
-            else:
-                sub = self.create_subscription(Image, topic, lambda m, i=i: self._ingest(i, m, messages.image_into),
-                                               qos_profile_sensor_data)
-            self._inputs.append(sub)
+            kind = CompressedImage if topic.rstrip("/").endswith("/compressed") else Image
+            self._inputs.append(self.create_subscription(kind, topic, lambda m, i=i: self._decoder.push(i, m),
+                                                         qos_profile_sensor_data))
         self._inputs += [
             self.create_subscription(JointState, s.joint_states_topic, self._on_joint_state, qos_profile_sensor_data),
             self.create_subscription(String, s.instruction_topic, self._on_instruction, 10),
@@ -311,7 +308,7 @@ class VLANode(LifecycleNode):
         return f"camera {self.settings.camera_names[camera]!r}"
 
     def _ingest(self, camera: int, msg, fill) -> None:
-        """Store one camera frame (executor thread for raw images, decoder thread for compressed)."""
+        """Store one camera frame (on the decoder thread)."""
         t0 = time.perf_counter()
         ring = self._ring
         if ring is None:
@@ -673,7 +670,7 @@ class VLANode(LifecycleNode):
             values.append(("latency_ticks_max", int(self._latency_ticks.values().max())))
         values += list(self._counts.items())
         if self._decoder is not None:
-            values.append(("compressed_frames_dropped", self._decoder.dropped))
+            values.append(("frames_dropped_unconverted", self._decoder.dropped))
         values += self._age_pairs()
         if self._memory is not None:
             values += [("gpu_memory_allocated_mib", self._memory[0] / 2**20),
