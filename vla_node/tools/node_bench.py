@@ -241,10 +241,13 @@ def run_node(args, domain: int) -> dict:
     command = [sys.executable, "-m", "vla_node.ros.node", "--ros-args", "--params-file", str(args.params),
                "-r", f"__ns:={namespace}", "-p", "autostart:=true", "-p", f"control_rate_hz:={args.rate}",
                "-p", f"engine_threads:={args.threads}", "-p", f"engine_nice:={args.nice}"]
-    node = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    log_path = Path(os.environ["ROS_LOG_DIR"]) / f"node_bench_{os.getpid()}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")
+    node = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     feeder = Feeder(namespace, args.camera_hz, args.joint_hz, 480, 640)
     try:
-        feeder.wait(lambda: feeder.chunks >= 10, 180, "chunks from the node")
+        feeder.wait(lambda: feeder.chunks >= 10, 180, f"chunks from the node (its output: {log_path})")
         # The node's loop statistics cover its last 1000 ticks: measure at least that long.
         seconds = max(args.seconds, 1000 / args.rate + 1)
         start = time.perf_counter()
@@ -265,6 +268,7 @@ def run_node(args, domain: int) -> dict:
         feeder.close()
         node.send_signal(2)
         node.wait(30)
+        log.close()
     return result
 
 
