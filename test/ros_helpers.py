@@ -33,7 +33,8 @@ def ros_env() -> dict:
     Fast DDS's large-data transport (shared memory with room for raw 640x480 frames; the default
     transports lose most of them), logs where the caller says."""
     if "VLA_TEST_DOMAIN" not in os.environ:
-        os.environ["VLA_TEST_DOMAIN"] = str(random.Random(os.getpid() ^ time.time_ns()).randint(30, 200))
+        # At most 101: Fast DDS's ports for higher domains fall in Linux's ephemeral port range.
+        os.environ["VLA_TEST_DOMAIN"] = str(random.Random(os.getpid() ^ time.time_ns()).randint(30, 101))
     os.environ["ROS_DOMAIN_ID"] = os.environ["VLA_TEST_DOMAIN"]
     os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = "LARGE_DATA"
     os.environ.setdefault("ROS_LOG_DIR", str(ROOT / "out" / "ros_log"))
