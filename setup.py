@@ -30,6 +30,7 @@ setup(
             "vla-bench = vla_node.tools.bench:main",
             "vla-replay = vla_node.tools.replay:main",
             "vla-demo = vla_node.tools.demo:main",
+            "vla-node-bench = vla_node.tools.node_bench:main",
         ],
     },
 )

@@ -1,10 +1,22 @@
-"""The network (no ROS imports): vision tower, LLM, action expert, configs, weights."""
-from .config import PRESETS, ActionExpertConfig, LLMConfig, ModelConfig, VisionConfig, get_preset
-from .policy import VLAPolicy
-from .sequence import Prompt, PromptBuilder, load_tokenizer
-from .weights import (CheckpointError, build_model, create_random_checkpoint, init_random_, load_checkpoint,
-                      load_weights_, save_checkpoint, TINY_TOKENIZER)
+"""The network (no ROS imports): vision tower, LLM, action expert, configs, weights.
 
-__all__ = ["PRESETS", "ActionExpertConfig", "LLMConfig", "ModelConfig", "VisionConfig", "get_preset", "VLAPolicy",
-           "Prompt", "PromptBuilder", "load_tokenizer", "CheckpointError", "build_model", "create_random_checkpoint",
-           "init_random_", "load_checkpoint", "load_weights_", "save_checkpoint", "TINY_TOKENIZER"]
+Configs import without torch; everything else is imported on first use.
+"""
+import importlib
+
+from .config import PRESETS, ActionExpertConfig, LLMConfig, ModelConfig, VisionConfig, get_preset
+
+_LAZY = {
+    "VLAPolicy": ".policy", "Prompt": ".sequence", "PromptBuilder": ".sequence", "load_tokenizer": ".sequence",
+    "CheckpointError": ".weights", "build_model": ".weights", "create_random_checkpoint": ".weights",
+    "init_random_": ".weights", "load_checkpoint": ".weights", "load_weights_": ".weights",
+    "save_checkpoint": ".weights", "TINY_TOKENIZER": ".weights",
+}
+
+__all__ = ["PRESETS", "ActionExpertConfig", "LLMConfig", "ModelConfig", "VisionConfig", "get_preset", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,7 +36,6 @@ class EngineInfo:
     action_dim: int
     state_dim: int
     description: str
-    runtime_schedule: bool     # the engine can change its action-cache schedule between queries
 
 
 @dataclass
@@ -52,8 +51,6 @@ class Result:
     memory: Optional[tuple] = None   # (allocated, reserved) device bytes; None on the CPU
 
 
-SCHEDULE_METHOD = "set_flow"          # PolicyEngine.set_flow(action_cache=...): run-time schedule changes
-SCHEDULE_FIELD = "action_cache"       # EngineConfig field of the start-up schedule
 
 
 class EngineProcess:
@@ -183,8 +180,6 @@ def _worker_main(conn, options: dict) -> None:
 
 
 def _load_engine(conn, options: dict):
-    import dataclasses
-
     import torch
 
     if options["threads"]:
@@ -196,18 +191,14 @@ def _load_engine(conn, options: dict):
                      device=options["device"], dtype=options["dtype"], layout=layout,
                      camera_height=options["camera_height"], camera_width=options["camera_width"],
                      flow_steps=options["flow_steps"] or None,
-                     max_instruction_tokens=options["max_instruction_tokens"])
-    if options["action_cache"]:
-        if SCHEDULE_FIELD not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            raise ValueError(f"action_cache is set but this engine has no {SCHEDULE_FIELD} option")
-        overrides[SCHEDULE_FIELD] = options["action_cache"]
+                     max_instruction_tokens=options["max_instruction_tokens"], action_cache=options["action_cache"],
+                     streaming_kv=options["streaming_kv"], fp8=options["fp8"])
     config = EngineConfig.for_mode(options["mode"], **overrides)
     engine = PolicyEngine(config, progress=lambda message: conn.send(("progress", message)))
     engine.warmup()
     a = engine.model_cfg.action
     conn.send(("ready", dict(horizon=a.horizon, action_dim=a.action_dim, state_dim=a.state_dim,
-                             description=f"{engine.model_cfg.name} {options['mode']} on {engine.device}",
-                             runtime_schedule=hasattr(engine, SCHEDULE_METHOD))))
+                             description=f"{engine.model_cfg.name} {options['mode']} on {engine.device}")))
     return engine
 
 
@@ -227,7 +218,7 @@ def _serve(conn, engine, pixels: np.ndarray) -> None:
             engine.reset_stream()
         elif kind == "schedule":
             try:
-                getattr(engine, SCHEDULE_METHOD)(action_cache=payload)
+                engine.set_flow(action_cache=payload)
                 conn.send(("schedule", dict(request_id=-1, reason="")))
             except Exception as e:
                 conn.send(("schedule", dict(request_id=-1, reason=f"{type(e).__name__}: {e}")))

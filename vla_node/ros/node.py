@@ -285,7 +285,7 @@ class VLANode(LifecycleNode):
                     dtype=s.dtype, seed=s.seed, flow_steps=s.flow_steps,
                     max_instruction_tokens=s.max_instruction_tokens, camera_height=s.camera_height,
                     camera_width=s.camera_width, cameras=list(s.camera_names), frames=s.history_frames,
-                    stride=s.history_stride, action_cache=s.action_cache,
+                    stride=s.history_stride, action_cache=s.action_cache, streaming_kv=s.streaming_kv, fp8=s.fp8,
                     threads=s.engine_threads, nice=s.engine_nice,
                     ring_shape=FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width,
                                                   s.history_frames, s.history_stride))
@@ -576,10 +576,6 @@ class VLANode(LifecycleNode):
             params.validate(values, horizon=self._info.horizon if self._info else None)
         except params.SettingsError as e:
             return SetParametersResult(successful=False, reason=str(e))
-        names = {p.name for p in changes}
-        if "action_cache" in names and self._info is not None and not self._info.runtime_schedule:
-            return SetParametersResult(successful=False, reason="this engine cannot change its action-cache "
-                                                                "schedule at run time; cleanup and configure")
         return SetParametersResult(successful=True)
 
     def _apply_parameters(self, changes: list[Parameter]) -> None:
@@ -602,8 +598,9 @@ class VLANode(LifecycleNode):
             self._engine.set_action_cache(new.action_cache)
 
     def _schedule_answer(self, result: Result) -> None:
-        """The engine validates schedules itself, in its own process, and the control loop must
-        not wait for it: a schedule it refuses is reported and the parameter set back."""
+        """params.validate already refused malformed schedules; the engine checks again against
+        the checkpoint's own flow steps, in its process (the control loop does not wait): a
+        schedule it still refuses is reported and the parameter set back."""
         if not result.reason:
             self._schedule_accepted = self.settings.action_cache
             self.get_logger().info(f"action_cache {self._schedule_accepted!r} in effect")

@@ -12,6 +12,10 @@ from typing import Any, Mapping, Optional
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
+from ..model.config import PRESETS
+from ..runtime.action_cache import FlowSchedule
+from ..runtime.types import MODES
+
 # Franka Panda (the DROID robot): 7 arm joints (rad) and the gripper opening in [0, 1].
 PANDA_JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
 PANDA_LOWER = [-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0]
@@ -57,7 +61,8 @@ SPECS: dict[str, Spec] = {
                          read_only=True),
     "checkpoint": Spec("", "checkpoint folder (config.json + model.safetensors + tokenizer); empty: random "
                            "weights of model_preset", read_only=True),
-    "engine_mode": Spec("eager", "engine speed mode (vla_node.runtime.MODES: eager ... fast)", read_only=True),
+    "engine_mode": Spec("eager", f"engine speed mode, each adding one lossless feature: {', '.join(MODES)}",
+                        read_only=True),
     "device": Spec("cpu", "torch device of the engine, e.g. cpu or cuda:0", read_only=True),
     "dtype": Spec("float32", "model dtype: float32 or bfloat16", read_only=True),
     "seed": Spec(0, "seed of random weights and of the flow-matching noise", read_only=True, range=(0, 2**31 - 1)),
@@ -69,6 +74,10 @@ SPECS: dict[str, Spec] = {
                         read_only=True, range=(0, 19)),
     "engine_start_timeout_s": Spec(600.0, "longest wait for the engine to load and warm up during configure",
                                    read_only=True, range=(1.0, 7200.0)),
+    "streaming_kv": Spec(False, "opt-in: reuse surviving frames' LLM keys/values when the window slides by one "
+                                "frame time (changes the actions; needs engine_mode fast)", read_only=True),
+    "fp8": Spec("off", "opt-in: e4m3 LLM linears, off | rowwise | tensorwise (changes the actions; CUDA)",
+                read_only=True),
     "action_cache": Spec("", "the engine's action-cache schedule (empty: every flow step computed; e.g. "
                              "flashdrive, 3-6:2, adaptive:0.05; see vla_node/runtime/action_cache.py); "
                              "changeable at run time"),
@@ -134,6 +143,8 @@ class Settings:
     engine_threads: int
     engine_nice: int
     engine_start_timeout_s: float
+    streaming_kv: bool
+    fp8: str
     action_cache: str
     camera_names: tuple
     camera_topics: tuple
@@ -171,6 +182,7 @@ def validate(values: Mapping[str, Any], horizon: Optional[int] = None) -> Settin
     for name in ("model_preset", "engine_mode", "device", "dtype"):
         if not v[name].strip():
             raise SettingsError(f"{name} must not be empty")
+    _validate_engine_options(v)
     cameras, topics = v["camera_names"], v["camera_topics"]
     if not cameras or any(not c.strip() for c in cameras) or len(set(cameras)) != len(cameras):
         raise SettingsError(f"camera_names must be non-empty and unique, got {list(cameras)}")
@@ -206,6 +218,29 @@ def validate(values: Mapping[str, Any], horizon: Optional[int] = None) -> Settin
         if spec.range is not None and not spec.range[0] <= v[name] <= spec.range[1]:
             raise SettingsError(f"{name}={v[name]} outside [{spec.range[0]}, {spec.range[1]}]")
     return Settings(**{f.name: v[f.name] for f in fields(Settings)})
+
+
+def _validate_engine_options(v: Mapping[str, Any]) -> None:
+    """What the engine would refuse, decided here so a bad value is refused before it is set."""
+    if v["model_preset"] not in PRESETS:
+        raise SettingsError(f"model_preset must be one of {sorted(PRESETS)}, got {v['model_preset']!r}")
+    mode = v["engine_mode"]
+    if mode not in MODES:
+        raise SettingsError(f"engine_mode must be one of {list(MODES)}, got {mode!r}")
+    if v["dtype"] not in ("float32", "bfloat16"):
+        raise SettingsError(f"dtype must be float32 or bfloat16, got {v['dtype']!r}")
+    if v["fp8"] not in ("off", "rowwise", "tensorwise"):
+        raise SettingsError(f"fp8 must be off, rowwise or tensorwise, got {v['fp8']!r}")
+    if v["streaming_kv"] and not {"vision_cache", "ctx_kv_once"} <= set(MODES[mode]):
+        raise SettingsError(f"streaming_kv needs engine_mode fast (the vision cache), not {mode!r}")
+    # A checkpoint's config.json may set other flow steps; the engine checks again when it loads.
+    steps = v["flow_steps"] or PRESETS[v["model_preset"]].action.flow_steps
+    try:
+        schedule = FlowSchedule.parse(v["action_cache"], steps)
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
+    if schedule.adaptive_threshold is not None and "static_shapes" not in MODES[mode]:
+        raise SettingsError(f"an adaptive action_cache needs an engine_mode with static shapes, not {mode!r}")
 
 
 def declare(node) -> Settings:

@@ -8,14 +8,12 @@ Schedules, as a string (the ROS parameter `action_cache` takes the same):
     "adaptive:0.05"    reuse the last velocity while the relative change between the last two
                        computed velocities ||v_k - v_j|| / ||v_k|| stays below 0.05, at most
                        MAX_ADAPTIVE_REUSE steps in a row
-Steps are 0-based.
+Steps are 0-based. Imports without torch, so the ROS node validates schedules itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
-
-import torch
 
 MAX_ADAPTIVE_REUSE = 4
 
@@ -81,7 +79,3 @@ class FlowSchedule:
     def expert_calls(self) -> Optional[int]:
         """Action-expert forwards per query (None: decided at run time)."""
         return None if self.adaptive_threshold is not None else self.steps - len(self.reuse)
-
-
-def relative_change(v_new: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
-    return (v_new - v_old).norm() / v_new.norm().clamp_min(1e-12)

@@ -16,7 +16,7 @@ import torch
 
 from ..model.action_expert import euler, flow_times
 from ..model.layers import rope_tables
-from .action_cache import MAX_ADAPTIVE_REUSE, relative_change
+from .action_cache import MAX_ADAPTIVE_REUSE
 from .compile import compile_count, compile_regions
 from .frame_store import FrameStore
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
@@ -170,7 +170,7 @@ class StaticRunner:
     def _flow_step_stage(self, b: Bucket, i: int) -> None:
         """One computed flow step of the adaptive schedule (one graph per step)."""
         v = self._velocity(b, b.x, i)
-        b.change.copy_(relative_change(v, b.v_last))
+        b.change.copy_((v - b.v_last).norm() / v.norm().clamp_min(1e-12))
         b.v_last.copy_(v)
         b.x.add_(v, alpha=1.0 / self.engine.flow_steps)
 

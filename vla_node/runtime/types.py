@@ -44,6 +44,8 @@ class Observation:
     stamp: float = 0.0                    # seconds; time of the newest frame
     # Identity of each image, e.g. (camera, stamp_ns): frames with the same id are the same
     # picture, which lets the vision cache and streaming reuse work. None: every image is new.
+    # Ids must not repeat for different pictures: call engine.reset_stream() when the time
+    # source restarts or jumps back (a replayed bag, a reset simulation; the node does this).
     frame_ids: Optional[Sequence[Hashable]] = None
 
 
