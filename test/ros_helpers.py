@@ -8,16 +8,15 @@ hear each other.
 from __future__ import annotations
 
 import os
-import random
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
+
+from vla_node.tools.node_process import interrupt, large_data_transport, node_command, ros_domain
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "config" / "tiny.yaml"
@@ -33,19 +32,13 @@ def ros_env() -> dict:
     Fast DDS's large-data transport (shared memory with room for raw 640x480 frames; the default
     transports lose most of them), logs where the caller says."""
     if "VLA_TEST_DOMAIN" not in os.environ:
-        # At most 101: Fast DDS's ports for higher domains fall in Linux's ephemeral port range.
-        os.environ["VLA_TEST_DOMAIN"] = str(random.Random(os.getpid() ^ time.time_ns()).randint(30, 101))
+        os.environ["VLA_TEST_DOMAIN"] = ros_domain(os.getpid() ^ time.time_ns())
     os.environ["ROS_DOMAIN_ID"] = os.environ["VLA_TEST_DOMAIN"]
-    os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = "LARGE_DATA"
+    large_data_transport()
     os.environ.setdefault("ROS_LOG_DIR", str(ROOT / "out" / "ros_log"))
     os.environ["RCUTILS_COLORIZED_OUTPUT"] = "0"
     os.environ["PYTHONUNBUFFERED"] = "1"
     return dict(os.environ)
-
-
-def node_command() -> list[str]:
-    script = Path(sys.executable).parent / "vla-node"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vla_node.ros.node"]
 
 
 class NodeProcess:
@@ -97,15 +90,9 @@ class NodeProcess:
 
     def stop(self, timeout: float = 20.0) -> int:
         """Ctrl-C, as a user would; the node must end its engine process and exit."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        code = interrupt(self.proc, timeout)
         self._reader.join(5)
-        return self.proc.returncode
+        return code
 
 
 def _yaml(value) -> str:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .live import LiveOptions, print_summary, replay_live
+from .node_process import interrupt, large_data_transport, node_command, ros_domain
 from .sample_bag import SAMPLE_BAG
 
 Print = Callable[[str], None]
@@ -46,10 +45,8 @@ def isolate_ros() -> str:
     and Fast DDS's large-data transport (shared memory; the default transports lose most raw
     640x480 frames). Not localhost-only discovery: with ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
     Fast DDS falls back to UDP and loses about half of the raw frames again."""
-    # At most 101: the ports of higher domains fall into Linux's ephemeral range, where another
-    # socket can take them and discovery fails.
-    os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(30, 101)))
-    os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = "LARGE_DATA"
+    os.environ.setdefault("ROS_DOMAIN_ID", ros_domain())
+    large_data_transport()
     os.environ.setdefault("ROS_LOG_DIR", str(Path("out") / "ros_log"))
     return os.environ["ROS_DOMAIN_ID"]
 
@@ -59,9 +56,7 @@ class NodeProcess:
     through stop()), its output in a log file."""
 
     def __init__(self, params_file: Path, log_path: Path, overrides: Optional[dict[str, str]] = None):
-        script = Path(sys.executable).parent / "vla-node"
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "vla_node.ros.node"]
-        command += ["--ros-args", "--params-file", str(params_file)]
+        command = node_command() + ["--ros-args", "--params-file", str(params_file)]
         for name, value in {"autostart": "true", **(overrides or {})}.items():
             command += ["-p", f"{name}:={value}"]
         self.command = command
@@ -80,15 +75,9 @@ class NodeProcess:
 
     def stop(self, timeout_s: float = 20.0) -> Optional[int]:
         """Ctrl-C, as a user would: the node ends its engine process and exits."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        code = interrupt(self.proc, timeout_s)
         self._log.close()
-        return self.proc.returncode
+        return code
 
     def __enter__(self) -> "NodeProcess":
         return self
