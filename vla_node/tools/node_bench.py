@@ -20,7 +20,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import random
 import subprocess
 import sys
 import threading
@@ -28,6 +27,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from .node_process import interrupt, large_data_transport, node_command, ros_domain
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "tiny.yaml"
 JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
@@ -42,10 +43,9 @@ def jitter_stats(stamps_s: list[float], rate_hz: float) -> dict:
             "jitter_ms_max": float(jitter.max())}
 
 
-def ros_environment(domain: int) -> None:
-    os.environ["ROS_DOMAIN_ID"] = str(domain)
-    # Fast DDS's default transports drop most raw 640x480 frames; LARGE_DATA carries them.
-    os.environ.setdefault("FASTDDS_BUILTIN_TRANSPORTS", "LARGE_DATA")
+def ros_environment(domain: str) -> None:
+    os.environ["ROS_DOMAIN_ID"] = domain
+    large_data_transport()
     os.environ.setdefault("ROS_LOG_DIR", str(Path("out") / "ros_log"))
 
 
@@ -97,7 +97,7 @@ def _infer_forever(stop, threads: int, nice: int, ready) -> None:
         engine.predict(obs)
 
 
-def _timer_run(where: str, rate_hz: float, seconds: float, threads: int, nice: int, domain: int, out) -> None:
+def _timer_run(where: str, rate_hz: float, seconds: float, threads: int, nice: int, domain: str, out) -> None:
     """A 50 Hz rclpy timer publishing a command, with the engine inferring `where` (in a
     spawned process of its own, so every variant starts from the same state)."""
     ros_environment(domain)
@@ -141,7 +141,7 @@ def _timer_run(where: str, rate_hz: float, seconds: float, threads: int, nice: i
     rclpy.shutdown()
 
 
-def where_to_infer(rate_hz: float, seconds: float, threads: int, nice: int, domain: int) -> dict:
+def where_to_infer(rate_hz: float, seconds: float, threads: int, nice: int, domain: str) -> dict:
     ctx = mp.get_context("spawn")
     results = {}
     for where in ("none", "thread", "process"):
@@ -236,15 +236,15 @@ class Feeder:
         rclpy.shutdown()
 
 
-def run_node(args, domain: int) -> dict:
+def run_node(args, domain: str) -> dict:
     namespace = f"/bench{os.getpid()}"
-    command = [sys.executable, "-m", "vla_node.ros.node", "--ros-args", "--params-file", str(args.params),
+    command = node_command() + ["--ros-args", "--params-file", str(args.params),
                "-r", f"__ns:={namespace}", "-p", "autostart:=true", "-p", f"control_rate_hz:={args.rate}",
                "-p", f"engine_threads:={args.threads}", "-p", f"engine_nice:={args.nice}"]
     log_path = Path(os.environ["ROS_LOG_DIR"]) / f"node_bench_{os.getpid()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")
-    node = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    node = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
     feeder = Feeder(namespace, args.camera_hz, args.joint_hz, 480, 640)
     try:
         feeder.wait(lambda: feeder.chunks >= 10, 180, f"chunks from the node (its output: {log_path})")
@@ -266,8 +266,7 @@ def run_node(args, domain: int) -> dict:
                                 "jitter_ms_max": float(d["command_jitter_ms_max"])}}
     finally:
         feeder.close()
-        node.send_signal(2)
-        node.wait(30)
+        interrupt(node, 30)
         log.close()
     return result
 
@@ -290,8 +289,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
 
-    # At most 101: Fast DDS's ports for higher domains fall in Linux's ephemeral port range.
-    domain = random.Random(os.getpid() ^ time.time_ns()).randint(30, 101)
+    domain = ros_domain(os.getpid() ^ time.time_ns())
     ros_environment(domain)
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "load_average_before": os.getloadavg()},
