@@ -106,8 +106,12 @@ class ActionExpert(nn.Module):
 
     def context_kv(self, llm_hidden: list[torch.Tensor], state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-block cross-attention K/V from each LLM layer's hidden states and the normalised state [B, state_dim]."""
-        state_token = self.state_enc(state)[:, None]
+        state_token = self.state_token(state)
         return [blk.context_kv(h, state_token) for blk, h in zip(self.blocks, llm_hidden)]
+
+    def state_token(self, state: torch.Tensor) -> torch.Tensor:
+        """The one context token encoding the normalised robot state: [B, state_dim] -> [B, 1, w]."""
+        return self.state_enc(state)[:, None]
 
     def modulations(self, t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """adaLN parameters for flow time t [B]: one [B, 9w] per block and the final [B, 2w]."""

@@ -39,7 +39,7 @@ class FrameStore:
                 self._rows.move_to_end(fid)
                 self.hits += 1
             else:
-                row = self._free_row(in_window, {r for r in window_rows})
+                row = self._free_row(in_window, set(window_rows))
                 if fid is not None:
                     self._rows[fid] = row
                 to_encode.append((i, row))

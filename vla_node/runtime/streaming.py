@@ -78,7 +78,7 @@ class StreamBuffers:
             v.index_copy_(2, self.shift_dst, v.index_select(2, self.shift_src))
         embeds = m.embed(bucket.ids[:, self.new_start:], frame_tokens, self.new_patch_positions)
         hidden = m.llm(embeds, self.new_cos, self.new_sin, self.new_slots, self.mask)
-        state_token = m.expert.state_enc(m.normalize_state(bucket.state).to(engine.dtype))[:, None]
+        state_token = m.expert.state_token(m.normalize_state(bucket.state).to(engine.dtype))
         for block, h, (k, v) in zip(m.expert.blocks, hidden, self.kv):
             new_k, new_v = block.token_kv(block.context_tokens(h))
             k.index_copy_(2, self.new_slots, new_k)

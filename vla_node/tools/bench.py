@@ -115,7 +115,7 @@ def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool, pr
         "compiled_graphs": stats.compiled_graphs,
         "graph_captures": stats.graph_captures,
         "weight_gb": engine.weight_bytes() / 1e9,
-        "features": [f for f in MODES[spec.split("+")[0]]] + spec.split("+")[1:],
+        "features": list(MODES[spec.split("+")[0]]) + spec.split("+")[1:],
         "flow_steps": engine.flow_steps,
         "action_cache": cfg.action_cache,
     }
