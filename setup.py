@@ -13,7 +13,7 @@ setup(
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         (f"share/{PACKAGE}", ["package.xml"]),
         (f"share/{PACKAGE}/launch", glob("launch/*.launch.py")),
-        (f"share/{PACKAGE}/config", glob("config/*.yaml")),
+        (f"share/{PACKAGE}/config", glob("config/*.yaml") + [f"{PACKAGE}/data/fastdds_large_frames.xml"]),
     ],
     # Exact pins live in requirements.txt; a ROS install provides rclpy and the messages.
     install_requires=["numpy", "torch", "safetensors", "tokenizers", "transformers", "pyyaml"],

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from vla_node.tools.node_process import interrupt, large_data_transport, node_command, ros_domain
+from vla_node.tools.node_process import frame_transport, interrupt, node_command, ros_domain
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "config" / "tiny.yaml"
@@ -29,12 +29,12 @@ _counter = iter(range(1, 10**6))
 
 def ros_env() -> dict:
     """Environment for this process and the node: one ROS domain per test session (chosen once),
-    Fast DDS's large-data transport (shared memory with room for raw 640x480 frames; the default
+    Fast DDS with shared memory big enough for raw 640x480 frames (the default
     transports lose most of them), logs where the caller says."""
     if "VLA_TEST_DOMAIN" not in os.environ:
         os.environ["VLA_TEST_DOMAIN"] = ros_domain(os.getpid() ^ time.time_ns())
     os.environ["ROS_DOMAIN_ID"] = os.environ["VLA_TEST_DOMAIN"]
-    large_data_transport()
+    frame_transport()
     os.environ.setdefault("ROS_LOG_DIR", str(ROOT / "out" / "ros_log"))
     os.environ["RCUTILS_COLORIZED_OUTPUT"] = "0"
     os.environ["PYTHONUNBUFFERED"] = "1"
@@ -123,6 +123,8 @@ class Harness:
         from rclpy.executors import SingleThreadedExecutor
 
         ros_env()
+        # The node's services exist once it says so; then DDS discovery may take a few seconds more.
+        node.wait_for_line("started: ", timeout=120)
         self.process = node
         self.target = node.name
         self.context = rclpy.Context()
@@ -280,8 +282,11 @@ class Harness:
 
     # -- services ---------------------------------------------------------------------------------
     def call(self, client, request, timeout: float = 60.0):
-        if not client.wait_for_service(timeout_sec=20.0):
-            raise AssertionError(f"service {client.srv_name} not available")
+        # Discovery normally takes a few seconds; a loaded 2-core machine can take much longer.
+        if not client.wait_for_service(timeout_sec=60.0):
+            raise AssertionError(f"service {client.srv_name} not available after 60 s (node exit code "
+                                 f"{self.process.proc.poll()}); node output:\n"
+                                 + "\n".join(self.process.output().splitlines()[-30:]))
         future = client.call_async(request)
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())

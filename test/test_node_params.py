@@ -75,6 +75,26 @@ def test_control_rate_changes_at_run_time(node):
     assert rate_since(h, time.monotonic(), 80) == pytest.approx(50.0, rel=0.1)
 
 
+def test_chunks_that_come_too_late_are_counted_apart_and_publish_nothing(node):
+    _, h = node
+    # At 1 kHz the 16-action horizon lasts 16 ms, less than one tiny-model inference on the CPU:
+    # every chunk arrives after its last action's tick.
+    before = h.diagnostics_since(0)[-1]
+    assert h.set_parameter("control_rate_hz", 1000.0).successful
+    try:
+        late = h.wait_diagnostics(lambda d: int(d["late_chunks"]) > int(before["late_chunks"]) + 2, 30,
+                                  "late chunks")
+        since = time.monotonic()
+        later = h.wait_diagnostics(lambda d: int(d["late_chunks"]) > int(late["late_chunks"]) + 2, 30,
+                                   "more late chunks")
+        # A late chunk leaves no trajectory; any chunk that did make it in published one.
+        assert len(h.messages("trajectory", since)) <= int(later["chunks"]) - int(late["chunks"]) + 1
+    finally:
+        assert h.set_parameter("control_rate_hz", 50.0).successful
+    since = time.monotonic()
+    h.wait_until(lambda: len(h.messages("trajectory", since)) >= 3, 30, "trajectories again at 50 Hz")
+
+
 def test_limits_change_at_run_time_and_commands_obey_them(node):
     _, h = node
     upper = [2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0]

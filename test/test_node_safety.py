@@ -36,3 +36,27 @@ def test_non_finite_actions_are_never_published(tmp_path):
     finally:
         h.close()
         assert node.stop() == 0
+
+
+def test_joint_states_on_another_clock_hold_with_the_reason_until_state_sync_newest():
+    from builtin_interfaces.msg import Time
+    node = NodeProcess({"autostart": True})
+    h = Harness(node)
+    try:
+        robot = Robot(h)
+        # Joint states stamped 2 s behind the cameras: pairing them by stamp is impossible, and the
+        # newest one would be the wrong state for the frames. Hold, say why (once), send nothing.
+        robot.joint_message = lambda stamp: robot.joint_state(Time(sec=stamp.sec - 2, nanosec=stamp.nanosec))
+        d = h.wait_diagnostics(lambda d: "state_slop_s" in d["_message"], 30, "the stamp mismatch", since=0)
+        assert d["_level"] >= 1 and "the nearest is before them" in d["_message"]
+        h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")
+        assert int(h.diagnostics_since(0)[-1]["requests"]) == 0 and not h.messages("trajectory")
+        commands = np.array([m.data for m in h.wait_commands(10)])
+        np.testing.assert_array_equal(commands, np.broadcast_to(HOME, commands.shape))
+        # A user who knows the stamps are wrong can pair with the newest state instead.
+        assert h.set_parameter("state_sync", "newest").successful
+        h.wait_until(lambda: h.messages("trajectory"), 30, "a trajectory with state_sync newest")
+        assert node.count("holding: sync: no joint state stamped within state_slop_s") == 1
+    finally:
+        h.close()
+        assert node.stop() == 0

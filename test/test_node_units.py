@@ -12,6 +12,7 @@ from vla_node.ros.control import Plan, SafetyFilter
 from vla_node.ros.diagnostics import Faults
 from vla_node.ros.frames import FrameRing, Wait, Window
 from vla_node.ros.messages import InputError
+from vla_node.runtime.state_history import StateHistory
 
 H, W = 6, 8
 
@@ -130,6 +131,7 @@ def test_defaults_are_valid_and_every_parameter_has_a_descriptor():
     (dict(max_step_per_tick=[0.0] * 8), "> 0"),
     (dict(joint_upper_limits=[float("nan")] * 8), "finite"),
     (dict(handover="blend"), "handover must be one of"),
+    (dict(state_sync="latest"), "state_sync must be one of"),
     (dict(replan_threshold=17), "exceeds the model's horizon 16"),
     (dict(camera_topics=["/a"]), "camera_topics has 1 entries"),
     (dict(camera_names=["a", "a"]), "unique"),
@@ -234,6 +236,20 @@ def test_clear_forgets_frames_and_stamps():
     assert not r.take_window(10).sync
 
 
+# -- robot state by stamp ----------------------------------------------------------------------------
+def test_state_history_gives_the_state_stamped_nearest_the_frame():
+    states = StateHistory(capacity=3)
+    assert states.nearest(100) is None
+    for stamp in (10, 20, 30, 40):                  # 10 falls out of the history
+        states.add(stamp, np.array([stamp]))
+    assert states.nearest(26)[0] == 4 and states.nearest(26)[1][0] == 30
+    assert states.nearest(25)[1][0] == 30           # a tie goes to the later state
+    assert states.nearest(0)[0] == 20               # only what is kept: the nearest is 20 after it
+    assert states.nearest(1000)[0] == 40 - 1000
+    states.clear()
+    assert states.nearest(30) is None
+
+
 # -- hand-over and safety -----------------------------------------------------------------------------
 def test_rtc_keeps_the_frozen_actions_and_blends_the_rest():
     plan = Plan()
@@ -253,7 +269,8 @@ def test_average_mode_and_chunks_from_the_past():
     plan.hand_over(np.ones((4, 1)), first_tick=3, now_tick=2, mode="average", freeze=0, blend_steps=0, weight=0.25)
     np.testing.assert_allclose([plan.action(t)[0] for t in (3, 4, 5, 6)], [0.25, 0.25, 1.0, 1.0])
     before = plan.actions.copy()
-    plan.hand_over(np.full((2, 1), 5.0), first_tick=1, now_tick=4, mode="rtc", freeze=0, blend_steps=0, weight=0)
+    assert not plan.hand_over(np.full((2, 1), 5.0), first_tick=1, now_tick=4, mode="rtc", freeze=0, blend_steps=0,
+                              weight=0)
     np.testing.assert_array_equal(plan.actions, before)   # entirely in the past: ignored
 
 

@@ -37,8 +37,10 @@ class Plan:
         return self.actions[tick + 1 - self.start:]
 
     def hand_over(self, chunk: np.ndarray, first_tick: int, now_tick: int, mode: str, freeze: int,
-                  blend_steps: int, weight: float) -> None:
+                  blend_steps: int, weight: float) -> bool:
         """Replace the plan from tick now_tick + 1 on by `chunk` (action i for tick first_tick + i).
+        False when the whole chunk lies in the past (it arrived after its last action's tick): the
+        old plan stays.
 
         rtc: the old plan's actions for ticks before first_tick + freeze are kept (they execute
         while the chunk is computed: `freeze` is the inference latency in ticks), then the old
@@ -47,7 +49,7 @@ class Plan:
         """
         ticks = np.arange(max(first_tick, now_tick + 1), first_tick + len(chunk))
         if len(ticks) == 0:
-            return   # the whole chunk lies in the past: keep the old plan
+            return False
         new = chunk[ticks - first_tick].astype(np.float64)
         old, old_start = self.actions, self.start
         if old is None:
@@ -64,6 +66,7 @@ class Plan:
             new[has_old] = w_old[:, None] * old_rows + (1.0 - w_old[:, None]) * new[has_old]
         self.start = int(ticks[0])
         self.actions = new
+        return True
 
 
 class SafetyFilter:

@@ -34,6 +34,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, Float64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory
 
+from ..runtime.state_history import StateHistory
 from . import messages, params
 from .control import Plan, SafetyFilter
 from .diagnostics import Faults, Rolling, key_values, percentile_pairs
@@ -128,7 +129,8 @@ class VLANode(LifecycleNode):
         self._safety = self._make_safety()
         self._epoch = 0
         self._reset_control()
-        self._joints: Optional[tuple[np.ndarray, int]] = None   # (positions, received ns)
+        self._joints: Optional[tuple[np.ndarray, int]] = None   # newest (positions, received ns)
+        self._states = StateHistory()                            # recent positions by header stamp
         self._next_request_id = 0
         self._schedule_accepted = self.settings.action_cache
 
@@ -142,10 +144,15 @@ class VLANode(LifecycleNode):
         self._round_trip_ms = Rolling(200)
         self._trajectory_ms = Rolling(200)      # building + publishing ~/joint_trajectory, after the plan
         self._ingest_ms = Rolling(STATS_WINDOW)
-        self._counts = dict(chunks=0, requests=0, rejected=0, discarded=0, observations_dropped=0,
+        # chunks: taken into the plan (each publishes a trajectory); late_chunks: arrived after
+        # their last action's tick, so nothing of them could execute.
+        self._counts = dict(chunks=0, late_chunks=0, requests=0, rejected=0, discarded=0, observations_dropped=0,
                             plan_underruns=0)
         self._memory = None
 
+        # Startup (rclpy, the message types, numpy) can take seconds on a busy machine; this line
+        # says the lifecycle services are up.
+        self.get_logger().info(f"started: unconfigured{', autostart' if self.settings.autostart else ''}")
         if self.settings.autostart:
             if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
                 self.trigger_activate()
@@ -260,7 +267,7 @@ class VLANode(LifecycleNode):
             self._engine.close()
             self._engine = None
         self._info = None
-        self._joints = None
+        self._forget_joints()
         self.faults.reset()
 
     def _reset_control(self) -> None:
@@ -328,7 +335,12 @@ class VLANode(LifecycleNode):
             self.faults.set("joint_states", str(e))
             return
         self._joints = (q, self._now_ns())
+        self._states.add(messages.stamp_ns(msg.header.stamp), q)
         self.faults.clear("joint_states")
+
+    def _forget_joints(self) -> None:
+        self._joints = None
+        self._states.clear()
 
     def _on_instruction(self, msg: String) -> None:
         text = msg.data.strip()
@@ -355,7 +367,7 @@ class VLANode(LifecycleNode):
             self._ring.clear()
         if self._engine is not None:
             self._engine.reset_stream()
-        self._joints = None
+        self._forget_joints()
         self._plan.clear()
         self._epoch += 1
         self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "
@@ -474,19 +486,22 @@ class VLANode(LifecycleNode):
         self._latency_ticks.add(self._tick - request.tick)
         freeze = int(self._latency_ticks.values().max())
         s = self.settings
-        self._plan.hand_over(result.actions, request.tick + 1, self._tick, s.handover, freeze, s.blend_steps,
-                             s.average_weight)
-        self._record_timing(request, result, arrived)   # the chunk is in the plan: the control loop has it
+        taken = self._plan.hand_over(result.actions, request.tick + 1, self._tick, s.handover, freeze,
+                                     s.blend_steps, s.average_weight)
+        self._record_timing(request, result, arrived)   # the control loop has the chunk (or dropped it)
+        if not taken:
+            self._counts["late_chunks"] += 1
+            self.get_logger().warning(f"chunk arrived {self._tick - request.tick} ticks after its request, after "
+                                      "its last action: dropped (inference slower than the horizon)",
+                                      throttle_duration_sec=5.0)
+            return
         t0 = time.perf_counter()
         self._publish_trajectory()
         self._trajectory_ms.add((time.perf_counter() - t0) * 1e3)
         self._counts["chunks"] += 1
 
     def _publish_trajectory(self) -> None:
-        upcoming = self._plan.upcoming(self._tick)
-        if upcoming is None:
-            return
-        commands = self._safety.rollout(upcoming, self._last_command)
+        commands = self._safety.rollout(self._plan.upcoming(self._tick), self._last_command)
         period_ns = self._control_timer.timer_period_ns
         wait_ns = self._control_timer.time_until_next_call() or 0
         first = self.get_clock().now() + Duration(nanoseconds=wait_ns)
@@ -524,9 +539,12 @@ class VLANode(LifecycleNode):
             return
         t0 = time.perf_counter()
         window = self._ring.take_window(int(s.sync_slop_s * 1e9))
-        if isinstance(window, Wait):
-            self._wait = window
-            self._watch_sync(window, now_ns)
+        state = window if isinstance(window, Wait) else self._observed_state(window.stamp_ns)
+        if isinstance(state, Wait):
+            if not isinstance(window, Wait):
+                self._ring.unpin()
+            self._wait = state
+            self._watch_sync(state, now_ns)
             return
         self._wait = None
         self._sync_wait_since = None
@@ -538,7 +556,7 @@ class VLANode(LifecycleNode):
         request = Request(self._next_request_id, self._tick, self._epoch, window, 0.0, 0.0)
         self._next_request_id += 1
         try:
-            self._engine.submit(request.id, window.slots, window.frame_ids, self._joints[0].astype(np.float32),
+            self._engine.submit(request.id, window.slots, window.frame_ids, state.astype(np.float32),
                                 s.instruction.strip(), window.stamp_ns / 1e9)
         except OSError as e:
             self._ring.unpin()
@@ -549,8 +567,23 @@ class VLANode(LifecycleNode):
         self._in_flight = request
         self._counts["requests"] += 1
 
+    def _observed_state(self, frame_stamp_ns: int):
+        """The robot state for a window whose newest frame has this stamp, or why there is none
+        (a Wait: out of step, a fault once it lasts longer than input_timeout_s). A joint state
+        has arrived (the caller checks), so the history is not empty."""
+        s = self.settings
+        if s.state_sync == "newest":
+            return self._joints[0]
+        offset_ns, state = self._states.nearest(frame_stamp_ns)
+        if abs(offset_ns) <= s.state_slop_s * 1e9:
+            return state
+        # No number that changes from call to call in the text: a fault is logged again when it changes.
+        return Wait(f"no joint state stamped within state_slop_s ({s.state_slop_s * 1e3:g} ms) of the frames, the "
+                    f"nearest is {'before' if offset_ns < 0 else 'after'} them: are the cameras and joint_states "
+                    f"stamped on one clock? (state_sync newest ignores stamps)", sync=True)
+
     def _watch_sync(self, wait: Wait, now_ns: int) -> None:
-        """Cameras out of step are a fault once it lasts longer than input_timeout_s; history
+        """Inputs out of step are a fault once it lasts longer than input_timeout_s; history
         still filling is not."""
         if not wait.sync:
             self._sync_wait_since = None

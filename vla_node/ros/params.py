@@ -24,6 +24,7 @@ PANDA_UPPER = [2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0]
 PANDA_MAX_STEP = [0.05] * 7 + [0.2]
 
 HANDOVER_MODES = ("rtc", "average")
+STATE_SYNC_MODES = ("frame", "newest")
 
 _TYPES = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_INTEGER,
           float: ParameterType.PARAMETER_DOUBLE, str: ParameterType.PARAMETER_STRING}
@@ -114,6 +115,11 @@ SPECS: dict[str, Spec] = {
     "average_weight": Spec(0.5, "average: weight of the new chunk over the overlap", range=(0.0, 1.0)),
     "sync_slop_s": Spec(0.02, "largest stamp difference between frames of different cameras in one "
                               "observation", range=(0.0, 10.0)),
+    "state_sync": Spec("frame", "robot state given to the policy: frame (the joint state stamped nearest the "
+                                "observation's newest frame, within state_slop_s) or newest (the newest joint "
+                                "state at inference time, stamps ignored)"),
+    "state_slop_s": Spec(0.05, "state_sync frame: largest stamp difference between that joint state and the frame",
+                         range=(0.0, 10.0)),
     "input_timeout_s": Spec(0.5, "hold when a camera or the joint states are silent for longer",
                             range=(0.001, 60.0)),
     "joint_lower_limits": Spec(PANDA_LOWER, "lower command limit per joint (joint_names order)"),
@@ -164,6 +170,8 @@ class Settings:
     blend_steps: int
     average_weight: float
     sync_slop_s: float
+    state_sync: str
+    state_slop_s: float
     input_timeout_s: float
     joint_lower_limits: tuple
     joint_upper_limits: tuple
@@ -208,6 +216,8 @@ def validate(values: Mapping[str, Any], horizon: Optional[int] = None) -> Settin
         raise SettingsError("max_step_per_tick must be > 0 for every joint")
     if v["handover"] not in HANDOVER_MODES:
         raise SettingsError(f"handover must be one of {list(HANDOVER_MODES)}, got {v['handover']!r}")
+    if v["state_sync"] not in STATE_SYNC_MODES:
+        raise SettingsError(f"state_sync must be one of {list(STATE_SYNC_MODES)}, got {v['state_sync']!r}")
     if len(v["instruction"]) > MAX_INSTRUCTION_CHARS:
         raise SettingsError(f"instruction has {len(v['instruction'])} characters, at most {MAX_INSTRUCTION_CHARS}")
     if horizon is not None and v["replan_threshold"] > horizon:

@@ -30,6 +30,7 @@ from rosbags.rosbag2 import ReaderError, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
 
 from ..runtime import Observation, WindowLayout
+from ..runtime.state_history import StateHistory
 
 # Kilted's message definitions; bags that embed their own definitions are read with those.
 TYPESTORE = get_typestore(Stores.ROS2_KILTED)
@@ -54,6 +55,7 @@ COMPRESSED_SUFFIX = "/compressed"
 # The node's frame synchronisation (vla_node/ros/frames.py): other cameras' frames within this
 # many seconds of the first camera's, from a few frames kept beyond the history span.
 SYNC_SLOP_S = 0.02
+STATE_SLOP_S = 0.05
 SYNC_MARGIN = 2
 
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
@@ -535,7 +537,7 @@ class StreamStats:
     first_camera_frames: int = 0
     frames_without_history: int = 0       # too early for the layout's history frames
     frames_without_sync: int = 0          # another camera has no frame within sync_slop_s
-    frames_without_state: int = 0         # no joint state yet
+    frames_without_state: int = 0         # no joint state within state_slop_s of the frame yet
     frames_without_instruction: int = 0   # no instruction yet
 
 
@@ -545,12 +547,15 @@ class ObservationStream:
     Causal and synchronised like the node (vla_node/ros/frames.py): at each frame of the first
     camera, once its history frames (t - k * stride of its own frames) are there, every other
     camera contributes the frame nearest in stamp to each of them among the frames received so
-    far, within sync_slop_s; then the latest joint state and instruction. Frames that cannot
+    far, within sync_slop_s; then the joint state stamped nearest that frame among those received
+    so far, within state_slop_s (vla_node.runtime.state_history, as the node), and the latest
+    instruction. Frames that cannot
     make a query yet are skipped and counted in stats."""
 
     def __init__(self, bag: Bag, inputs: BagInputs, layout: WindowLayout, state_dim: int,
                  joint_names: Optional[Sequence[str]] = None, instruction: Optional[str] = None,
-                 every: int = 1, max_frames: Optional[int] = None, sync_slop_s: float = SYNC_SLOP_S):
+                 every: int = 1, max_frames: Optional[int] = None, sync_slop_s: float = SYNC_SLOP_S,
+                 state_slop_s: float = STATE_SLOP_S):
         if tuple(c.name for c in inputs.cameras) != tuple(layout.cameras):
             raise BagError(f"bag cameras {[c.name for c in inputs.cameras]} do not match the layout's {layout.cameras}")
         if inputs.instruction is None and instruction is None:
@@ -562,6 +567,7 @@ class ObservationStream:
         self.every = max(1, every)
         self.max_frames = max_frames
         self.slop_ns = int(sync_slop_s * 1e9)
+        self.state_slop_ns = int(state_slop_s * 1e9)
         self.stats = StreamStats()
 
     def _state(self, msg) -> np.ndarray:
@@ -601,7 +607,7 @@ class ObservationStream:
         first = cameras[0].topic
         # Other cameras keep a margin: their frame nearest to the oldest anchor may precede it.
         history = {c.topic: deque(maxlen=span if c.topic == first else span + SYNC_MARGIN) for c in cameras}
-        state = None
+        states = StateHistory()
         instruction = self.fixed_instruction
         queries = 0
         decoded = set()   # topics with a good message: a bad one after that is damage, not a wrong type
@@ -616,7 +622,7 @@ class ObservationStream:
                 return
             decoded.add(topic)
             if topic == self.inputs.joint_states:
-                state = self._state(msg)
+                states.add(stamp_ns(msg.header.stamp), self._state(msg))
                 continue
             if topic == self.inputs.instruction:
                 instruction = msg.data
@@ -632,15 +638,17 @@ class ObservationStream:
             if slots is None:
                 self.stats.frames_without_sync += 1
                 continue
-            if state is None:
+            newest = history[first][-1][0]
+            nearest = states.nearest(newest)
+            if nearest is None or abs(nearest[0]) > self.state_slop_ns:
                 self.stats.frames_without_state += 1
                 continue
+            state = nearest[1]
             if instruction is None:
                 self.stats.frames_without_instruction += 1
                 continue
             if (self.stats.first_camera_frames - 1) % self.every:
                 continue
-            newest = history[first][-1][0]
             observation = Observation(images=[rgb for _, (_, rgb) in slots], state=state, instruction=instruction,
                                       stamp=newest / 1e9, frame_ids=[(c.name, ns) for c, (ns, _) in slots])
             yield BagFrame(index=queries, observation=observation, log_time_ns=time_ns, stamp_ns=newest)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .live import LiveOptions, print_summary, replay_live
-from .node_process import interrupt, large_data_transport, node_command, ros_domain
+from .node_process import frame_transport, interrupt, node_command, ros_domain
 from .sample_bag import SAMPLE_BAG
 
 Print = Callable[[str], None]
@@ -42,11 +42,9 @@ def tiny_config() -> Path:
 
 def isolate_ros() -> str:
     """Environment for this process and its children: a ROS domain of our own (unless one is set)
-    and Fast DDS's large-data transport (shared memory; the default transports lose most raw
-    640x480 frames). Not localhost-only discovery: with ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
-    Fast DDS falls back to UDP and loses about half of the raw frames again."""
+    and Fast DDS with shared memory big enough for raw 640x480 frames (node_process.frame_transport)."""
     os.environ.setdefault("ROS_DOMAIN_ID", ros_domain())
-    large_data_transport()
+    frame_transport()
     os.environ.setdefault("ROS_LOG_DIR", str(Path("out") / "ros_log"))
     return os.environ["ROS_DOMAIN_ID"]
 

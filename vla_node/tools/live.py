@@ -29,6 +29,7 @@ import numpy as np
 from .bag_io import (CLOCK, COMPRESSED_IMAGE, COMPRESSED_SUFFIX, DIAGNOSTIC_ARRAY, FLOAT64_MULTI_ARRAY, IMAGE,
                      JOINT_STATE, JOINT_TRAJECTORY, STRING, TYPESTORE, Bag, BagError, BagWriter, canonical_cdr,
                      compressed_image_msg, decode_image, image_msg, resolve_inputs, stamp_ns, time_msg)
+from .node_process import FRAME_TRANSPORT_PROFILE
 
 Progress = Callable[[str], None]
 
@@ -468,10 +469,11 @@ def replay_live(options: LiveOptions, progress: Progress = print) -> dict:
         with Bag(options.bag) as bag:
             plan = plan_playback(bag, params, options, clock)
             bag_start_ns, duration_s = bag.start_ns, bag.duration_s
-        large_data = os.environ.get("FASTDDS_BUILTIN_TRANSPORTS") == "LARGE_DATA"
-        if any(r.node_type == IMAGE for r in plan.routes) and not large_data:
-            progress("note: Fast DDS's default transports lose many raw camera images; run the node and the "
-                     "replay with FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA")
+        large_frames = "FASTDDS_DEFAULT_PROFILES_FILE" in os.environ or \
+            os.environ.get("FASTDDS_BUILTIN_TRANSPORTS") == "LARGE_DATA"
+        if any(r.node_type == IMAGE for r in plan.routes) and not large_frames:
+            progress(f"note: Fast DDS's default transports lose most raw camera images; run the replay with "
+                     f"FASTDDS_DEFAULT_PROFILES_FILE={FRAME_TRANSPORT_PROFILE}")
         topics = _node_topics(node, wait, fqn)
         recording = options.out / f"recording_{datetime.now():%Y%m%d_%H%M%S}"
         with BagWriter(recording, options.storage) as writer:
@@ -590,6 +592,7 @@ def summarize(run: LiveRun) -> tuple[dict, Series]:
         "chunks": len(trajectories), "expected_chunks": expected, "chunk_period_s": chunk_period_s,
         "first_chunk_s": (trajectories[0] - t0) / 1e9 if trajectories else None,
         "node_chunks": _number(node_values.get("chunks")),
+        "node_late_chunks": _number(node_values.get("late_chunks")),
         "commands": len(commands), "control_rate_hz": rate_hz, "command_rate_hz": measured_hz,
         "command_period_ms": _stats(periods_ms), "command_jitter_ms": _stats(jitter),
         "node_command_jitter_ms": {k: _number(node_values.get(f"command_jitter_ms_{k}"))
@@ -699,7 +702,9 @@ def print_summary(summary: dict, print_fn: Progress = print) -> None:
     if summary["bag_damage"]:
         print_fn(f"  PARTIAL BAG: {summary['bag_damage']['summary']}")
     expected = summary["expected_chunks"]
-    print_fn(f"  chunks received:   {summary['chunks']} (the node counted {summary['node_chunks']})"
+    late = summary["node_late_chunks"]
+    print_fn(f"  chunks received:   {summary['chunks']} (the node counted {summary['node_chunks']}"
+             + (f", and dropped {late:g} that came too late to execute" if late else "") + ")"
              + (f"; expected ~{expected}: one per {summary['chunk_period_s'] * 1e3:.0f} ms while inputs are fresh"
                 if expected is not None else ""))
     if summary["first_chunk_s"] is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .node_process import interrupt, large_data_transport, node_command, ros_domain
+from .node_process import frame_transport, interrupt, node_command, ros_domain
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "tiny.yaml"
 JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
@@ -45,7 +45,7 @@ def jitter_stats(stamps_s: list[float], rate_hz: float) -> dict:
 
 def ros_environment(domain: str) -> None:
     os.environ["ROS_DOMAIN_ID"] = domain
-    large_data_transport()
+    frame_transport()
     os.environ.setdefault("ROS_LOG_DIR", str(Path("out") / "ros_log"))
 
 

@@ -22,11 +22,15 @@ def ros_domain(seed: int | None = None) -> str:
     return str(random.Random(seed).randint(30, 101))
 
 
-def large_data_transport() -> None:
-    """Fast DDS's shared-memory large-data transport: its default transports lose most raw
-    640x480 frames. Not combined with localhost-only discovery, which falls back to UDP and
-    loses about half of them again."""
-    os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = "LARGE_DATA"
+FRAME_TRANSPORT_PROFILE = Path(__file__).resolve().parents[1] / "data" / "fastdds_large_frames.xml"
+
+
+def frame_transport() -> None:
+    """Fast DDS with shared memory big enough for raw 640x480 frames (its default transports
+    lose most of them) and UDP for discovery, for this process and the children it starts.
+    Not the LARGE_DATA builtin: its TCP transport can deadlock a participant's teardown."""
+    os.environ.pop("FASTDDS_BUILTIN_TRANSPORTS", None)   # it would replace the profile's transports
+    os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(FRAME_TRANSPORT_PROFILE)
 
 
 def interrupt(proc: subprocess.Popen, timeout_s: float = 20.0) -> int:

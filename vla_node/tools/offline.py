@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine, WindowLayout
-from .bag_io import (SYNC_SLOP_S, Bag, BagError, BagInputs, ObservationStream, StreamStats, image_shape,
+from .bag_io import (STATE_SLOP_S, SYNC_SLOP_S, Bag, BagError, BagInputs, ObservationStream, StreamStats, image_shape,
                      read_references, resolve_inputs)
 from .bench import STAGES, deviation
 
@@ -125,6 +125,7 @@ class BagQuery:
     every: int = 1
     max_frames: Optional[int] = None
     sync_slop_s: float = SYNC_SLOP_S
+    state_slop_s: float = STATE_SLOP_S
 
     def inputs(self, bag: Bag, layout: WindowLayout) -> BagInputs:
         return resolve_inputs(bag, layout.cameras, self.camera_topics, self.joint_states, self.instruction_topic,
@@ -132,7 +133,7 @@ class BagQuery:
 
     def stream(self, bag: Bag, layout: WindowLayout, state_dim: int) -> ObservationStream:
         return ObservationStream(bag, self.inputs(bag, layout), layout, state_dim, self.joint_names, self.instruction,
-                                 self.every, self.max_frames, self.sync_slop_s)
+                                 self.every, self.max_frames, self.sync_slop_s, self.state_slop_s)
 
 
 @dataclass

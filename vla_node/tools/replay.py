@@ -9,12 +9,14 @@ offline needs no ROS; live needs rclpy and a running node (vla-node --ros-args -
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 from ..runtime import LAYOUTS, MODES
-from .bag_io import CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_STATES_TOPIC, REFERENCE_TOPIC, SYNC_SLOP_S, BagError
+from .bag_io import (CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_STATES_TOPIC, REFERENCE_TOPIC, STATE_SLOP_S, SYNC_SLOP_S,
+                     BagError)
 
 
 def _csv(text: str) -> list[str]:
@@ -60,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--max-frames", type=int, default=None, help="stop after this many queries")
     off.add_argument("--sync-slop", type=float, default=SYNC_SLOP_S,
                      help="largest stamp difference between cameras in one query, s (the node's sync_slop_s)")
+    off.add_argument("--state-slop", type=float, default=STATE_SLOP_S,
+                     help="largest stamp difference between a query's newest frame and its joint state, s "
+                          "(the node's state_slop_s)")
     off.add_argument("--out", type=Path, default=Path("out/replay_offline"), help="report.json and plots go here")
     off.add_argument("--joint-names", type=_csv, default=None,
                      help="joint state entries that make the model's state, in order (default: all, as recorded)")
@@ -96,7 +101,7 @@ def run_offline(args) -> int:
                      instruction_topic=None if args.instruction else args.instruction_topic,
                      instruction=args.instruction, reference_topic=args.reference_topic,
                      joint_names=args.joint_names, every=args.every, max_frames=args.max_frames,
-                     sync_slop_s=args.sync_slop)
+                     sync_slop_s=args.sync_slop, state_slop_s=args.state_slop)
     report = evaluate(query, specs, common, args.out, progress=lambda m: print(m, flush=True))
     print()
     print_summary(report)
@@ -105,7 +110,10 @@ def run_offline(args) -> int:
 
 def run_live(args) -> int:
     from .live import LiveError, LiveOptions, print_summary, replay_live
+    from .node_process import frame_transport
 
+    if "FASTDDS_DEFAULT_PROFILES_FILE" not in os.environ and "FASTDDS_BUILTIN_TRANSPORTS" not in os.environ:
+        frame_transport()   # this process writes the frames: its shared memory must hold them
     options = LiveOptions(bag=args.bag, rate=args.rate, clock=args.clock, clock_hz=args.clock_hz, node=args.node,
                           out=args.out, storage=args.storage, wait_s=args.wait, tail_s=args.tail,
                           camera_topics=args.camera_topics, joint_states=args.joint_states,
