@@ -1,6 +1,7 @@
 """Start the vla_node lifecycle node and bring it to active: configure it, then activate it once
 configuring has ended in inactive (a failed configure stays unconfigured, with the reason in the
-log and on /diagnostics).
+log and on /diagnostics). Every configure activates, also a manual one after cleanup; a manual
+deactivate stays inactive.
 
     ros2 launch vla_node molmobot.launch.py
     ros2 launch vla_node molmobot.launch.py params_file:=/path/to/tiny.yaml model_preset:=tiny \\

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from vla_node.tools.node_process import frame_transport, interrupt, node_command, ros_domain
+from vla_node.tools.node_process import interrupt, node_command, ros_domain, ros_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "config" / "tiny.yaml"
@@ -33,9 +33,7 @@ def ros_env() -> dict:
     transports lose most of them), logs where the caller says."""
     if "VLA_TEST_DOMAIN" not in os.environ:
         os.environ["VLA_TEST_DOMAIN"] = ros_domain(os.getpid() ^ time.time_ns())
-    os.environ["ROS_DOMAIN_ID"] = os.environ["VLA_TEST_DOMAIN"]
-    frame_transport()
-    os.environ.setdefault("ROS_LOG_DIR", str(ROOT / "out" / "ros_log"))
+    ros_environment(os.environ["VLA_TEST_DOMAIN"], ROOT / "out" / "ros_log")
     os.environ["RCUTILS_COLORIZED_OUTPUT"] = "0"
     os.environ["PYTHONUNBUFFERED"] = "1"
     return dict(os.environ)

@@ -5,23 +5,23 @@ bag into it live and compares two engine configurations offline; the tests check
 Every ROS participant of this module lives in a ROS domain of its own.
 """
 import os
-import random
 
 import numpy as np
 import pytest
 
 from vla_node.tools.bag_io import (COMPRESSED_IMAGE, IMAGE, TYPESTORE, Bag, BagError, compressed_image_msg,
                                    decode_image, image_msg)
-from vla_node.tools.demo import NodeProcess, isolate_ros, run_demo, tiny_config
+from vla_node.tools.demo import NodeProcess, run_demo, tiny_config
 from vla_node.tools.live import LiveError, LiveOptions, Route, convert, replay_live
+from vla_node.tools.node_process import ros_domain, ros_environment
 from vla_node.tools.sample_bag import SAMPLE_BAG, SampleSpec, write_sample_bag
 
 
 @pytest.fixture(scope="module", autouse=True)
 def own_ros_domain():
-    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "FASTDDS_BUILTIN_TRANSPORTS", "ROS_LOG_DIR")}
-    os.environ["ROS_DOMAIN_ID"] = str(random.Random(os.getpid()).randint(30, 101))
-    isolate_ros()
+    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "FASTDDS_BUILTIN_TRANSPORTS",
+                                            "FASTDDS_DEFAULT_PROFILES_FILE", "ROS_LOG_DIR")}
+    ros_environment(ros_domain(os.getpid()))
     yield
     for key, value in saved.items():
         if value is None:

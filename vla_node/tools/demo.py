@@ -13,7 +13,6 @@ own: ROS_DOMAIN_ID if set, else a random one.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .live import LiveOptions, print_summary, replay_live
-from .node_process import frame_transport, interrupt, node_command, ros_domain
+from .node_process import interrupt, node_command, ros_environment
 from .sample_bag import SAMPLE_BAG
 
 Print = Callable[[str], None]
@@ -38,15 +37,6 @@ def tiny_config() -> Path:
         if path.exists():
             return path
     raise FileNotFoundError("config/tiny.yaml not found in the source tree or under share/vla_node")
-
-
-def isolate_ros() -> str:
-    """Environment for this process and its children: a ROS domain of our own (unless one is set)
-    and Fast DDS with shared memory big enough for raw 640x480 frames (node_process.frame_transport)."""
-    os.environ.setdefault("ROS_DOMAIN_ID", ros_domain())
-    frame_transport()
-    os.environ.setdefault("ROS_LOG_DIR", str(Path("out") / "ros_log"))
-    return os.environ["ROS_DOMAIN_ID"]
 
 
 class NodeProcess:
@@ -94,7 +84,7 @@ class DemoResult:
 def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_fn: Print = print,
              node_overrides: Optional[dict[str, str]] = None) -> DemoResult:
     t0 = time.monotonic()
-    domain = isolate_ros()
+    domain = ros_environment()
     if out.exists():
         shutil.rmtree(out)   # the demo's own output folder: each run starts clean
     out.mkdir(parents=True)

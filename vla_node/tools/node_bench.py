@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .node_process import frame_transport, interrupt, node_command, ros_domain
+from .node_process import interrupt, node_command, ros_domain, ros_environment
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "tiny.yaml"
 JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
@@ -41,12 +41,6 @@ def jitter_stats(stamps_s: list[float], rate_hz: float) -> dict:
     return {"ticks": len(periods), "period_ms_p50": float(np.percentile(periods, 50)),
             "jitter_ms_p50": float(np.percentile(jitter, 50)), "jitter_ms_p99": float(np.percentile(jitter, 99)),
             "jitter_ms_max": float(jitter.max())}
-
-
-def ros_environment(domain: str) -> None:
-    os.environ["ROS_DOMAIN_ID"] = domain
-    frame_transport()
-    os.environ.setdefault("ROS_LOG_DIR", str(Path("out") / "ros_log"))
 
 
 # -- 0. the machine's floor ------------------------------------------------------------------------

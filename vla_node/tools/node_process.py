@@ -25,6 +25,18 @@ def ros_domain(seed: int | None = None) -> str:
 FRAME_TRANSPORT_PROFILE = Path(__file__).resolve().parents[1] / "data" / "fastdds_large_frames.xml"
 
 
+def ros_environment(domain: str | None = None, log_dir: Path = Path("out") / "ros_log") -> str:
+    """For this process and the children it starts: ROS domain `domain` (None: the one set, else
+    a random one, so a demo or test does not hear other runs), the frame transport, logs under
+    `log_dir` unless ROS_LOG_DIR is set. Returns the domain."""
+    if domain is not None:
+        os.environ["ROS_DOMAIN_ID"] = domain
+    os.environ.setdefault("ROS_DOMAIN_ID", ros_domain())
+    frame_transport()
+    os.environ.setdefault("ROS_LOG_DIR", str(log_dir))
+    return os.environ["ROS_DOMAIN_ID"]
+
+
 def frame_transport() -> None:
     """Fast DDS with shared memory big enough for raw 640x480 frames (its default transports
     lose most of them) and UDP for discovery, for this process and the children it starts.
