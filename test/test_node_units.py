@@ -246,6 +246,8 @@ def test_state_history_gives_the_state_stamped_nearest_the_frame():
     assert states.nearest(25)[1][0] == 30           # a tie goes to the later state
     assert states.nearest(0)[0] == 20               # only what is kept: the nearest is 20 after it
     assert states.nearest(1000)[0] == 40 - 1000
+    states.add(40, np.array([41]))                  # the same stamp again: the later message
+    assert states.nearest(40)[1][0] == 41
     states.clear()
     assert states.nearest(30) is None
 

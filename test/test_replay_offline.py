@@ -74,3 +74,31 @@ def test_config_specs_and_overrides():
 def test_unknown_option_is_a_clear_error(capsys):
     assert replay(["offline", str(SAMPLE_BAG), "--set", "warp_speed=9"]) == 2
     assert "unknown engine option 'warp_speed'" in capsys.readouterr().err
+
+
+def test_each_query_gets_the_joint_state_stamped_nearest_its_newest_frame():
+    """As the node (state_sync frame): the state when the frame was taken, not the newest one
+    received when the frame arrived (the sample bag's images arrive 12 ms after capture)."""
+    import numpy as np
+
+    from vla_node.tools.bag_io import CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_STATES_TOPIC, Bag, stamp_ns
+    from vla_node.tools.offline import BagQuery
+
+    query = BagQuery(bag=SAMPLE_BAG, camera_topics=list(CAMERA_TOPICS), joint_states=JOINT_STATES_TOPIC,
+                     instruction_topic=INSTRUCTION_TOPIC, instruction=None, reference_topic=None)
+    with Bag(SAMPLE_BAG) as bag:
+        messages = [(t, bag.deserialize(raw, msgtype, topic)) for topic, msgtype, t, raw in
+                    bag.messages([JOINT_STATES_TOPIC])]
+        frames = list(query.stream(bag, LAYOUTS["droid"], state_dim=8))
+    stamps = np.array([stamp_ns(m.header.stamp) for _, m in messages])
+    received = np.array([t for t, _ in messages])
+    assert len(frames) == 90 - 8
+    newer = 0
+    for frame in frames:
+        nearest = int(np.argmin(np.abs(stamps - frame.stamp_ns)))
+        np.testing.assert_array_equal(frame.observation.state, np.asarray(messages[nearest][1].position, np.float32))
+        newest_received = np.searchsorted(received, frame.log_time_ns, side="right") - 1
+        newer += newest_received > nearest
+    # For two frames in three the newest state received with the frame is a later one (55 of 82):
+    # pairing by arrival would have given those a different state.
+    assert newer > len(frames) // 2

@@ -26,9 +26,9 @@ class StateHistory:
         self._entries.clear()
 
     def nearest(self, stamp_ns: int) -> Optional[tuple[int, np.ndarray]]:
-        """(its stamp - stamp_ns, state) of the state stamped nearest `stamp_ns`, the later one on
-        a tie; None when there is none."""
+        """(its stamp - stamp_ns, state) of the state stamped nearest `stamp_ns`: on a tie the later
+        stamp, then the later arrival; None when there is none."""
         if not self._entries:
             return None
-        stamp, state = min(self._entries, key=lambda e: (abs(e[0] - stamp_ns), -e[0]))
+        stamp, state = min(reversed(self._entries), key=lambda e: (abs(e[0] - stamp_ns), -e[0]))
         return stamp - stamp_ns, state
