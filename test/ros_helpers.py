@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from vla_node.ros.messages import stamp_ns
 from vla_node.tools.node_process import interrupt, node_command, ros_domain, ros_environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,6 +261,7 @@ class Harness:
                     values = {kv.key: kv.value for kv in status.values}
                     values["_message"], values["_level"] = status.message, int.from_bytes(status.level, "little") \
                         if isinstance(status.level, bytes) else int(status.level)
+                    values["_stamp_ns"] = stamp_ns(msg.header.stamp)
                     out.append(values)
         return out
 
