@@ -93,6 +93,11 @@ class NodeProcess:
         self._reader.join(5)
         return code
 
+    def stop_cleanly(self) -> None:
+        """stop(), which must end with exit code 0 (else the error shows the node's last output)."""
+        code = self.stop()
+        assert code == 0, f"exit code {code}; node output:\n" + "\n".join(self.lines[-40:])
+
 
 def _yaml(value) -> str:
     if isinstance(value, bool):

@@ -121,7 +121,7 @@ def test_failed_load_fails_configure_with_the_reason(tmp_path):
         assert node.proc.poll() is None                      # still up, can be fixed and configured again
     finally:
         h.close()
-        assert node.stop() == 0
+        node.stop_cleanly()
 
 
 def test_ctrl_c_ends_the_node_and_its_engine_process():
@@ -133,5 +133,5 @@ def test_ctrl_c_ends_the_node_and_its_engine_process():
         assert pid_alive(pid)
     finally:
         h.close()
-        assert node.stop() == 0
+        node.stop_cleanly()
     assert not pid_alive(pid)

@@ -35,7 +35,7 @@ def test_non_finite_actions_are_never_published(tmp_path):
         assert node.proc.poll() is None
     finally:
         h.close()
-        assert node.stop() == 0
+        node.stop_cleanly()
 
 
 def test_joint_states_on_another_clock_hold_with_the_reason_until_state_sync_newest():
@@ -59,4 +59,4 @@ def test_joint_states_on_another_clock_hold_with_the_reason_until_state_sync_new
         assert node.count("holding: sync: no joint state stamped within state_slop_s") == 1
     finally:
         h.close()
-        assert node.stop() == 0
+        node.stop_cleanly()

@@ -14,6 +14,7 @@ why, once, in the log and on /diagnostics.
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 import threading
 import time
@@ -746,7 +747,16 @@ def main(args=None) -> int:
     except (params.SettingsError, rclpy.exceptions.InvalidParameterValueException) as e:
         print(f"vla_node: invalid parameters: {e}", file=sys.stderr)
         return 1
+    except Exception:
+        # Ctrl-C shuts the context down from rclpy's signal handler, also in the middle of a
+        # callback, whose next publish then fails: that is the end that was asked for.
+        if rclpy.ok():
+            raise
     finally:
+        # Ctrl-C also raises KeyboardInterrupt here, and it can come after spin has ended on the
+        # shutdown: it must not cut the release of the engine short (bounded: the engine process
+        # is killed after a timeout).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
