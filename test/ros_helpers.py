@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from vla_node.ros.messages import stamp_ns
-from vla_node.tools.node_process import interrupt, node_command, ros_domain, ros_environment
+from vla_node.tools.node_process import interrupt, node_argv, ros_domain, ros_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "config" / "tiny.yaml"
@@ -48,10 +48,7 @@ class NodeProcess:
     def __init__(self, overrides: Optional[dict] = None, params_file: Path = TINY_YAML, ros_args: tuple = ()):
         self.namespace = f"/t{os.getpid()}_{next(_counter)}"
         self.name = f"{self.namespace}/vla_node"
-        args = ["--ros-args", "--params-file", str(params_file), "-r", f"__ns:={self.namespace}"]
-        for name, value in (overrides or {}).items():
-            args += ["-p", f"{name}:={_yaml(value)}"]
-        self.command = node_command() + args + list(ros_args)
+        self.command = node_argv(params_file, overrides, ["-r", f"__ns:={self.namespace}", *ros_args])
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -97,16 +94,6 @@ class NodeProcess:
         """stop(), which must end with exit code 0 (else the error shows the node's last output)."""
         code = self.stop()
         assert code == 0, f"exit code {code}; node output:\n" + "\n".join(self.lines[-40:])
-
-
-def _yaml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_yaml(v) for v in value) + "]"
-    if isinstance(value, str):
-        return f"'{value}'" if value else "''"
-    return repr(value)
 
 
 def rgb_frame(height: int, width: int, seed: int) -> np.ndarray:

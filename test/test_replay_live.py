@@ -83,7 +83,7 @@ def test_demo_prints_what_a_user_wants(demo):
 
 def test_live_with_sim_time(tmp_path):
     """A node on use_sim_time runs on the /clock the replay publishes from the bag's time."""
-    with NodeProcess(tiny_config(), tmp_path / "node.log", {"use_sim_time": "true"}) as node:
+    with NodeProcess(tiny_config(), tmp_path / "node.log", {"use_sim_time": True}) as node:
         live = replay_live(LiveOptions(bag=SAMPLE_BAG, out=tmp_path / "live", wait_s=120.0, abort_if=node.exited),
                            progress=lambda m: None)
     assert live["clock"]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .live import LiveOptions, print_summary, replay_live
-from .node_process import interrupt, node_command, ros_environment
+from .node_process import interrupt, node_argv, ros_environment
 from .sample_bag import SAMPLE_BAG
 
 Print = Callable[[str], None]
@@ -43,15 +43,12 @@ class NodeProcess:
     """`vla-node` as a child process (its own session, so Ctrl-C of the demo reaches it only
     through stop()), its output in a log file."""
 
-    def __init__(self, params_file: Path, log_path: Path, overrides: Optional[dict[str, str]] = None):
-        command = node_command() + ["--ros-args", "--params-file", str(params_file)]
-        for name, value in {"autostart": "true", **(overrides or {})}.items():
-            command += ["-p", f"{name}:={value}"]
-        self.command = command
+    def __init__(self, params_file: Path, log_path: Path, overrides: Optional[dict] = None):
+        self.command = node_argv(params_file, {"autostart": True, **(overrides or {})})
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def exited(self) -> Optional[str]:
         """Why the node is gone, or None while it runs."""
@@ -81,8 +78,7 @@ class DemoResult:
     seconds: float
 
 
-def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_fn: Print = print,
-             node_overrides: Optional[dict[str, str]] = None) -> DemoResult:
+def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_fn: Print = print) -> DemoResult:
     t0 = time.monotonic()
     domain = ros_environment()
     if out.exists():
@@ -91,7 +87,7 @@ def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_
     params_file = tiny_config()
     print_fn(f"vla-demo: tiny VLA policy as a ROS 2 node on the CPU (ROS domain {domain})")
     print_fn(f"[1/3] starting vla-node with {params_file} (log: {out / 'node.log'})")
-    with NodeProcess(params_file, out / "node.log", node_overrides) as node:
+    with NodeProcess(params_file, out / "node.log") as node:
         print_fn(f"[2/3] live replay of {SAMPLE_BAG.name} into {NODE}")
         try:
             live = replay_live(LiveOptions(bag=SAMPLE_BAG, node=NODE, out=out / "live", wait_s=180.0,

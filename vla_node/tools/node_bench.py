@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .node_process import interrupt, node_command, ros_domain, ros_environment
+from .node_process import interrupt, node_argv, ros_domain, ros_environment
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "tiny.yaml"
 JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
@@ -232,9 +232,9 @@ class Feeder:
 
 def run_node(args, domain: str) -> dict:
     namespace = f"/bench{os.getpid()}"
-    command = node_command() + ["--ros-args", "--params-file", str(args.params),
-               "-r", f"__ns:={namespace}", "-p", "autostart:=true", "-p", f"control_rate_hz:={args.rate}",
-               "-p", f"engine_threads:={args.threads}", "-p", f"engine_nice:={args.nice}"]
+    command = node_argv(args.params, {"autostart": True, "control_rate_hz": args.rate,
+                                      "engine_threads": args.threads, "engine_nice": args.nice},
+                        ["-r", f"__ns:={namespace}"])
     log_path = Path(os.environ["ROS_LOG_DIR"]) / f"node_bench_{os.getpid()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")

@@ -8,12 +8,32 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 
 def node_command() -> list[str]:
     """`vla-node` next to this interpreter (pip puts console scripts there), else the module."""
     script = Path(sys.executable).parent / "vla-node"
     return [str(script)] if script.exists() else [sys.executable, "-m", "vla_node.ros.node"]
+
+
+def node_argv(params_file: Path, overrides: Mapping[str, Any] | None = None, ros_args: Sequence[str] = ()) -> list[str]:
+    """`vla-node --ros-args --params-file FILE -p name:=value ... ROS_ARGS`, each value a Python
+    value written as the YAML that gives the parameter its type."""
+    argv = node_command() + ["--ros-args", "--params-file", str(params_file)]
+    for name, value in (overrides or {}).items():
+        argv += ["-p", f"{name}:={_yaml(value)}"]
+    return argv + list(ros_args)
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, str):
+        return f"'{value}'" if value else "''"
+    return repr(value)
 
 
 def ros_domain(seed: int | None = None) -> str:
