@@ -31,6 +31,7 @@ setup(
             "vla-replay = vla_node.tools.replay:main",
             "vla-demo = vla_node.tools.demo:main",
             "vla-node-bench = vla_node.tools.node_bench:main",
+            "vla-convert = vla_node.model.convert:main",
         ],
     },
 )

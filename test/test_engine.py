@@ -58,7 +58,7 @@ def test_instruction_and_images_change_the_actions(engine):
     (lambda o: setattr(o, "state", np.zeros(7, np.float32)), "state must have 8 values"),
     (lambda o: setattr(o, "state", np.full(8, np.nan, np.float32)), "non-finite"),
     (lambda o: setattr(o, "instruction", "   "), "instruction is empty"),
-    (lambda o: setattr(o, "instruction", "pick up the red cup " * 30), "budget is 48"),
+    (lambda o: setattr(o, "instruction", "pick up the red cup " * 30), "budget is 96"),
 ])
 def test_bad_inputs_are_rejected_clearly(engine, mutate, message):
     obs = engine.dummy_observation()

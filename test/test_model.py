@@ -30,7 +30,7 @@ def tiny():
 def test_llm_matches_transformers_qwen3(tiny):
     cfg = tiny.cfg.llm
     hf_cfg = transformers.Qwen3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.mlp, num_hidden_layers=cfg.layers,
+        vocab_size=cfg.embedding_rows, hidden_size=cfg.dim, intermediate_size=cfg.mlp, num_hidden_layers=cfg.layers,
         num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False, max_position_embeddings=cfg.max_seq_len)
     hf = transformers.Qwen3Model(hf_cfg).eval()
@@ -47,7 +47,7 @@ def test_llm_matches_transformers_qwen3(tiny):
             p + "input_layernorm.weight": layer.attn_norm.weight, p + "post_attention_layernorm.weight": layer.mlp_norm.weight,
         })
     hf.load_state_dict(state, strict=True)
-    ids = torch.randint(0, cfg.vocab_size, (2, 37))
+    ids = torch.randint(0, cfg.embedding_rows, (2, 37))
     with torch.no_grad():
         out = hf(input_ids=ids, output_hidden_states=True)
         cos, sin = rope_tables(cfg.head_dim, torch.arange(ids.shape[1]), cfg.rope_theta)
@@ -68,7 +68,9 @@ def test_vit_matches_transformers_siglip(tiny):
         layer_norm_eps=cfg.norm_eps, hidden_act="gelu_pytorch_tanh", vision_use_head=False)
     hf = transformers.SiglipVisionModel(hf_cfg).eval()
     enc = tiny.vision.encoder
-    state = {"embeddings.patch_embedding.weight": enc.patch_embed.weight,
+    # Our patch embedding is a Linear over (row, column, channel)-flattened patches; SigLIP's a conv.
+    p = cfg.patch_size
+    state = {"embeddings.patch_embedding.weight": enc.patch_embed.weight.view(cfg.width, p, p, 3).permute(0, 3, 1, 2),
              "embeddings.patch_embedding.bias": enc.patch_embed.bias,
              "embeddings.position_embedding.weight": enc.pos_embed,
              "post_layernorm.weight": torch.ones(cfg.width),
@@ -166,14 +168,17 @@ def test_euler_integrates_constant_velocity_exactly():
         euler(field, noise, 0)
 
 
-def test_normalisation_round_trip(tiny):
-    low, high = tiny.action_low, tiny.action_high
-    actions = low + (high - low) * torch.rand(100, len(low))
-    unit = tiny.normalize_actions(actions)
-    assert unit.min() >= -1 - 1e-6 and unit.max() <= 1 + 1e-6
-    assert torch.allclose(tiny.denormalize_actions(unit), actions, atol=1e-5)
-    assert torch.allclose(tiny.normalize_state(tiny.state_low), -torch.ones(len(tiny.state_low)))
-    assert torch.allclose(tiny.normalize_state(tiny.state_high), torch.ones(len(tiny.state_high)))
+@pytest.mark.parametrize("mode", ["min_max", "quantiles", "quantile10", "mean_std"])
+def test_normalisation_round_trip(mode):
+    from vla_node.model.policy import denormalize, normalize
+
+    stats = torch.tensor([[-2.0, 0.0, 10.0], [3.0, 0.5, 20.0]])
+    x = torch.randn(100, 3) * 4
+    assert torch.allclose(denormalize(normalize(x, stats, mode), stats, mode), x, atol=1e-4)
+    if mode == "mean_std":
+        assert torch.allclose(normalize(stats[0], stats, mode), torch.zeros(3))
+    else:  # the two statistics map to -1 and 1
+        assert torch.allclose(normalize(stats, stats, mode), torch.tensor([[-1.0] * 3, [1.0] * 3]))
 
 
 def test_expert_context_split_matches_single_pass(tiny):

@@ -64,7 +64,7 @@ def test_unexpected_key_is_named(tiny_ckpt, tmp_path):
 def test_wrong_shape_is_named(tiny_ckpt, tmp_path):
     folder, _ = tiny_ckpt
     bad = _rewrite(folder, tmp_path, lambda t: t.__setitem__("expert.action_pos", torch.zeros(3, 64)))
-    with pytest.raises(CheckpointError, match=r"'expert\.action_pos' has shape \(3, 64\).*expects \(16, 64\)"):
+    with pytest.raises(CheckpointError, match=r"'expert\.action_pos' has shape \(3, 64\).*expects \(32, 64\)"):
         load_checkpoint(bad)
 
 
@@ -85,8 +85,8 @@ def test_missing_checkpoint_and_bad_stats(tiny_ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nope")
     folder, _ = tiny_ckpt
-    bad = _rewrite(folder, tmp_path, lambda t: t.__setitem__("action_high", t["action_low"].clone()))
-    with pytest.raises(CheckpointError, match="high > low"):
+    bad = _rewrite(folder, tmp_path, lambda t: t.__setitem__("action_stats", t["action_stats"][[0, 0]].clone()))
+    with pytest.raises(CheckpointError, match="action statistics .* positive, finite spread"):
         load_checkpoint(bad)
 
 
@@ -94,7 +94,7 @@ def test_random_checkpoint_in_bf16(tmp_path):
     create_random_checkpoint("tiny", tmp_path, seed=1, dtype=torch.bfloat16)
     tensors = load_file(str(tmp_path / WEIGHTS_FILE))
     assert tensors["llm.embed.weight"].dtype == torch.bfloat16
-    assert tensors["action_low"].dtype == torch.float32  # statistics stay fp32
+    assert tensors["action_stats"].dtype == torch.float32  # statistics stay fp32
     model = load_checkpoint(tmp_path, dtype=torch.bfloat16)
     assert model.llm.embed.weight.dtype == torch.bfloat16
 

@@ -1,9 +1,9 @@
 """Flow-matching DiT action expert.
 
 One block per LLM layer. Per block: adaLN-Zero modulated self-attention over the action tokens,
-cross-attention to that LLM layer's hidden states (projected to the expert width, LayerNorm)
-plus one encoded robot-state token, then an MLP. The velocity field is integrated with Euler
-from noise (t=0) to normalised actions (t=1).
+cross-attention to that LLM layer's hidden states (one projection shared by all blocks, then
+LayerNorm) plus one encoded robot-state token, then an MLP. The velocity field is integrated
+with Euler from noise (t=0) to normalised actions (t=1).
 
 The expert is split so the runtime can hoist work out of the flow loop without a second copy
 of the maths: `context_kv` (depends on the query only), `modulations` (depends on t only) and
@@ -22,14 +22,17 @@ from .config import ActionExpertConfig, ModelConfig
 from .layers import FusableProjection
 
 N_MODULATIONS = 9  # (shift, scale, gate) for self-attention, cross-attention and MLP
+LN_EPS = 1e-6
+CONTEXT_LN_EPS = 1e-5  # the context norm is a default nn.LayerNorm in the official model
 
 
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal features of the flow time t in [0, 1] (scaled to [0, 1000] like DiT)."""
+    """Sinusoidal features [B, dim] of the flow time t [B] in [0, 1] (unscaled): frequencies
+    exp(-ln(1e4) * i / (half - 1)), sines first."""
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    args = (t.float() * 1000.0)[..., None] * freqs
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.float32, device=t.device) * (-math.log(10000.0) / max(half - 1, 1)))
+    args = t.float()[:, None] * freqs[None, :]
+    return F.pad(torch.cat([torch.sin(args), torch.cos(args)], dim=-1), (0, dim % 2))
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -37,21 +40,19 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 class ExpertBlock(nn.Module):
-    def __init__(self, cfg: ActionExpertConfig, llm_dim: int):
+    def __init__(self, cfg: ActionExpertConfig):
         super().__init__()
         w = cfg.width
         self.heads = cfg.heads
         self.ada = nn.Linear(w, N_MODULATIONS * w)
-        self.norm1 = nn.LayerNorm(w, eps=cfg.norm_eps, elementwise_affine=False)
+        self.norm1 = nn.LayerNorm(w, eps=LN_EPS, elementwise_affine=False)
         self.self_qkv = FusableProjection(w, {"q": w, "k": w, "v": w}, bias=True)
         self.self_out = nn.Linear(w, w)
-        self.norm2 = nn.LayerNorm(w, eps=cfg.norm_eps, elementwise_affine=False)
+        self.norm2 = nn.LayerNorm(w, eps=LN_EPS, elementwise_affine=False)
         self.cross_q = nn.Linear(w, w)
-        self.ctx_proj = nn.Linear(llm_dim, w)
-        self.ctx_norm = nn.LayerNorm(w, eps=cfg.norm_eps)
         self.cross_kv = FusableProjection(w, {"k": w, "v": w}, bias=True)
         self.cross_out = nn.Linear(w, w)
-        self.norm3 = nn.LayerNorm(w, eps=cfg.norm_eps, elementwise_affine=False)
+        self.norm3 = nn.LayerNorm(w, eps=LN_EPS, elementwise_affine=False)
         self.fc1 = nn.Linear(w, cfg.mlp)
         self.fc2 = nn.Linear(cfg.mlp, w)
         # attend(q, k, v, mask) with SDPA's meaning; the runtime may put a faster kernel here.
@@ -61,14 +62,6 @@ class ExpertBlock(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.heads, -1).transpose(1, 2)
 
-    def context_kv(self, llm_hidden: torch.Tensor, state_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """llm_hidden [B, T, llm_dim], state_token [B, 1, w] -> cross-attention K, V [B, heads, T+1, hd]."""
-        return self.token_kv(torch.cat([self.context_tokens(llm_hidden), state_token], dim=1))
-
-    def context_tokens(self, llm_hidden: torch.Tensor) -> torch.Tensor:
-        """LLM hidden states projected to the expert width and normalised (per token)."""
-        return self.ctx_norm(self.ctx_proj(llm_hidden))
-
     def token_kv(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross-attention K, V [B, heads, T, hd] of context tokens [B, T, w] (per token)."""
         k, v = self.cross_kv(tokens)
@@ -76,7 +69,7 @@ class ExpertBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [B, H, w] action tokens, mod [B, 9w], k/v from context_kv, ctx_mask [B|1, 1, 1, T+1] bool."""
+        """x [B, H, w] action tokens, mod [B, 9w], k/v from token_kv, ctx_mask [B|1, 1, 1, T] bool."""
         b, h, w = x.shape
         s1, c1, g1, s2, c2, g2, s3, c3, g3 = mod.chunk(N_MODULATIONS, dim=-1)
         q, sk, sv = (self._heads(y) for y in self.self_qkv(modulate(self.norm1(x), s1, c1)))
@@ -85,7 +78,7 @@ class ExpertBlock(nn.Module):
         q = self._heads(self.cross_q(modulate(self.norm2(x), s2, c2)))
         y = self.attend(q, k, v, ctx_mask)
         x = x + g2[:, None] * self.cross_out(y.transpose(1, 2).reshape(b, h, w))
-        y = self.fc2(F.gelu(self.fc1(modulate(self.norm3(x), s3, c3)), approximate="tanh"))
+        y = self.fc2(F.gelu(self.fc1(modulate(self.norm3(x), s3, c3))))
         return x + g3[:, None] * y
 
 
@@ -96,22 +89,33 @@ class ActionExpert(nn.Module):
         self.cfg = a
         w = a.width
         self.time_mlp = nn.Sequential(nn.Linear(a.time_embed_dim, w), nn.SiLU(), nn.Linear(w, w))
-        self.state_enc = nn.Sequential(nn.Linear(a.state_dim, w), nn.SiLU(), nn.Linear(w, w))
         self.action_in = nn.Linear(a.action_dim, w)
-        self.action_pos = nn.Parameter(torch.zeros(a.horizon, w))
-        self.blocks = nn.ModuleList(ExpertBlock(a, cfg.llm.dim) for _ in range(cfg.expert_depth))
+        self.action_pos = nn.Parameter(torch.zeros(a.max_horizon, w))
+        self.ctx_proj = nn.Linear(cfg.llm.dim, w, bias=False)
+        self.ctx_norm = nn.LayerNorm(w, eps=CONTEXT_LN_EPS, elementwise_affine=False) if a.context_norm else nn.Identity()
+        self.state_enc = nn.Linear(w, w)
+        self.state_norm = nn.LayerNorm(w, eps=LN_EPS, elementwise_affine=False)
+        self.blocks = nn.ModuleList(ExpertBlock(a) for _ in range(cfg.expert_depth))
         self.final_ada = nn.Linear(w, 2 * w)
-        self.final_norm = nn.LayerNorm(w, eps=a.norm_eps, elementwise_affine=False)
+        self.final_norm = nn.LayerNorm(w, eps=LN_EPS, elementwise_affine=False)
         self.action_out = nn.Linear(w, a.action_dim)
 
-    def context_kv(self, llm_hidden: list[torch.Tensor], state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-block cross-attention K/V from each LLM layer's hidden states and the normalised state [B, state_dim]."""
-        state_token = self.state_token(state)
-        return [blk.context_kv(h, state_token) for blk, h in zip(self.blocks, llm_hidden)]
+    def context_tokens(self, llm_hidden: torch.Tensor) -> torch.Tensor:
+        """LLM hidden states [B, T, llm_dim] -> context tokens [B, T, w] (per token)."""
+        return self.ctx_norm(self.ctx_proj(llm_hidden))
 
     def state_token(self, state: torch.Tensor) -> torch.Tensor:
-        """The one context token encoding the normalised robot state: [B, state_dim] -> [B, 1, w]."""
-        return self.state_enc(state)[:, None]
+        """The one context token encoding the normalised robot state: [B, state_dim] -> [B, 1, w]
+        (the state zero-padded to the width, then Linear and LayerNorm)."""
+        padded = F.pad(state, (0, self.cfg.width - state.shape[-1]))
+        return self.state_norm(self.state_enc(padded))[:, None]
+
+    def context_kv(self, llm_hidden: list[torch.Tensor], state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-block cross-attention K/V [B, heads, T+1, hd] over each LLM layer's context tokens
+        followed by the state token (normalised state [B, state_dim])."""
+        state_token = self.state_token(state)
+        return [blk.token_kv(torch.cat([self.context_tokens(h), state_token], dim=1))
+                for blk, h in zip(self.blocks, llm_hidden)]
 
     def modulations(self, t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """adaLN parameters for flow time t [B]: one [B, 9w] per block and the final [B, 2w]."""
@@ -122,7 +126,7 @@ class ActionExpert(nn.Module):
                  kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [B, H, action_dim] noisy normalised actions -> velocity [B, H, action_dim]."""
         block_mods, final_mod = mods
-        h = self.action_in(x) + self.action_pos
+        h = self.action_in(x) + self.action_pos[:x.shape[1]]
         for blk, mod, (k, v) in zip(self.blocks, block_mods, kv):
             h = blk(h, mod, k, v, ctx_mask)
         shift, scale = final_mod.chunk(2, dim=-1)

@@ -45,18 +45,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.cache: Optional[KVCache] = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Causal self-attention over x. With a cache, x's keys/values are also written at
-        `slots`; given a `mask` [T, max_len], x attends to the whole cache under it instead."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                slots: Optional[torch.Tensor] = None, attend_cache: bool = False) -> torch.Tensor:
+        """Self-attention of x [B, T, dim]. `mask` [T, S] bool (True: may attend), None: causal.
+        With a cache, x's keys/values are also written at `slots`; with `attend_cache` x attends
+        to the whole cache (S = its length) instead of to its own keys only (S = T)."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x)
         q = apply_rope(self.q_norm(q.view(b, t, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_norm(k.view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.cache is not None:
+        if self.cache is not None and slots is not None:
             cache_k, cache_v = self.cache.update(slots, k, v)
-            if mask is not None:  # new tokens after cached ones: attend to the cache
+            if attend_cache:
                 k, v = cache_k, cache_v
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
@@ -70,9 +71,9 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, slots, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                slots: Optional[torch.Tensor] = None, attend_cache: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, slots, attend_cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -80,7 +81,8 @@ class LLM(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # The base vocabulary and the added rows (image special tokens) as one table.
+        self.embed = nn.Embedding(cfg.embedding_rows, cfg.dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
 
     def setup_caches(self, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
@@ -91,13 +93,14 @@ class LLM(nn.Module):
         for layer in self.layers:
             layer.attn.cache = None
 
-    def forward(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-        """embeds [B, T, dim]; cos/sin [T, head_dim] for the tokens' positions.
-        Returns the output hidden state of every layer, each [B, T, dim]."""
+    def forward(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                slots: Optional[torch.Tensor] = None, attend_cache: bool = False) -> list[torch.Tensor]:
+        """embeds [B, T, dim]; cos/sin [T, head_dim] for the tokens' positions; mask and cache
+        use as in Attention.forward. Returns the output hidden state of every layer, each
+        [B, T, dim] (before any final norm: the action expert reads these)."""
         hidden = []
         x = embeds
         for layer in self.layers:
-            x = layer(x, cos, sin, slots, mask)
+            x = layer(x, cos, sin, mask, slots, attend_cache)
             hidden.append(x)
         return hidden

@@ -1,88 +1,86 @@
-"""The prompt: a text prefix, one block per image, then the instruction.
+"""The prompt, laid out as the official MolmoBot preprocessor lays it out:
 
-    [prefix] ([label "Image k View v"] <im_start> <im_patch> x tokens_per_image <im_end>) x images [instruction]
+    BOS, then per image: [label] <im_start> <im_patch> x tokens_per_image <im_end>,
+    then the chat turn with the instruction (PromptConfig.chat_template), no state.
 
-Images are in slot order: oldest history frame first, cameras in configured order within a
-frame time. Image features are added to the embeddings of the <im_patch> placeholders. Every
-image block has the same length, so slot j always starts at the same position for a layout.
+Images are in slot order: all cameras of the oldest frame time first, the newest frame time last.
+Labels: none for a single image; "Image k" (k = 1, 2, ...) when the checkpoint sees single frames;
+otherwise "Image <f> View <c>" with c = camera + 1 and f counted so that the newest frame time is
+always max_images / cameras - 1: a window with fewer frames (an episode's start) keeps the labels
+its frames had in a full window. Image features are added to the embeddings of <im_patch>.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<im_start>", "<im_end>", "<im_patch>")
-PAD, IM_START, IM_END, IM_PATCH = SPECIAL_TOKENS
-PROMPT_PREFIX = "Robot action policy."
-INSTRUCTION_PREFIX = " Instruction: "
-
-
-def load_tokenizer(folder: str | Path):
-    """A transformers tokenizer from a local folder (never downloads)."""
-    from transformers import AutoTokenizer
-
-    folder = Path(folder)
-    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(f"no tokenizer in {folder} (expected tokenizer.json / tokenizer_config.json)")
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    vocab = tok.get_vocab()
-    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
-    if missing:
-        raise ValueError(f"tokenizer in {folder} lacks the special tokens {missing}")
-    return tok
+from .config import ModelConfig
+from .tokenizer import BIDIRECTIONAL_TOKENS, IM_END, IM_PATCH, IM_START, bos_id
 
 
 @dataclass(frozen=True)
 class Prompt:
-    ids: tuple[int, ...]             # token ids of the whole prompt
-    prefix_len: int                  # tokens before the first image block
-    block_len: int                   # tokens of one image block
-    patch_offset: int                # first <im_patch> within a block
+    ids: tuple[int, ...]                 # token ids of the whole prompt
+    image_token: tuple[bool, ...]        # tokens that attend to each other both ways (bidirectional mode)
+    patch_positions: tuple[int, ...]     # index of every <im_patch>, in slot order
+    block_starts: tuple[int, ...]        # first token (the label) of each image block
+    instruction_start: int               # first token of the chat turn
     images: int
-    instruction_start: int
-
-    def patch_start(self, slot: int) -> int:
-        return self.prefix_len + slot * self.block_len + self.patch_offset
 
     def __len__(self) -> int:
         return len(self.ids)
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, tokens_per_image: int):
+    def __init__(self, tokenizer, cfg: ModelConfig):
         self.tokenizer = tokenizer
-        self.tokens_per_image = tokens_per_image
+        self.cfg = cfg.prompt
+        self.tokens_per_image = cfg.vision.tokens_per_image
         vocab = tokenizer.get_vocab()
-        self.pad_id, self.im_start, self.im_end, self.im_patch = (vocab[t] for t in SPECIAL_TOKENS)
-        self.prefix = tuple(self._encode(PROMPT_PREFIX))
+        self.bos = bos_id(tokenizer)
+        self.im_start, self.im_end, self.im_patch = (vocab[t] for t in (IM_START, IM_END, IM_PATCH))
+        self.bidirectional_ids = frozenset(vocab[t] for t in BIDIRECTIONAL_TOKENS if t in vocab)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.bos
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def labels(self, cameras: int, frames: int) -> list[str]:
+        """The label of each slot of a window with `frames` frame times of `cameras` cameras."""
+        n = cameras * frames
+        if n == 1:
+            return [""]
+        if self.cfg.single_frame:
+            if frames > 1:
+                raise ValueError("this checkpoint sees single frames (single_frame); a window with history is not supported")
+            return [f"Image {i + 1}" for i in range(n)]
+        first = self.cfg.max_images // cameras - frames
+        if n > self.cfg.max_images or self.cfg.max_images % cameras or first < 0:
+            raise ValueError(f"a window of {frames} frames x {cameras} cameras does not fit the checkpoint's "
+                             f"max_images={self.cfg.max_images}")
+        return [f"Image {first + f} View {c + 1}" for f in range(frames) for c in range(cameras)]
+
     @functools.lru_cache(maxsize=64)
-    def image_blocks(self, cameras: int, frames: int) -> tuple[tuple[int, ...], int, int]:
-        """All image blocks of a layout, the length of one block and the offset of its patches."""
-        blocks, lengths = [], set()
-        for slot in range(cameras * frames):
-            label = self._encode(f" Image {slot + 1} View {slot % cameras}")
-            block = label + [self.im_start] + [self.im_patch] * self.tokens_per_image + [self.im_end]
-            lengths.add((len(block), len(label) + 1))
-            blocks.extend(block)
-        if len(lengths) != 1:
-            raise ValueError(f"image labels tokenize to different lengths {sorted(lengths)}; slots need a fixed length")
-        (block_len, patch_offset), = lengths
-        return tuple(blocks), block_len, patch_offset
+    def image_blocks(self, cameras: int, frames: int) -> tuple[tuple[int, ...], ...]:
+        """Token ids of each slot's image block."""
+        return tuple(tuple(self._encode(label)) + (self.im_start,) + (self.im_patch,) * self.tokens_per_image
+                     + (self.im_end,) for label in self.labels(cameras, frames))
 
     @functools.lru_cache(maxsize=256)
     def instruction(self, text: str) -> tuple[int, ...]:
+        """The chat turn holding the instruction (encoded as one string, as the official code does)."""
         if not text.strip():
             raise ValueError("instruction is empty")
-        return tuple(self._encode(INSTRUCTION_PREFIX + text.strip()))
+        return tuple(self._encode(self.cfg.chat_template.replace("{instruction}", text)))
 
     def build(self, cameras: int, frames: int, instruction: str) -> Prompt:
-        blocks, block_len, patch_offset = self.image_blocks(cameras, frames)
-        instr = self.instruction(instruction)
-        ids = self.prefix + blocks + instr
-        return Prompt(ids=ids, prefix_len=len(self.prefix), block_len=block_len, patch_offset=patch_offset,
-                      images=cameras * frames, instruction_start=len(self.prefix) + len(blocks))
+        ids, starts, patches = [self.bos], [], []
+        for block in self.image_blocks(cameras, frames):
+            starts.append(len(ids))
+            patches.extend(len(ids) + i for i, t in enumerate(block) if t == self.im_patch)
+            ids.extend(block)
+        instruction_start = len(ids)
+        ids.extend(self.instruction(instruction))
+        return Prompt(ids=tuple(ids), image_token=tuple(t in self.bidirectional_ids for t in ids),
+                      patch_positions=tuple(patches), block_starts=tuple(starts),
+                      instruction_start=instruction_start, images=cameras * frames)

@@ -41,6 +41,14 @@ class ViTBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
 
 
+def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
+    """[B, 3, S, S] -> [B, (S/patch)^2, patch*patch*3]: patches in row-major order, each flattened
+    as (row, column, channel), the layout the official patch embedding was trained on."""
+    b, c, s, _ = pixels.shape
+    g = s // patch
+    return pixels.view(b, c, g, patch, g, patch).permute(0, 2, 4, 3, 5, 1).reshape(b, g * g, patch * patch * c)
+
+
 class VisionEncoder(nn.Module):
     """Patch embedding + learned positions + the first `layers_run` blocks; returns the
     configured layers' outputs concatenated on the channel axis: [B, grid*grid, feature_dim]."""
@@ -48,7 +56,7 @@ class VisionEncoder(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = nn.Conv2d(3, cfg.width, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.patch_embed = nn.Linear(3 * cfg.patch_size ** 2, cfg.width)
         self.pos_embed = nn.Parameter(torch.zeros(cfg.grid * cfg.grid, cfg.width))
         # Layers past the deepest feature layer are never run, so they are not built either.
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.layers_run))
@@ -58,7 +66,7 @@ class VisionEncoder(nn.Module):
         size = self.cfg.image_size
         if pixels.dim() != 4 or pixels.shape[1] != 3 or pixels.shape[-2:] != (size, size):
             raise ValueError(f"vision encoder expects images [B, 3, {size}, {size}], got {tuple(pixels.shape)}")
-        x = self.patch_embed(pixels).flatten(2).transpose(1, 2) + self.pos_embed
+        x = self.patch_embed(patchify(pixels, self.cfg.patch_size)) + self.pos_embed
         outs = []
         for block in self.blocks:
             x = block(x)
@@ -86,11 +94,11 @@ def pooling_windows(grid: int, window: int) -> tuple[torch.Tensor, torch.Tensor]
 
 class AttentionPool(nn.Module):
     """Multi-head attention over each 2x2 window with the mean of the window's real patches as
-    the query (the padding row/column of the 27 -> 28 grid is masked out)."""
+    the query (the padding row/column of the 27 -> 28 grid is masked out). Heads as in the ViT."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.heads = cfg.pool_heads
+        self.heads = cfg.heads
         d_in, d = cfg.feature_dim, cfg.width
         self.q = nn.Linear(d_in, d)
         self.kv = FusableProjection(d_in, {"k": d, "v": d}, bias=True)

@@ -1,8 +1,9 @@
 """Checkpoints: a folder with config.json, model.safetensors and the tokenizer files.
 
 Loading is strict (every key present, no extra key, every shape equal; errors name the key)
-and never unpickles. Random-weight models are built directly on the target device in the
-target dtype, so the 4B preset never exists in fp32 on the host.
+and never unpickles. An official MolmoBot folder (config.yaml + model.pt) is converted once
+into a cache folder (convert.py). Random-weight models are built directly on the target device
+in the target dtype, so the 4B preset never exists in fp32 on the host.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .policy import VLAPolicy
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-TINY_TOKENIZER = Path(__file__).parent / "assets" / "tiny_tokenizer"
+TINY_TOKENIZER = Path(__file__).parent / "assets" / "tiny_tokenizer"  # the tiny preset's vocabulary
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -76,11 +77,14 @@ def _check_not_pickle(path: Path) -> None:
                               f"convert it to safetensors")
     with open(path, "rb") as f:
         head = f.read(9)
+    # safetensors: an 8-byte little-endian header length, then the JSON header. Checked first: a
+    # header length can begin with any byte, including pickle's 0x80.
+    if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < path.stat().st_size:
+        return
     if head[:1] == b"\x80" or head[:2] == b"PK":
         raise CheckpointError(f"{path}: this is a pickle / torch.save file, not safetensors; "
                               f"only safetensors checkpoints are loaded")
-    if len(head) < 9 or head[8:9] != b"{":
-        raise CheckpointError(f"{path}: not a safetensors file (bad header)")
+    raise CheckpointError(f"{path}: not a safetensors file (bad header)")
 
 
 def _weights_path(folder: Path) -> Path:
@@ -123,12 +127,16 @@ def load_weights_(model: VLAPolicy, path: str | Path) -> VLAPolicy:
                 raise CheckpointError(f"{path}: key {key!r} has shape {shape}, the model expects {tuple(target.shape)}")
         for key, target in expected.items():
             target.copy_(f.get_tensor(key))
-    if not bool(((model.action_high - model.action_low) > 0).all() and ((model.state_high - model.state_low) > 0).all()):
-        raise CheckpointError(f"{path}: normalisation statistics need high > low in every dimension")
+    robot = model.cfg.robot
+    for name, stats, mode in (("action", model.action_stats, robot.action_norm), ("state", model.state_stats, robot.state_norm)):
+        spread = stats[1] if mode == "mean_std" else stats[1] - stats[0]
+        if not bool((spread > 0).all()) or not bool(torch.isfinite(stats).all()):
+            raise CheckpointError(f"{path}: {name} statistics ({mode}) need a positive, finite spread in every dimension")
     return model
 
 
 def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> VLAPolicy:
+    """A project checkpoint folder (or its model.safetensors); see `resolve_checkpoint` for official folders."""
     folder = Path(folder)
     if not folder.exists():
         raise CheckpointError(f"checkpoint {folder} does not exist")
@@ -140,13 +148,18 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", dtyp
 def save_checkpoint(model: VLAPolicy, folder: str | Path, tokenizer_dir: str | Path | None = TINY_TOKENIZER) -> Path:
     """Writes config.json, model.safetensors (the model's own keys, whatever runtime wrappers or
     fused views sit on it) and a copy of the tokenizer files."""
+    return save_tensors(model.state_dict(), model.cfg, folder, tokenizer_dir)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, folder: str | Path,
+                 tokenizer_dir: str | Path | None = None) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     # clone(): fused projections make the separate weights views of one buffer, which
     # safetensors refuses as shared memory.
-    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "model": model.cfg.name})
-    (folder / CONFIG_FILE).write_text(model.cfg.to_json() + "\n")
+    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "model": cfg.name})
+    (folder / CONFIG_FILE).write_text(cfg.to_json() + "\n")
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
             if f.is_file():

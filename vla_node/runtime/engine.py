@@ -9,6 +9,7 @@ action expert's context recomputed at every flow step. Every fast path is compar
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -16,9 +17,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..model import PromptBuilder, TINY_TOKENIZER, build_model, get_preset, init_random_, load_checkpoint, load_tokenizer
+from ..model import (PromptBuilder, TINY_TOKENIZER, build_model, get_preset, init_random_, load_checkpoint, load_tokenizer,
+                     resolve_checkpoint)
 from ..model.action_expert import euler, flow_times
 from ..model.layers import rope_tables
+from ..model.policy import denormalize
 from .action_cache import FlowSchedule
 from .fp8 import quantize_llm_
 from .fusion import fuse_projections
@@ -49,16 +52,22 @@ class PolicyEngine:
         self.dtype = getattr(torch, config.dtype)
         t0 = time.perf_counter()
         if config.checkpoint:
-            self.model = load_checkpoint(config.checkpoint, self.device, self.dtype)
-            tokenizer_dir = config.checkpoint
+            folder = resolve_checkpoint(config.checkpoint, self.progress)  # official folders: converted once
+            self.model = load_checkpoint(folder, self.device, self.dtype)
+            tokenizer_dir = folder
         else:
-            self.model = init_random_(build_model(get_preset(config.preset), self.device, self.dtype), config.seed)
+            cfg = get_preset(config.preset)
+            # Random weights were trained on nothing: let the prompt label windows of any size.
+            max_images = max(cfg.prompt.max_images, *(l.images for l in config.layouts))
+            cfg = dataclasses.replace(cfg, prompt=dataclasses.replace(cfg.prompt, max_images=max_images))
+            self.model = init_random_(build_model(cfg, self.device, self.dtype), config.seed)
             tokenizer_dir = TINY_TOKENIZER
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.model_cfg = self.model.cfg
-        if self.model_cfg.llm.vocab_size < len(self.tokenizer):
-            raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {self.model_cfg.llm.vocab_size}")
-        self.prompts = PromptBuilder(self.tokenizer, self.model_cfg.vision.tokens_per_image)
+        if self.model_cfg.llm.embedding_rows < len(self.tokenizer):
+            raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens, the model's embedding "
+                             f"{self.model_cfg.llm.embedding_rows} rows")
+        self.prompts = PromptBuilder(self.tokenizer, self.model_cfg)
         self.flow_steps = config.flow_steps or self.model_cfg.action.flow_steps
         self.schedule = FlowSchedule.parse(config.action_cache, self.flow_steps)
         self._check_schedule(self.schedule)
@@ -83,6 +92,20 @@ class PolicyEngine:
     def layout(self) -> WindowLayout:
         return self.config.layout
 
+    @property
+    def history_offset_s(self) -> float:
+        """Seconds between consecutive frame times of a window, as in the training data."""
+        return self.model_cfg.robot.history_offset_s
+
+    def query_layout(self, obs: Observation, layout: WindowLayout) -> WindowLayout:
+        """The layout of this query: `layout`, or fewer frame times at an episode's start."""
+        cams = len(layout.cameras)
+        n = len(obs.images)
+        if n % cams or not 1 <= n // cams <= layout.frames:
+            raise ValueError(f"expected {layout.images} images for the window layout (or {cams} per frame time at "
+                             f"an episode's start), got {n}")
+        return layout.with_frames(n // cams)
+
     def warmup(self) -> EngineStats:
         """Compile and capture every stage of every bucket now, so no query pays for it."""
         t0 = time.perf_counter()
@@ -102,6 +125,7 @@ class PolicyEngine:
         layout = layout or self.layout
         if layout not in self.config.layouts:
             raise ValueError(f"layout {layout} is not one of the engine's layouts (EngineConfig.layout / extra_layouts)")
+        layout = self.query_layout(obs, layout)
         self.check_observation(obs, layout)
         if noise is None:
             noise = self.draw_noise()
@@ -174,8 +198,8 @@ class PolicyEngine:
         c = self.config
         images = [rng.integers(0, 256, (c.camera_height, c.camera_width, 3), dtype=np.uint8)
                   for _ in range(layout.images)]
-        low, high = self.model.state_low.cpu().numpy(), self.model.state_high.cpu().numpy()
-        state = (low + (high - low) * rng.random(low.shape)).astype(np.float32)
+        unit = torch.from_numpy(rng.uniform(-1, 1, self.model_cfg.action.state_dim))
+        state = denormalize(unit, self.model.state_stats.cpu(), self.model_cfg.robot.state_norm).numpy()
         return Observation(images=images, state=state, instruction="pick up the red cup and put it in the bowl")
 
     def state_tensor(self, obs: Observation) -> torch.Tensor:
@@ -190,9 +214,9 @@ class PolicyEngine:
         timer.mark("vision")
         prompt = self.prompts.build(len(layout.cameras), layout.frames, obs.instruction)
         ids = torch.tensor([prompt.ids], device=self.device)
-        embeds = m.embed(ids, image_tokens, m.patch_positions(prompt, self.device))
+        embeds = m.embed(ids, image_tokens, torch.tensor(prompt.patch_positions, device=self.device))
         cos, sin = rope_tables(cfg.llm.head_dim, torch.arange(len(prompt), device=self.device), cfg.llm.rope_theta)
-        hidden = m.llm(embeds, cos, sin)
+        hidden = m.llm(embeds, cos, sin, m.attention_mask(prompt, self.device))
         timer.mark("llm")
         state = m.normalize_state(self.state_tensor(obs)).to(self.dtype)
         times = flow_times(self.flow_steps)

@@ -1,8 +1,9 @@
 """Camera frames (HxWx3 uint8 RGB) -> model pixels [N, 3, S, S] in [-1, 1].
 
-One resize for both paths: bilinear with antialiasing over the whole frame. The reference runs
-it on the CPU; the device path stages uint8 frames in pinned memory (one host copy), uploads
-them without blocking, and resizes/normalises on the device.
+As the official MolmoBot preprocessing: the whole frame stretched to S x S with bilinear
+interpolation without antialiasing, rounded back to uint8 values, then x / 255 * 2 - 1. The
+reference runs it on the CPU; the device path stages uint8 frames in pinned memory (one host
+copy), uploads them without blocking, and resizes/normalises on the device.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def check_frames(images: Sequence[np.ndarray], count: int, height: int, width: i
 def resize_normalize(frames_u8: torch.Tensor, size: int) -> torch.Tensor:
     """frames_u8 [N, H, W, 3] uint8 -> [N, 3, size, size] float32 in [-1, 1] (SigLIP mean/std 0.5)."""
     x = frames_u8.permute(0, 3, 1, 2).float()
-    x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    return x / 127.5 - 1.0
+    x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=False, align_corners=False)
+    return x.round().clamp(0, 255) / 255 * 2 - 1
 
 
 def preprocess_reference(images: Sequence[np.ndarray], size: int) -> torch.Tensor:

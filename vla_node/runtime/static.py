@@ -40,7 +40,10 @@ class Bucket:
         ids = torch.full((1, self.length), engine.prompts.pad_id, dtype=torch.long)
         ids[0, :self.instruction_start] = torch.tensor(prompt.ids[:self.instruction_start])
         self.ids = ids.to(dev)
-        self.patch_positions = m.patch_positions(prompt, dev)
+        self.image_token = torch.zeros(self.length, dtype=torch.bool)
+        self.image_token[:self.instruction_start] = torch.tensor(prompt.image_token[:self.instruction_start])
+        self.mask = self._mask(m.cfg.prompt.bidirectional_images).to(dev)  # [length, length]
+        self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
         self.slots = torch.arange(self.length, device=dev)
         llm = m.cfg.llm
         self.cos, self.sin = rope_tables(llm.head_dim, self.slots, llm.rope_theta)
@@ -56,12 +59,20 @@ class Bucket:
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.stream: StreamBuffers | None = None
         if engine.config.streaming_kv and layout.frames > 1:
-            self.stream = StreamBuffers(engine, self, prompt.prefix_len, prompt.block_len)
+            self.stream = StreamBuffers(engine, self, prompt)
         # Stage outputs; under CUDA graphs these are the graphs' own output tensors.
         self.hidden: list[torch.Tensor] = []
         self.state_norm: torch.Tensor | None = None
         self.kv: list | None = None
         self.out: torch.Tensor | None = None
+
+    def _mask(self, bidirectional: bool) -> torch.Tensor:
+        """Causal, plus image special tokens seeing each other (the padding at the end is seen by
+        no real token: it comes after all of them and is no image token)."""
+        mask = torch.ones(self.length, self.length, dtype=torch.bool).tril()
+        if bidirectional:
+            mask |= self.image_token[:, None] & self.image_token[None, :]
+        return mask
 
     def set_instruction(self, engine: "PolicyEngine", text: str) -> None:
         if text == self.instruction:
@@ -71,6 +82,10 @@ class Bucket:
         row = torch.full((self.length - start,), engine.prompts.pad_id, dtype=torch.long)
         row[:n] = torch.tensor(tokens)
         self.ids[0, start:].copy_(row)
+        image = torch.tensor([t in engine.prompts.bidirectional_ids for t in row.tolist()])
+        if bool(image.any() or self.image_token[start:].any()):  # special tokens typed into the instruction
+            self.image_token[start:] = image
+            self.mask.copy_(self._mask(engine.model.cfg.prompt.bidirectional_images))
         mask = torch.ones(self.length + 1, dtype=torch.bool)
         mask[start + n:self.length] = False
         self.ctx_mask.view(-1).copy_(mask)
@@ -84,7 +99,7 @@ class StaticRunner:
         mc = m.cfg
         self.size = mc.vision.image_size
         self.buckets: dict[WindowLayout, Bucket] = {}
-        layouts = engine.config.layouts
+        layouts = engine.config.query_layouts
         self.max_images = max(layout.images for layout in layouts)
         capacity = max(cfg.vision_cache_frames, 2 * self.max_images) if cfg.vision_cache else self.max_images
         self.store = FrameStore(capacity, mc.vision.tokens_per_image, mc.llm.dim, engine.dtype, dev)
@@ -107,7 +122,8 @@ class StaticRunner:
         self.stream_layout: WindowLayout | None = None  # whose KV the LLM caches hold
         self.stream_steps = 0
         self.expert_calls = 0
-        m.llm.setup_caches(1, max(self.bucket(layout).length for layout in layouts), engine.dtype, dev)
+        longest = max(engine.prompts.build(len(l.cameras), l.frames, "x").instruction_start for l in layouts)
+        m.llm.setup_caches(1, longest + cfg.max_instruction_tokens, engine.dtype, dev)
 
     def bucket(self, layout: WindowLayout) -> Bucket:
         if layout not in self.buckets:
@@ -140,7 +156,7 @@ class StaticRunner:
         m = self.engine.model
         image_tokens = self.store.tokens.index_select(0, b.frame_rows).reshape(1, -1, m.cfg.llm.dim)
         embeds = m.embed(b.ids, image_tokens, b.patch_positions)
-        b.hidden = m.llm(embeds, b.cos, b.sin, b.slots)
+        b.hidden = m.llm(embeds, b.cos, b.sin, b.mask, b.slots)
         b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
         if self.mod_table is not None:
             b.kv = m.expert.context_kv(b.hidden, b.state_norm)
@@ -250,7 +266,7 @@ class StaticRunner:
     def warmup(self) -> None:
         e = self.engine
         compiled_before = compile_count()
-        for layout in e.config.layouts:
+        for layout in e.config.query_layouts:
             b = self.bucket(layout)
             t0 = time.perf_counter()
             with torch.inference_mode():

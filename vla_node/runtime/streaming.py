@@ -5,16 +5,18 @@ re-queried every 8 frames, the newest frame time of one window is the oldest of 
 Slot j of the new window is slot j + C of the old one (C cameras). The streaming step:
 
 1. shifts the surviving frames' keys/values from slot j + C to slot j. Keys are cached after
-   RoPE, so they are rotated by -C * block_len positions: every key then carries exactly the
-   position a full recompute would give it (RoPE rotations compose);
+   RoPE, so they are rotated by -shift positions: every key then carries exactly the position a
+   full recompute would give it (RoPE rotations compose);
 2. shifts the action expert's per-token context K/V the same way (it has no positions);
 3. prefills only the new frames' blocks and the instruction, attending to the cached prefix
-   and surviving frames, and recomputes the state token's K/V.
+   and surviving frames (new image tokens see every image token, as in the full prompt), and
+   recomputes the state token's K/V.
 
-The text prefix before the images is never recomputed. What is not exact: the surviving
-frames' keys/values were computed while the evicted frames were visible (and under their old
-"Image k" labels). The benchmark measures the action deviation this causes against a full
-recompute.
+The BOS before the images is never recomputed. What is not exact: the surviving frames'
+keys/values were computed while the evicted frames were visible and, with the official
+bidirectional image attention, without seeing the new frames that a full recompute lets them
+attend to; their label tokens keep the old "Image k" text. The benchmark measures the action
+deviation this causes against a full recompute.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 import torch
 
 from ..model.layers import apply_rope, rope_tables
+from ..model.sequence import Prompt
 
 if TYPE_CHECKING:
     from .engine import PolicyEngine
@@ -32,21 +35,26 @@ if TYPE_CHECKING:
 class StreamBuffers:
     """Static index tables and the persistent expert context of one bucket."""
 
-    def __init__(self, engine: "PolicyEngine", bucket: "Bucket", prefix_len: int, block_len: int):
+    def __init__(self, engine: "PolicyEngine", bucket: "Bucket", prompt: Prompt):
         m, dev = engine.model, engine.device
         layout = bucket.layout
         cams, n = len(layout.cameras), layout.images
         self.cameras = cams
         llm = m.cfg.llm
-        shift = cams * block_len
-        self.new_start = prefix_len + (n - cams) * block_len
-        self.shift_src = torch.arange(prefix_len + shift, prefix_len + n * block_len, device=dev)
+        starts = list(prompt.block_starts) + [prompt.instruction_start]
+        lengths = {b - a for a, b in zip(starts, starts[1:])}
+        if len(lengths) != 1:
+            raise ValueError(f"streaming_kv needs image blocks of one length; the labels give {sorted(lengths)}")
+        shift = starts[cams] - starts[0]
+        self.new_start = starts[n - cams]
+        self.shift_src = torch.arange(starts[cams], self.new_start + shift, device=dev)
         self.shift_dst = self.shift_src - shift
         self.rot_cos, self.rot_sin = rope_tables(llm.head_dim, torch.tensor([-shift], device=dev), llm.rope_theta)
         self.new_slots = bucket.slots[self.new_start:]
         self.new_cos, self.new_sin = bucket.cos[self.new_start:], bucket.sin[self.new_start:]
-        # New tokens see every cached slot at or before their own position.
-        self.mask = bucket.slots[None, :] <= self.new_slots[:, None]
+        # New tokens see what they see in the full prompt: the bucket's mask rows, over the cache.
+        self.mask = torch.zeros((len(self.new_slots), m.llm.layers[0].attn.cache.k.shape[2]), dtype=torch.bool, device=dev)
+        self.mask[:, :bucket.length] = bucket.mask[self.new_start:]
         self.new_patch_positions = bucket.patch_positions[(n - cams) * m.cfg.vision.tokens_per_image:] - self.new_start
         heads, hd = m.cfg.action.heads, m.cfg.action.width // m.cfg.action.heads
         shape = (1, heads, bucket.length + 1, hd)
@@ -77,10 +85,10 @@ class StreamBuffers:
             k.index_copy_(2, self.shift_dst, k.index_select(2, self.shift_src))
             v.index_copy_(2, self.shift_dst, v.index_select(2, self.shift_src))
         embeds = m.embed(bucket.ids[:, self.new_start:], frame_tokens, self.new_patch_positions)
-        hidden = m.llm(embeds, self.new_cos, self.new_sin, self.new_slots, self.mask)
+        hidden = m.llm(embeds, self.new_cos, self.new_sin, self.mask, self.new_slots, attend_cache=True)
         state_token = m.expert.state_token(m.normalize_state(bucket.state).to(engine.dtype))
         for block, h, (k, v) in zip(m.expert.blocks, hidden, self.kv):
-            new_k, new_v = block.token_kv(block.context_tokens(h))
+            new_k, new_v = block.token_kv(m.expert.context_tokens(h))
             k.index_copy_(2, self.new_slots, new_k)
             v.index_copy_(2, self.new_slots, new_v)
             state_k, state_v = block.token_kv(state_token)

@@ -27,6 +27,10 @@ class WindowLayout:
     def images(self) -> int:
         return len(self.cameras) * self.frames
 
+    def with_frames(self, frames: int) -> "WindowLayout":
+        """The same cameras with fewer frame times: a window whose history does not exist yet."""
+        return dataclasses.replace(self, frames=frames)
+
 
 LAYOUTS = {
     # MolmoBot-DROID: exterior + wrist camera, frames t-8 and t.
@@ -38,7 +42,9 @@ LAYOUTS = {
 
 @dataclass
 class Observation:
-    images: Sequence[np.ndarray]          # layout.images frames in slot order, each HxWx3 uint8 RGB
+    # Frames in slot order, each HxWx3 uint8 RGB: layout.images of them, or at an episode's start
+    # (history not there yet) cameras * k for the k newest frame times, 1 <= k < layout.frames.
+    images: Sequence[np.ndarray]
     state: np.ndarray                     # [state_dim] raw robot state (joint positions, gripper)
     instruction: str
     stamp: float = 0.0                    # seconds; time of the newest frame
@@ -78,7 +84,7 @@ class EngineConfig:
     camera_height: int = 480
     camera_width: int = 640
     flow_steps: Optional[int] = None      # None: the model's default
-    max_instruction_tokens: int = 48      # token budget of the instruction (static shapes pad to it)
+    max_instruction_tokens: int = 96      # token budget of the chat turn holding the instruction (static shapes pad to it)
     # Lossless features (LOSSLESS_FEATURES), off = the eager reference.
     static_shapes: bool = False
     ctx_kv_once: bool = False
@@ -130,6 +136,17 @@ class EngineConfig:
     @property
     def layouts(self) -> tuple[WindowLayout, ...]:
         return (self.layout,) + tuple(l for l in self.extra_layouts if l != self.layout)
+
+    @property
+    def query_layouts(self) -> tuple[WindowLayout, ...]:
+        """Every layout a query may have: the configured ones and, for an episode's start, each
+        with fewer frame times (the official wrapper drops history that does not exist yet)."""
+        out: list[WindowLayout] = []
+        for layout in self.layouts:
+            for frames in range(layout.frames, 0, -1):
+                if layout.with_frames(frames) not in out:
+                    out.append(layout.with_frames(frames))
+        return tuple(out)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
