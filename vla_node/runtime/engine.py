@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -21,15 +21,14 @@ from ..model import (PromptBuilder, TINY_TOKENIZER, build_model, get_preset, ini
                      resolve_checkpoint)
 from ..model.action_expert import euler, flow_times
 from ..model.layers import rope_tables
-from ..model.policy import denormalize
 from .action_cache import FlowSchedule
 from .fp8 import quantize_llm_
 from .fusion import fuse_projections
+from .parts import EngineParts, Progress
 from .preprocess import check_frames, preprocess_reference
 from .timing import StageTimer
-from .types import ActionChunk, EngineConfig, Observation, WindowLayout
+from .types import DEFAULT_CAMERAS, ActionChunk, EngineConfig, Observation, WindowLayout
 
-Progress = Callable[[str], None]
 
 
 @dataclass
@@ -58,7 +57,7 @@ class PolicyEngine:
         else:
             cfg = get_preset(config.preset)
             # Random weights were trained on nothing: let the prompt label windows of any size.
-            max_images = max(cfg.prompt.max_images, *(l.images for l in config.layouts))
+            max_images = max([cfg.prompt.max_images] + [l.images for l in config.layouts])
             cfg = dataclasses.replace(cfg, prompt=dataclasses.replace(cfg.prompt, max_images=max_images))
             self.model = init_random_(build_model(cfg, self.device, self.dtype), config.seed)
             tokenizer_dir = TINY_TOKENIZER
@@ -68,6 +67,11 @@ class PolicyEngine:
             raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens, the model's embedding "
                              f"{self.model_cfg.llm.embedding_rows} rows")
         self.prompts = PromptBuilder(self.tokenizer, self.model_cfg)
+        if config.layout is None:  # the checkpoint's own window: its frames and their spacing
+            cams = self.model_cfg.prompt.max_images // self.model_cfg.robot.frames
+            self.config = config = config.replace(layout=WindowLayout(
+                DEFAULT_CAMERAS.get(cams, tuple(f"camera{i}" for i in range(cams))), self.model_cfg.robot.frames,
+                self.model_cfg.robot.obs_step_delta))
         self.flow_steps = config.flow_steps or self.model_cfg.action.flow_steps
         self.schedule = FlowSchedule.parse(config.action_cache, self.flow_steps)
         self._check_schedule(self.schedule)
@@ -81,10 +85,11 @@ class PolicyEngine:
             from .kernels.few_query_attention import few_query_attention
             for block in self.model.expert.blocks:
                 block.attend = few_query_attention
+        self.parts = EngineParts(self.model, self.prompts, config, self.device, self.dtype, self.progress)
         self.static = None
         if config.static_shapes:
             from .static import StaticRunner
-            self.static = StaticRunner(self)
+            self.static = StaticRunner(self.parts, self.flow_steps, self.schedule)
         self.progress(f"loaded {self.model_cfg.name} on {self.device} ({config.dtype}) in {time.perf_counter() - t0:.1f}s")
 
     # -- public API ---------------------------------------------------------------------------
@@ -111,6 +116,7 @@ class PolicyEngine:
         t0 = time.perf_counter()
         if self.static is not None:
             self.static.warmup()
+            self.stats.compiled_graphs, self.stats.graph_captures = self.static.compiled_graphs, self.static.graph_captures
         else:  # zero noise: warm-up must not advance the engine's noise stream
             a = self.model_cfg.action
             self.predict(self.dummy_observation(), noise=torch.zeros((1, a.horizon, a.action_dim), device=self.device))
@@ -149,7 +155,8 @@ class PolicyEngine:
         self.flow_steps, self.schedule = steps, schedule
         self.config = self.config.replace(flow_steps=steps, action_cache=spec)
         if self.static is not None:
-            self.static.reschedule()
+            self.static.reschedule(steps, schedule)
+            self.stats.graph_captures = self.static.graph_captures
 
     def _check_schedule(self, schedule: FlowSchedule) -> None:
         if schedule.adaptive_threshold is not None and not self.config.static_shapes:
@@ -192,18 +199,10 @@ class PolicyEngine:
             raise ValueError(f"frame_ids must name {layout.images} frames, got {len(obs.frame_ids)}")
 
     def dummy_observation(self, layout: Optional[WindowLayout] = None, seed: int = 0) -> Observation:
-        """Random frames and state of the right shapes (warm-up, benchmarks)."""
-        layout = layout or self.layout
-        rng = np.random.default_rng(seed)
-        c = self.config
-        images = [rng.integers(0, 256, (c.camera_height, c.camera_width, 3), dtype=np.uint8)
-                  for _ in range(layout.images)]
-        unit = torch.from_numpy(rng.uniform(-1, 1, self.model_cfg.action.state_dim))
-        state = denormalize(unit, self.model.state_stats.cpu(), self.model_cfg.robot.state_norm).numpy()
-        return Observation(images=images, state=state, instruction="pick up the red cup and put it in the bowl")
+        return self.parts.dummy_observation(layout, seed)
 
     def state_tensor(self, obs: Observation) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(obs.state, dtype=np.float32), device=self.device)[None]
+        return self.parts.state_tensor(obs)
 
     # -- the eager reference ------------------------------------------------------------------
     def _predict_reference(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout):

@@ -9,92 +9,28 @@ sees the padding, and the expert's cross-attention masks it.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 
 from ..model.action_expert import euler, flow_times
-from ..model.layers import rope_tables
-from .action_cache import MAX_ADAPTIVE_REUSE
+from .action_cache import MAX_ADAPTIVE_REUSE, FlowSchedule
+from .bucket import Bucket
 from .compile import compile_count, compile_regions
 from .frame_store import FrameStore
+from .parts import EngineParts
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
 from .streaming import StreamBuffers
 from .timing import StageTimer
 from .types import Observation, WindowLayout
 
-if TYPE_CHECKING:
-    from .engine import PolicyEngine
-
-
-class Bucket:
-    """Device buffers of one window layout at the instruction token budget."""
-
-    def __init__(self, engine: "PolicyEngine", layout: WindowLayout):
-        m, dev = engine.model, engine.device
-        self.layout = layout
-        prompt = engine.prompts.build(len(layout.cameras), layout.frames, "x")
-        self.instruction_start = prompt.instruction_start
-        self.length = prompt.instruction_start + engine.config.max_instruction_tokens
-        ids = torch.full((1, self.length), engine.prompts.pad_id, dtype=torch.long)
-        ids[0, :self.instruction_start] = torch.tensor(prompt.ids[:self.instruction_start])
-        self.ids = ids.to(dev)
-        self.image_token = torch.zeros(self.length, dtype=torch.bool)
-        self.image_token[:self.instruction_start] = torch.tensor(prompt.image_token[:self.instruction_start])
-        self.mask = self._mask(m.cfg.prompt.bidirectional_images).to(dev)  # [length, length]
-        self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
-        self.slots = torch.arange(self.length, device=dev)
-        llm = m.cfg.llm
-        self.cos, self.sin = rope_tables(llm.head_dim, self.slots, llm.rope_theta)
-        self.ctx_mask = torch.ones((1, 1, 1, self.length + 1), dtype=torch.bool, device=dev)  # + the state token
-        self.frame_rows = torch.zeros(layout.images, dtype=torch.long, device=dev)
-        a = m.cfg.action
-        self.state = torch.zeros((1, a.state_dim), dtype=torch.float32, device=dev)
-        self.noise = torch.zeros((1, a.horizon, a.action_dim), dtype=torch.float32, device=dev)
-        self.x = torch.zeros_like(self.noise)          # adaptive action caching: the flow state,
-        self.v_last = torch.zeros_like(self.noise)     # the last computed velocity,
-        self.change = torch.zeros((), device=dev)      # and its relative change from the one before
-        self.instruction: str | None = None
-        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        self.stream: StreamBuffers | None = None
-        if engine.config.streaming_kv and layout.frames > 1:
-            self.stream = StreamBuffers(engine, self, prompt)
-        # Stage outputs; under CUDA graphs these are the graphs' own output tensors.
-        self.hidden: list[torch.Tensor] = []
-        self.state_norm: torch.Tensor | None = None
-        self.kv: list | None = None
-        self.out: torch.Tensor | None = None
-
-    def _mask(self, bidirectional: bool) -> torch.Tensor:
-        """Causal, plus image special tokens seeing each other (the padding at the end is seen by
-        no real token: it comes after all of them and is no image token)."""
-        mask = torch.ones(self.length, self.length, dtype=torch.bool).tril()
-        if bidirectional:
-            mask |= self.image_token[:, None] & self.image_token[None, :]
-        return mask
-
-    def set_instruction(self, engine: "PolicyEngine", text: str) -> None:
-        if text == self.instruction:
-            return
-        tokens = engine.prompts.instruction(text)
-        n, start = len(tokens), self.instruction_start
-        row = torch.full((self.length - start,), engine.prompts.pad_id, dtype=torch.long)
-        row[:n] = torch.tensor(tokens)
-        self.ids[0, start:].copy_(row)
-        image = torch.tensor([t in engine.prompts.bidirectional_ids for t in row.tolist()])
-        if bool(image.any() or self.image_token[start:].any()):  # special tokens typed into the instruction
-            self.image_token[start:] = image
-            self.mask.copy_(self._mask(engine.model.cfg.prompt.bidirectional_images))
-        mask = torch.ones(self.length + 1, dtype=torch.bool)
-        mask[start + n:self.length] = False
-        self.ctx_mask.view(-1).copy_(mask)
-        self.instruction = text
-
 
 class StaticRunner:
-    def __init__(self, engine: "PolicyEngine"):
+    def __init__(self, engine: EngineParts, steps: int, schedule: FlowSchedule):
         self.engine = engine
+        self.steps, self.schedule = steps, schedule
+        self.compiled_graphs = self.graph_captures = 0
         cfg, m, dev = engine.config, engine.model, engine.device
         mc = m.cfg
         self.size = mc.vision.image_size
@@ -105,7 +41,7 @@ class StaticRunner:
         self.store = FrameStore(capacity, mc.vision.tokens_per_image, mc.llm.dim, engine.dtype, dev)
         # Vision runs in batches of these sizes (one graph each): a camera's worth of new frames
         # (a sliding window) and a whole window (a cold start).
-        self.vision_batches = sorted({len(engine.layout.cameras)} | {layout.images for layout in layouts})
+        self.vision_batches = sorted({len(cfg.layout.cameras)} | {layout.images for layout in layouts})
         nb = self.vision_batches[-1]
         self.write_rows = {b: torch.full((b,), self.store.scratch_row, dtype=torch.long, device=dev)
                            for b in self.vision_batches}
@@ -127,7 +63,9 @@ class StaticRunner:
 
     def bucket(self, layout: WindowLayout) -> Bucket:
         if layout not in self.buckets:
-            self.buckets[layout] = Bucket(self.engine, layout)
+            b = self.buckets[layout] = Bucket(self.engine, layout)
+            if self.engine.config.streaming_kv and layout.frames > 1:
+                b.stream = StreamBuffers(self.engine, b)
         return self.buckets[layout]
 
     def reset(self) -> None:
@@ -141,7 +79,7 @@ class StaticRunner:
     def _modulation_table(self) -> list:
         """adaLN parameters of every flow step: they depend on t alone, so they are computed once."""
         e = self.engine
-        return [e.model.expert.modulations(torch.full((1,), t, device=e.device)) for t in flow_times(e.flow_steps)]
+        return [e.model.expert.modulations(torch.full((1,), t, device=e.device)) for t in flow_times(self.steps)]
 
     # -- stages: read and write only static buffers ------------------------------------------
     def _vision_stage(self, batch: int) -> None:
@@ -175,30 +113,28 @@ class StaticRunner:
             kv, mods = b.kv, self.mod_table[i]
         else:
             kv = expert.context_kv(b.hidden, b.state_norm)
-            mods = expert.modulations(torch.full((1,), flow_times(e.flow_steps)[i], device=e.device))
+            mods = expert.modulations(torch.full((1,), flow_times(self.steps)[i], device=e.device))
         return expert.velocity(x.to(e.dtype), mods, kv, b.ctx_mask).float()
 
     def _action_stage(self, b: Bucket) -> None:
         """The whole flow loop with a static schedule (one graph)."""
-        e = self.engine
-        b.out = euler(lambda x, i: self._velocity(b, x, i), b.noise, e.flow_steps, e.schedule.reuse_map)
+        b.out = euler(lambda x, i: self._velocity(b, x, i), b.noise, self.steps, self.schedule.reuse_map)
 
     def _flow_step_stage(self, b: Bucket, i: int) -> None:
         """One computed flow step of the adaptive schedule (one graph per step)."""
         v = self._velocity(b, b.x, i)
         b.change.copy_((v - b.v_last).norm() / v.norm().clamp_min(1e-12))
         b.v_last.copy_(v)
-        b.x.add_(v, alpha=1.0 / self.engine.flow_steps)
+        b.x.add_(v, alpha=1.0 / self.steps)
 
     def _adaptive_action(self, b: Bucket) -> None:
         """Reuse the last velocity while it barely changes; the decision needs the change on the
         host, so each computed step is its own graph."""
-        e = self.engine
-        threshold, reused, change = e.schedule.adaptive_threshold, 0, float("inf")
+        threshold, reused, change = self.schedule.adaptive_threshold, 0, float("inf")
         b.x.copy_(b.noise)
-        for i in range(e.flow_steps):
+        for i in range(self.steps):
             if i >= 2 and change < threshold and reused < MAX_ADAPTIVE_REUSE:
-                b.x.add_(b.v_last, alpha=1.0 / e.flow_steps)
+                b.x.add_(b.v_last, alpha=1.0 / self.steps)
                 reused += 1
                 continue
             self._run(b, f"step{i}", lambda: self._flow_step_stage(b, i))
@@ -246,11 +182,11 @@ class StaticRunner:
             b.stream.last_ids = list(ids)
         self.stream_layout = layout
         timer.mark("llm")
-        if e.schedule.adaptive_threshold is not None:
+        if self.schedule.adaptive_threshold is not None:
             self._adaptive_action(b)
         else:
             self._run(b, "action", lambda: self._action_stage(b))
-            self.expert_calls += e.schedule.expert_calls
+            self.expert_calls += self.schedule.expert_calls
         timer.mark("action")
         return b.out[0].clone(), timer.total()
 
@@ -291,7 +227,7 @@ class StaticRunner:
                     self._capture_action(b)
                 e.progress(f"bucket {layout.images} images: captured {len(b.graphs)} CUDA graphs in "
                            f"{time.perf_counter() - t0:.1f}s")
-        e.stats.compiled_graphs = compile_count() - compiled_before
+        self.compiled_graphs = compile_count() - compiled_before
         self.compiled_at_ready = compile_count()
         self.reset()
         self.expert_calls = self.stream_steps = 0
@@ -309,15 +245,16 @@ class StaticRunner:
         step for the adaptive one."""
         for name in [n for n in b.graphs if n == "action" or n.startswith("step")]:
             del b.graphs[name]
-        if self.engine.schedule.adaptive_threshold is None:
+        if self.schedule.adaptive_threshold is None:
             b.graphs["action"] = self._capture(lambda: self._action_stage(b))
         else:
-            for i in range(self.engine.flow_steps):
+            for i in range(self.steps):
                 b.graphs[f"step{i}"] = self._capture(lambda: self._flow_step_stage(b, i))
 
-    def reschedule(self) -> None:
-        """After the flow steps or the action-cache schedule changed: new modulation table and
-        flow-loop graphs (the compiled blocks are shape-independent of both, so no recompile)."""
+    def reschedule(self, steps: int, schedule: FlowSchedule) -> None:
+        """New flow steps and/or action-cache schedule: new modulation table and flow-loop graphs
+        (the compiled blocks are shape-independent of both, so no recompile)."""
+        self.steps, self.schedule = steps, schedule
         if self.mod_table is not None:
             self.mod_table = self._modulation_table()
         if self.graphs_on:
@@ -335,7 +272,7 @@ class StaticRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        self.engine.stats.graph_captures += 1
+        self.graph_captures += 1
         return graph
 
     def recompiles(self) -> int:

@@ -20,23 +20,20 @@ deviation this causes against a full recompute.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
 
 from ..model.layers import apply_rope, rope_tables
-from ..model.sequence import Prompt
-
-if TYPE_CHECKING:
-    from .engine import PolicyEngine
-    from .static import Bucket
+from .bucket import Bucket
+from .parts import EngineParts
 
 
 class StreamBuffers:
     """Static index tables and the persistent expert context of one bucket."""
 
-    def __init__(self, engine: "PolicyEngine", bucket: "Bucket", prompt: Prompt):
-        m, dev = engine.model, engine.device
+    def __init__(self, engine: EngineParts, bucket: Bucket):
+        m, dev, prompt = engine.model, engine.device, bucket.prompt
         layout = bucket.layout
         cams, n = len(layout.cameras), layout.images
         self.cameras = cams
@@ -73,7 +70,7 @@ class StreamBuffers:
             k_dst.copy_(k)
             v_dst.copy_(v)
 
-    def step(self, engine: "PolicyEngine", bucket: "Bucket", frame_tokens: torch.Tensor) -> None:
+    def step(self, engine: EngineParts, bucket: Bucket, frame_tokens: torch.Tensor) -> None:
         """The streaming prefill (a captured stage): static buffers in, caches updated in place."""
         m = engine.model
         for layer in m.llm.layers:

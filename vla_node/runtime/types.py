@@ -32,6 +32,9 @@ class WindowLayout:
         return dataclasses.replace(self, frames=frames)
 
 
+# Camera names of a checkpoint's window when the engine derives it: MolmoBot-DROID's two cameras.
+DEFAULT_CAMERAS = {1: ("camera",), 2: ("exo", "wrist")}
+
 LAYOUTS = {
     # MolmoBot-DROID: exterior + wrist camera, frames t-8 and t.
     "droid": WindowLayout(("exo", "wrist"), frames=2, stride=8),
@@ -79,7 +82,7 @@ class EngineConfig:
     seed: int = 0                         # random weights (when no checkpoint) and the noise stream
     device: str = "cpu"
     dtype: str = "float32"                # float32 | bfloat16
-    layout: WindowLayout = field(default_factory=WindowLayout)
+    layout: Optional[WindowLayout] = None  # None: the checkpoint's own (its frames and obs_step_delta)
     extra_layouts: tuple[WindowLayout, ...] = ()  # further layouts a query may use (each a static bucket)
     camera_height: int = 480
     camera_width: int = 640
@@ -135,7 +138,8 @@ class EngineConfig:
 
     @property
     def layouts(self) -> tuple[WindowLayout, ...]:
-        return (self.layout,) + tuple(l for l in self.extra_layouts if l != self.layout)
+        base = (self.layout,) if self.layout is not None else ()
+        return base + tuple(l for l in self.extra_layouts if l != self.layout)
 
     @property
     def query_layouts(self) -> tuple[WindowLayout, ...]:

@@ -1,0 +1,73 @@
+"""Device buffers of one window layout (a bucket): the padded prompt, its attention mask, RoPE
+tables, the query's inputs and the stages' outputs. Shapes never change after construction, so
+stages that read and write only these can be compiled once and captured as CUDA graphs."""
+from __future__ import annotations
+
+import torch
+
+from ..model.layers import rope_tables
+from .parts import EngineParts
+from .types import WindowLayout
+
+
+class Bucket:
+    """Device buffers of one window layout at the instruction token budget."""
+
+    def __init__(self, engine: EngineParts, layout: WindowLayout):
+        m, dev = engine.model, engine.device
+        self.layout = layout
+        prompt = engine.prompts.build(len(layout.cameras), layout.frames, "x")
+        self.instruction_start = prompt.instruction_start
+        self.length = prompt.instruction_start + engine.config.max_instruction_tokens
+        ids = torch.full((1, self.length), engine.prompts.pad_id, dtype=torch.long)
+        ids[0, :self.instruction_start] = torch.tensor(prompt.ids[:self.instruction_start])
+        self.ids = ids.to(dev)
+        self.image_token = torch.zeros(self.length, dtype=torch.bool)
+        self.image_token[:self.instruction_start] = torch.tensor(prompt.image_token[:self.instruction_start])
+        self.mask = self._mask(m.cfg.prompt.bidirectional_images).to(dev)  # [length, length]
+        self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
+        self.slots = torch.arange(self.length, device=dev)
+        llm = m.cfg.llm
+        self.cos, self.sin = rope_tables(llm.head_dim, self.slots, llm.rope_theta)
+        self.ctx_mask = torch.ones((1, 1, 1, self.length + 1), dtype=torch.bool, device=dev)  # + the state token
+        self.frame_rows = torch.zeros(layout.images, dtype=torch.long, device=dev)
+        a = m.cfg.action
+        self.state = torch.zeros((1, a.state_dim), dtype=torch.float32, device=dev)
+        self.noise = torch.zeros((1, a.horizon, a.action_dim), dtype=torch.float32, device=dev)
+        self.x = torch.zeros_like(self.noise)          # adaptive action caching: the flow state,
+        self.v_last = torch.zeros_like(self.noise)     # the last computed velocity,
+        self.change = torch.zeros((), device=dev)      # and its relative change from the one before
+        self.instruction: str | None = None
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.prompt = prompt  # its image part (the instruction of a query is set by set_instruction)
+        self.stream = None  # streaming.StreamBuffers, set by the runner under streaming_kv
+        # Stage outputs; under CUDA graphs these are the graphs' own output tensors.
+        self.hidden: list[torch.Tensor] = []
+        self.state_norm: torch.Tensor | None = None
+        self.kv: list | None = None
+        self.out: torch.Tensor | None = None
+
+    def _mask(self, bidirectional: bool) -> torch.Tensor:
+        """Causal, plus image special tokens seeing each other (the padding at the end is seen by
+        no real token: it comes after all of them and is no image token)."""
+        mask = torch.ones(self.length, self.length, dtype=torch.bool).tril()
+        if bidirectional:
+            mask |= self.image_token[:, None] & self.image_token[None, :]
+        return mask
+
+    def set_instruction(self, engine: EngineParts, text: str) -> None:
+        if text == self.instruction:
+            return
+        tokens = engine.prompts.instruction(text)
+        n, start = len(tokens), self.instruction_start
+        row = torch.full((self.length - start,), engine.prompts.pad_id, dtype=torch.long)
+        row[:n] = torch.tensor(tokens)
+        self.ids[0, start:].copy_(row)
+        image = torch.tensor([t in engine.prompts.bidirectional_ids for t in row.tolist()])
+        if bool(image.any() or self.image_token[start:].any()):  # special tokens typed into the instruction
+            self.image_token[start:] = image
+            self.mask.copy_(self._mask(engine.model.cfg.prompt.bidirectional_images))
+        mask = torch.ones(self.length + 1, dtype=torch.bool)
+        mask[start + n:self.length] = False
+        self.ctx_mask.view(-1).copy_(mask)
+        self.instruction = text

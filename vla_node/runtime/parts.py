@@ -1,0 +1,41 @@
+"""What the fast path needs of a loaded engine, frozen: the runner and the streaming buffers take
+this instead of the engine itself, so `engine.py` -> `static.py` -> `streaming.py` import in one
+direction only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..model.policy import VLAPolicy, denormalize
+from ..model.sequence import PromptBuilder
+from .types import EngineConfig, Observation, WindowLayout
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    model: VLAPolicy
+    prompts: PromptBuilder
+    config: EngineConfig        # layout resolved (never None)
+    device: torch.device
+    dtype: torch.dtype
+    progress: Progress
+
+    def state_tensor(self, obs: Observation) -> torch.Tensor:
+        """The observation's raw state as [1, state_dim] fp32 on the device."""
+        return torch.as_tensor(np.asarray(obs.state, dtype=np.float32), device=self.device)[None]
+
+    def dummy_observation(self, layout: Optional[WindowLayout] = None, seed: int = 0) -> Observation:
+        """Random frames and a state inside the checkpoint's statistics (warm-up, benchmarks)."""
+        layout = layout or self.config.layout
+        rng = np.random.default_rng(seed)
+        c, mc = self.config, self.model.cfg
+        images = [rng.integers(0, 256, (c.camera_height, c.camera_width, 3), dtype=np.uint8)
+                  for _ in range(layout.images)]
+        unit = torch.from_numpy(rng.uniform(-1, 1, mc.action.state_dim))
+        state = denormalize(unit, self.model.state_stats.cpu(), mc.robot.state_norm).numpy()
+        return Observation(images=images, state=state, instruction="pick up the red cup and put it in the bowl")
