@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine
+from .floors import stage_floors
 
 STAGES = ("preprocess", "vision", "llm", "action")
 
@@ -119,11 +120,14 @@ def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool, pr
         "flow_steps": engine.flow_steps,
         "action_cache": cfg.action_cache,
     }
+    calls = engine.flow_steps
     if engine.static is not None:
         result["stream_steps"] = engine.static.stream_steps
-        result["expert_calls_per_query"] = engine.static.expert_calls / max(1, engine.stats.queries)
+        calls = result["expert_calls_per_query"] = engine.static.expert_calls / max(1, engine.stats.queries)
         if cfg.compile:
             result["recompiles_after_ready"] = engine.static.recompiles()
+    if cuda:  # the floors are the H200's
+        result["floors_ms"] = floors(engine, calls, stream and cfg.streaming_kv)
     if cuda:
         result["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
         result["reserved_mem_gb"] = torch.cuda.memory_reserved() / 1e9
@@ -131,6 +135,20 @@ def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool, pr
     del engine
     gc.collect()
     return result, outs
+
+
+def floors(engine: PolicyEngine, expert_calls: float, streaming: bool) -> dict:
+    """Each stage's hardware floor for the query this mode ran (stream: one new frame time)."""
+    layout = engine.layout
+    prompt = engine.prompts.build(len(layout.cameras), layout.frames, "put the red cup in the bowl")
+    images, new_tokens = layout.images, None
+    if streaming and engine.static is not None and engine.static.bucket(layout).stream is not None:
+        bucket = engine.static.bucket(layout)
+        images, new_tokens = len(layout.cameras), bucket.length - bucket.stream.new_start
+    elif engine.config.vision_cache and expert_calls:  # a sliding stream re-encodes only the new frames
+        images = len(layout.cameras)
+    return stage_floors(engine.model_cfg, images, len(prompt), expert_calls, new_tokens,
+                        llm_fp8=engine.config.fp8 != "off")
 
 
 def hf_baseline(preset: str, device: str, dtype: torch.dtype, images: int, tokens: int, iters: int) -> dict:
@@ -281,7 +299,8 @@ def print_table(results: dict) -> None:
           f"{results['flow_steps']} flow steps) on {results['device']} {results['dtype']}")
     w = max(9, max(len(n) for n in results["modes"]) + 1)
     print(f"scenario: {results.get('scenario', 'full queries')}")
-    head = f"{'mode':<{w}}{'total':>9}{'min':>9}" + "".join(f"{s:>11}" for s in STAGES) + f"{'ready s':>9}{'max|dev|':>10}{'relL2':>9}{'wt GB':>8}"
+    head = (f"{'mode':<{w}}{'total':>9}{'min':>9}" + "".join(f"{s:>11}" for s in STAGES)
+            + f"{'ready s':>9}{'max|dev|':>10}{'relL2':>9}{'wt GB':>8}")
     print(head)
     eager = results["modes"].get("eager", {}).get("total_ms")
     for name, r in results["modes"].items():
@@ -292,6 +311,12 @@ def print_table(results: dict) -> None:
         if eager:
             row += f"  x{eager / r['total_ms']:.1f}"
         print(row)
+    if any("floors_ms" in r for r in results["modes"].values()):
+        print("hardware floor per stage (H200: 790 TFLOP/s bf16, 4.3 TB/s), ms:")
+        for name, r in results["modes"].items():
+            f = r["floors_ms"]
+            print(f"{name:<{w}}{'':>18}{'':>11}" + "".join(f"{f[s]:>11.2f}" for s in STAGES[1:])
+                  + "   stage/floor " + " ".join(f"{s} {r['stages'][s]['median'] / f[s]:.1f}x" for s in STAGES[1:]))
     if "baseline" in results:
         b = results["baseline"]
         print(f"{'hf-base':<{w}}{b['total_ms']:>9.2f}   (transformers {b['transformers']}: vision "
