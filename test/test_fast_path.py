@@ -162,3 +162,27 @@ def test_interleaved_buckets_leave_each_other_alone():
     for _ in range(3):
         fast.predict(obs_b, layout=b_layout)
         assert np.array_equal(fast.predict(obs_a, noise=noise_a).normalized, first)
+
+
+def test_flex_prefill_matches_the_dense_mask():
+    """The prefill's attention pattern through flex attention (compiled, a block mask per bucket)
+    gives the dense-mask results: full windows, an episode's start, an instruction that types an
+    image special token (the masks are rebuilt in place), and streaming steps (queries offset
+    into the cache)."""
+    opts = dict(vision_cache=True, streaming_kv=True)
+    dense = PolicyEngine(EngineConfig.for_mode("ctxkv", **opts))
+    flex = PolicyEngine(EngineConfig.for_mode("compile", flex_attention=True, **opts))
+    assert type(flex.static.bucket(flex.layout).attn_mask).__name__ == "BlockMask"
+    layout = flex.layout
+    rng = np.random.default_rng(0)
+    frames = {(c, t): rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for c in layout.cameras for t in range(4)}
+    windows = [([(c, 0) for c in layout.cameras], "pick up the red cup"),             # an episode's start
+               ([(c, t) for t in (0, 1) for c in layout.cameras], "pick up the red cup"),
+               ([(c, t) for t in (1, 2) for c in layout.cameras], "pick up the red cup"),  # a streaming step
+               ([(c, t) for t in (2, 3) for c in layout.cameras], "pick up the <im_patch> cup")]
+    for ids, text in windows:
+        obs = Observation(images=[frames[i] for i in ids], state=np.zeros(8, np.float32), instruction=text, frame_ids=ids)
+        noise = torch.randn(1, 16, 8)
+        a, b = dense.predict(obs, noise=noise).normalized, flex.predict(obs, noise=noise).normalized
+        assert np.abs(a - b).max() < 1e-5, (ids, text)
+    assert flex.static.stream_steps == dense.static.stream_steps >= 1

@@ -33,6 +33,11 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, KV, S, D] (grouped heads); mask [T, S] bool or None (causal)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
@@ -44,6 +49,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.cache: Optional[KVCache] = None
+        # attend(q, k, v, mask) as sdpa_attend; the runtime may put a faster kernel here, with a
+        # mask object of its own (runtime/kernels/prefill_attention.py).
+        self.attend = sdpa_attend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 slots: Optional[torch.Tensor] = None, attend_cache: bool = False) -> torch.Tensor:
@@ -59,7 +67,7 @@ class Attention(nn.Module):
             cache_k, cache_v = self.cache.update(slots, k, v)
             if attend_cache:
                 k, v = cache_k, cache_v
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        y = self.attend(q, k, v, mask)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -13,7 +13,7 @@ from .types import WindowLayout
 class Bucket:
     """Device buffers of one window layout at the instruction token budget."""
 
-    def __init__(self, engine: EngineParts, layout: WindowLayout):
+    def __init__(self, engine: EngineParts, layout: WindowLayout, cache_len: int):
         m, dev = engine.model, engine.device
         self.layout = layout
         prompt = engine.prompts.build(len(layout.cameras), layout.frames, "x")
@@ -22,9 +22,20 @@ class Bucket:
         ids = torch.full((1, self.length), engine.prompts.pad_id, dtype=torch.long)
         ids[0, :self.instruction_start] = torch.tensor(prompt.ids[:self.instruction_start])
         self.ids = ids.to(dev)
+        # Tokens that see each other both ways (none without bidirectional image attention).
         self.image_token = torch.zeros(self.length, dtype=torch.bool)
-        self.image_token[:self.instruction_start] = torch.tensor(prompt.image_token[:self.instruction_start])
-        self.mask = self._mask(m.cfg.prompt.bidirectional_images).to(dev)  # [length, length]
+        if m.cfg.prompt.bidirectional_images:
+            self.image_token[:self.instruction_start] = torch.tensor(prompt.image_token[:self.instruction_start])
+        self.mask = self._mask().to(dev)  # [length, length]
+        self.attn_mask = self.mask        # what the prefill's attention gets: this, or a flex BlockMask
+        self.image_token_dev = None
+        if engine.config.flex_attention:
+            from .kernels.prefill_attention import block_mask
+
+            # On the device and padded to the cache length: the streaming step's keys reach past the bucket.
+            self.image_token_dev = torch.zeros(cache_len, dtype=torch.bool, device=dev)
+            self.image_token_dev[:self.length] = self.image_token
+            self.attn_mask = block_mask(self.image_token_dev, 0, self.length, self.length)
         self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
         self.slots = torch.arange(self.length, device=dev)
         llm = m.cfg.llm
@@ -47,13 +58,11 @@ class Bucket:
         self.kv: list | None = None
         self.out: torch.Tensor | None = None
 
-    def _mask(self, bidirectional: bool) -> torch.Tensor:
+    def _mask(self) -> torch.Tensor:
         """Causal, plus image special tokens seeing each other (the padding at the end is seen by
         no real token: it comes after all of them and is no image token)."""
         mask = torch.ones(self.length, self.length, dtype=torch.bool).tril()
-        if bidirectional:
-            mask |= self.image_token[:, None] & self.image_token[None, :]
-        return mask
+        return mask | (self.image_token[:, None] & self.image_token[None, :])
 
     def set_instruction(self, engine: EngineParts, text: str) -> None:
         if text == self.instruction:
@@ -64,10 +73,22 @@ class Bucket:
         row[:n] = torch.tensor(tokens)
         self.ids[0, start:].copy_(row)
         image = torch.tensor([t in engine.prompts.bidirectional_ids for t in row.tolist()])
+        image &= engine.model.cfg.prompt.bidirectional_images
         if bool(image.any() or self.image_token[start:].any()):  # special tokens typed into the instruction
             self.image_token[start:] = image
-            self.mask.copy_(self._mask(engine.model.cfg.prompt.bidirectional_images))
+            self._masks_changed()
         mask = torch.ones(self.length + 1, dtype=torch.bool)
         mask[start + n:self.length] = False
         self.ctx_mask.view(-1).copy_(mask)
         self.instruction = text
+
+    def _masks_changed(self) -> None:
+        """Rewrite every attention mask in place (captured graphs keep reading the same tensors)."""
+        self.mask.copy_(self._mask())
+        if self.image_token_dev is not None:
+            from .kernels.prefill_attention import refresh_
+
+            self.image_token_dev[:self.length].copy_(self.image_token)
+            refresh_(self.attn_mask, self.image_token_dev, 0)
+        if self.stream is not None:
+            self.stream.refresh_mask(self)

@@ -85,6 +85,10 @@ class PolicyEngine:
             from .kernels.few_query_attention import few_query_attention
             for block in self.model.expert.blocks:
                 block.attend = few_query_attention
+        if config.flex_attention:
+            from .kernels.prefill_attention import flex_attend
+            for layer in self.model.llm.layers:
+                layer.attn.attend = flex_attend
         self.parts = EngineParts(self.model, self.prompts, config, self.device, self.dtype, self.progress)
         self.static = None
         if config.static_shapes:

@@ -59,11 +59,12 @@ class StaticRunner:
         self.stream_steps = 0
         self.expert_calls = 0
         longest = max(engine.prompts.build(len(l.cameras), l.frames, "x").instruction_start for l in layouts)
-        m.llm.setup_caches(1, longest + cfg.max_instruction_tokens, engine.dtype, dev)
+        self.cache_len = longest + cfg.max_instruction_tokens
+        m.llm.setup_caches(1, self.cache_len, engine.dtype, dev)
 
     def bucket(self, layout: WindowLayout) -> Bucket:
         if layout not in self.buckets:
-            b = self.buckets[layout] = Bucket(self.engine, layout)
+            b = self.buckets[layout] = Bucket(self.engine, layout, self.cache_len)
             if self.engine.config.streaming_kv and layout.frames > 1:
                 b.stream = StreamBuffers(self.engine, b)
         return self.buckets[layout]
@@ -94,7 +95,7 @@ class StaticRunner:
         m = self.engine.model
         image_tokens = self.store.tokens.index_select(0, b.frame_rows).reshape(1, -1, m.cfg.llm.dim)
         embeds = m.embed(b.ids, image_tokens, b.patch_positions)
-        b.hidden = m.llm(embeds, b.cos, b.sin, b.mask, b.slots)
+        b.hidden = m.llm(embeds, b.cos, b.sin, b.attn_mask, b.slots)
         b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
         if self.mod_table is not None:
             b.kv = m.expert.context_kv(b.hidden, b.state_norm)

@@ -50,14 +50,27 @@ class StreamBuffers:
         self.new_slots = bucket.slots[self.new_start:]
         self.new_cos, self.new_sin = bucket.cos[self.new_start:], bucket.sin[self.new_start:]
         # New tokens see what they see in the full prompt: the bucket's mask rows, over the cache.
-        self.mask = torch.zeros((len(self.new_slots), m.llm.layers[0].attn.cache.k.shape[2]), dtype=torch.bool, device=dev)
-        self.mask[:, :bucket.length] = bucket.mask[self.new_start:]
+        self.cache_len = m.llm.layers[0].attn.cache.k.shape[2]
+        self.mask = torch.zeros((len(self.new_slots), self.cache_len), dtype=torch.bool, device=dev)
+        self.attn_mask = self.mask
+        if bucket.image_token_dev is not None:
+            from .kernels.prefill_attention import block_mask
+
+            self.attn_mask = block_mask(bucket.image_token_dev, self.new_start, len(self.new_slots), self.cache_len)
+        self.refresh_mask(bucket)
         self.new_patch_positions = bucket.patch_positions[(n - cams) * m.cfg.vision.tokens_per_image:] - self.new_start
         heads, hd = m.cfg.action.heads, m.cfg.action.width // m.cfg.action.heads
         shape = (1, heads, bucket.length + 1, hd)
         self.kv = [(torch.zeros(shape, dtype=engine.dtype, device=dev), torch.zeros(shape, dtype=engine.dtype, device=dev))
                    for _ in m.expert.blocks]
         self.last_ids: Optional[list[Hashable]] = None
+
+    def refresh_mask(self, bucket: Bucket) -> None:
+        self.mask[:, :bucket.length].copy_(bucket.mask[self.new_start:])
+        if self.attn_mask is not self.mask:
+            from .kernels.prefill_attention import refresh_
+
+            refresh_(self.attn_mask, bucket.image_token_dev, self.new_start)
 
     def slides_from(self, frame_ids: Sequence[Optional[Hashable]]) -> bool:
         """Is this window the last one moved on by one frame time (surviving frames known)?"""
@@ -82,7 +95,7 @@ class StreamBuffers:
             k.index_copy_(2, self.shift_dst, k.index_select(2, self.shift_src))
             v.index_copy_(2, self.shift_dst, v.index_select(2, self.shift_src))
         embeds = m.embed(bucket.ids[:, self.new_start:], frame_tokens, self.new_patch_positions)
-        hidden = m.llm(embeds, self.new_cos, self.new_sin, self.mask, self.new_slots, attend_cache=True)
+        hidden = m.llm(embeds, self.new_cos, self.new_sin, self.attn_mask, self.new_slots, attend_cache=True)
         state_token = m.expert.state_token(m.normalize_state(bucket.state).to(engine.dtype))
         for block, h, (k, v) in zip(m.expert.blocks, hidden, self.kv):
             new_k, new_v = block.token_kv(m.expert.context_tokens(h))

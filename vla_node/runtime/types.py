@@ -68,11 +68,23 @@ class ActionChunk:
 
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
-LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "cuda_graphs",
-                     "triton_attention", "vision_cache")
-# name -> how many of LOSSLESS_FEATURES it turns on (fused also moves preprocessing to the device)
-_LADDER = {"eager": 0, "static": 1, "ctxkv": 2, "fused": 4, "compile": 5, "graphs": 6, "triton": 7, "fast": 8}
-MODES = {name: LOSSLESS_FEATURES[:n] for name, n in _LADDER.items()}
+LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "flex_attention",
+                     "cuda_graphs", "triton_attention", "vision_cache")
+# Each mode of the ladder: the features the one before it has, plus these.
+_LADDER = {
+    "eager": (),
+    "static": ("static_shapes",),
+    "ctxkv": ("ctx_kv_once",),
+    "fused": ("fused", "gpu_preprocess"),
+    "compile": ("compile", "flex_attention"),
+    "graphs": ("cuda_graphs",),
+    "triton": ("triton_attention",),
+    "fast": ("vision_cache",),
+}
+MODES: dict[str, tuple[str, ...]] = {}
+for _mode, _adds in _LADDER.items():
+    MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
+GPU_FEATURES = ("flex_attention", "cuda_graphs", "triton_attention")  # rungs a CPU engine skips
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,7 @@ class EngineConfig:
     gpu_preprocess: bool = False
     compile: bool = False
     cuda_graphs: bool = False
+    flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     vision_cache: bool = False
     vision_cache_frames: int = 64         # frames kept by the vision cache
@@ -114,9 +127,11 @@ class EngineConfig:
             raise ValueError("streaming_kv needs vision_cache and ctx_kv_once (only new frames are encoded and prefilled)")
         if self.fp8 not in ("off", "rowwise", "tensorwise"):
             raise ValueError(f"fp8 must be off, rowwise or tensorwise, got {self.fp8!r}")
-        for feature in ("cuda_graphs", "compile", "vision_cache"):
+        for feature in ("cuda_graphs", "compile", "vision_cache", "flex_attention"):
             if getattr(self, feature) and not self.static_shapes:
                 raise ValueError(f"{feature} needs static_shapes")
+        if self.flex_attention and not self.compile:
+            raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
         cams = {l.cameras for l in self.layouts}
         if len(cams) > 1:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
@@ -131,8 +146,7 @@ class EngineConfig:
             raise ValueError(f"unknown mode {mode!r}; known: {list(MODES)}")
         flags = {f: f in MODES[mode] for f in LOSSLESS_FEATURES}
         if not str(overrides.get("device", "cpu")).startswith("cuda"):  # GPU-only rungs of the ladder
-            flags["cuda_graphs"] = False
-            flags["triton_attention"] = False
+            flags.update(dict.fromkeys(GPU_FEATURES, False))
         flags.update(overrides)
         return cls(**flags)
 
