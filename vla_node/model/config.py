@@ -207,6 +207,21 @@ PRESETS: dict[str, ModelConfig] = {
         robot=RobotConfig(action_norm="min_max"),
         projector_hidden=128,
     ),
+    # The policy trained for the simulated ALOHA transfer-cube task (vla-train, vla-sim): two
+    # 320x240 cameras stretched to 224 px (16x16 patches -> 64 tokens per image), frames 0.16 s
+    # apart, 14 joints at 50 Hz, chunks of 32 actions; 7.6 M parameters (15 MB in bf16: one file a
+    # GPU run can hand back, and within the 25 MB the repository ships).
+    "sim": ModelConfig(
+        name="sim",
+        vision=VisionConfig(image_size=224, patch_size=14, width=128, heads=4, mlp=512, layers=6, feature_layers=(5, 3)),
+        llm=LLMConfig(vocab_size=320, extra_vocab=128, dim=256, layers=4, heads=4, kv_heads=2, head_dim=64, mlp=512,
+                      max_seq_len=1024),
+        action=ActionExpertConfig(width=192, heads=4, mlp=768, action_dim=14, state_dim=14, horizon=32, max_horizon=32,
+                                  time_embed_dim=64),
+        robot=RobotConfig(frames=2, obs_step_delta=8, control_rate_hz=50.0, executed_steps=16, action_norm="min_max",
+                          state_norm="min_max"),
+        projector_hidden=512,
+    ),
 }
 
 

@@ -25,11 +25,22 @@ def check_frames(images: Sequence[np.ndarray], count: int, height: int, width: i
             raise ValueError(f"image {i}: expected shape ({height}, {width}, 3), got {img.shape}")
 
 
-def resize_normalize(frames_u8: torch.Tensor, size: int) -> torch.Tensor:
-    """frames_u8 [N, H, W, 3] uint8 -> [N, 3, size, size] float32 in [-1, 1] (SigLIP mean/std 0.5)."""
+def _resized(frames_u8: torch.Tensor, size: int) -> torch.Tensor:
+    """[N, H, W, 3] uint8 -> [N, 3, size, size] float32 holding the rounded uint8 values."""
     x = frames_u8.permute(0, 3, 1, 2).float()
     x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=False, align_corners=False)
-    return x.round().clamp(0, 255) / 255 * 2 - 1
+    return x.round().clamp(0, 255)
+
+
+def resize_u8(frames_u8: torch.Tensor, size: int) -> torch.Tensor:
+    """frames_u8 [N, H, W, 3] -> [N, 3, size, size] uint8, as resize_normalize resizes (the trainer
+    keeps frames this way)."""
+    return _resized(frames_u8, size).to(torch.uint8)
+
+
+def resize_normalize(frames_u8: torch.Tensor, size: int) -> torch.Tensor:
+    """frames_u8 [N, H, W, 3] uint8 -> [N, 3, size, size] float32 in [-1, 1] (SigLIP mean/std 0.5)."""
+    return _resized(frames_u8, size) / 255 * 2 - 1
 
 
 def preprocess_reference(images: Sequence[np.ndarray], size: int) -> torch.Tensor:

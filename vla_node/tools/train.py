@@ -1,0 +1,334 @@
+"""vla-train: a MolmoBot-architecture policy trained with the official flow-matching objective
+(vla_node/model/training.py) on rosbag2 episodes: the node's input topics plus the demonstrator's
+commands, one bag per episode (what `vla-sim record` writes).
+
+    vla-train --bags out/demos --preset sim --params config/sim.yaml --out out/sim_policy --steps 20000
+    vla-train ... --resume            # continue from out/sim_policy/train_state (several GPU runs)
+
+Windows come from the bag reader the offline replay uses (tools/bag_io.ObservationStream, the
+node's window picker), so the policy trains on exactly the observations the node will hand it,
+an episode's start (no history yet) included. The target of a window stamped t is the chunk of
+the next `horizon` commands from t on; past the episode's end it is padded and masked, as in the
+official dataset. Frames are resized once, as the engine resizes them (rounded to uint8), and
+kept on the device. The output folder is a checkpoint (config.json, model.safetensors in bf16,
+tokenizer) that every engine mode loads; train_state/ holds fp32 weights and optimizer moments
+(safetensors) and the step, so a run continues where the last one stopped (`--time-budget-s`
+stops it cleanly before a limit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ..model import (TINY_TOKENIZER, build_model, get_preset, init_random_, load_checkpoint, load_tokenizer,
+                     save_checkpoint)
+from ..model.policy import VLAPolicy
+from ..model.sequence import PromptBuilder
+from ..model.training import FlowTimeSampler, flow_matching_loss
+from ..runtime.preprocess import resize_u8
+from ..runtime.types import WindowLayout
+from .bag_io import DEMO_COMMAND_TOPIC, Bag, ObservationStream, resolve_inputs, stamp_ns
+
+STATE_DIR = "train_state"
+
+
+@dataclass
+class Samples:
+    """Training windows of one number of frame times (all share one prompt layout)."""
+    rows: list[list[int]] = field(default_factory=list)     # frame-store rows in slot order
+    states: list[np.ndarray] = field(default_factory=list)
+    actions: list[np.ndarray] = field(default_factory=list)   # [horizon, A]
+    pads: list[np.ndarray] = field(default_factory=list)      # [horizon] bool
+
+
+@dataclass
+class EpisodeWindows:
+    frames: list[np.ndarray]                  # [3, S, S] uint8, resized as the engine resizes
+    windows: list[tuple[list[int], np.ndarray, np.ndarray, np.ndarray]]  # (rows into frames, state, actions, pad)
+
+
+def read_episode(job: tuple) -> EpisodeWindows:
+    """One bag -> its resized frames and training windows (runs in a worker process)."""
+    path, layout, offset_s, joint_names, topics, size, horizon, camera_rate_hz = job
+    with Bag(path) as bag:
+        inputs = resolve_inputs(bag, layout.cameras, topics)
+        commands = []
+        for _, msgtype, _, raw in bag.messages([DEMO_COMMAND_TOPIC]):
+            msg = bag.deserialize(raw, msgtype, DEMO_COMMAND_TOPIC)
+            index = {n: i for i, n in enumerate(msg.name)}
+            commands.append((stamp_ns(msg.header.stamp), np.asarray(msg.position, np.float32)[[index[n] for n in joint_names]]))
+        if not commands:
+            raise ValueError(f"{path}: no demonstrator commands on {DEMO_COMMAND_TOPIC}")
+        stamps = np.array([c[0] for c in commands], np.int64)
+        targets = np.stack([c[1] for c in commands])
+        frames: list[np.ndarray] = []
+        row_of: dict = {}
+        windows = []
+        stream = ObservationStream(bag, inputs, layout, offset_s, joint_names=joint_names,
+                                   max_camera_rate_hz=camera_rate_hz)
+        for query in stream:
+            obs = query.observation
+            rows = []
+            for fid, image in zip(obs.frame_ids, obs.images):
+                if fid not in row_of:
+                    row_of[fid] = len(frames)
+                    frames.append(resize_u8(torch.from_numpy(image)[None], size)[0].numpy())
+                rows.append(row_of[fid])
+            first = int(np.searchsorted(stamps, query.stamp_ns))
+            chunk = targets[first:first + horizon]
+            pad = np.zeros(horizon, bool)
+            pad[len(chunk):] = True
+            if len(chunk) < horizon:  # past the end: the last command repeated, masked out of the loss
+                chunk = np.concatenate([chunk, np.repeat(targets[-1:], horizon - len(chunk), 0)])
+            windows.append((rows, obs.state.astype(np.float32), chunk, pad))
+    return EpisodeWindows(frames, windows)
+
+
+class Dataset:
+    """Every window of every episode, frames on the device as uint8 [N, 3, S, S]."""
+
+    def __init__(self, episodes: list[EpisodeWindows], cameras: int, device: torch.device):
+        frames, self.groups = [], {}
+        for ep in episodes:
+            base = len(frames)
+            frames.extend(ep.frames)
+            for rows, state, actions, pad in ep.windows:
+                g = self.groups.setdefault(len(rows) // cameras, Samples())
+                g.rows.append([base + r for r in rows])
+                g.states.append(state)
+                g.actions.append(actions)
+                g.pads.append(pad)
+        self.frames = torch.from_numpy(np.stack(frames)).to(device)
+        self.tensors = {k: (torch.tensor(g.rows, device=device), torch.from_numpy(np.stack(g.states)).to(device),
+                            torch.from_numpy(np.stack(g.actions)).to(device), torch.from_numpy(np.stack(g.pads)).to(device))
+                        for k, g in self.groups.items()}
+        self.sizes = {k: len(g.rows) for k, g in self.groups.items()}
+
+    def __len__(self) -> int:
+        return sum(self.sizes.values())
+
+    def batch(self, size: int, generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(frame times, pixels [B * images, 3, S, S] in [-1, 1], state, actions, pad): one group,
+        chosen with probability proportional to its windows."""
+        keys = sorted(self.sizes)
+        weights = torch.tensor([self.sizes[k] for k in keys], dtype=torch.float)
+        k = keys[int(torch.multinomial(weights, 1, generator=generator))]
+        rows, states, actions, pads = self.tensors[k]
+        pick = torch.randint(len(rows), (size,), generator=generator).to(rows.device)
+        pixels = self.frames[rows[pick].reshape(-1)].float() / 255 * 2 - 1
+        return k, pixels, states[pick], actions[pick], pads[pick]
+
+
+def shift_augment(pixels: torch.Tensor, max_px: int, generator: torch.Generator) -> torch.Tensor:
+    """Each image translated by up to max_px pixels (edges repeated): small camera-pose noise."""
+    if max_px <= 0:
+        return pixels
+    n, _, s, _ = pixels.shape
+    shift = (torch.rand(n, 2, generator=generator) * 2 - 1).to(pixels.device) * (2 * max_px / s)
+    theta = torch.zeros(n, 2, 3, device=pixels.device)
+    theta[:, 0, 0] = theta[:, 1, 1] = 1
+    theta[:, :, 2] = shift
+    grid = F.affine_grid(theta, list(pixels.shape), align_corners=False)
+    return F.grid_sample(pixels, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def save_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer, step: int, log: list[dict], meta: dict) -> None:
+    """The checkpoint (bf16 weights, the node's format) and what resuming needs (fp32 + moments)."""
+    state_dir = out / STATE_DIR
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {f"param.{k}": v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    for i, p in enumerate(model.parameters()):
+        for name, value in optim.state.get(p, {}).items():
+            if torch.is_tensor(value):
+                tensors[f"optim.{i}.{name}"] = value.detach().cpu().reshape(-1).contiguous() if value.dim() == 0 \
+                    else value.detach().cpu().contiguous()
+    save_file(tensors, str(state_dir / "state.safetensors"))
+    (state_dir / "state.json").write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
+    bf16 = build_model(model.cfg, dtype=torch.bfloat16)
+    bf16.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    save_checkpoint(bf16, out, tokenizer_dir=TINY_TOKENIZER)
+    (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+
+
+def load_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer) -> tuple[int, list[dict]]:
+    state_dir = out / STATE_DIR
+    tensors = load_file(str(state_dir / "state.safetensors"))
+    model.load_state_dict({k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")})
+    params = list(model.parameters())
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, i, name = key.split(".", 2)
+            p = params[int(i)]
+            optim.state[p][name] = value.to(p.device) if name != "step" else value.reshape(()).to(p.device)
+    log_path = out / "train_log.jsonl"
+    log = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.is_file() else []
+    return json.loads((state_dir / "state.json").read_text())["step"], log
+
+
+def plot_curves(log: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in log if "loss" in r]
+    ax.plot(steps, [r["loss"] for r in log if "loss" in r], lw=0.8, label="train (batch)")
+    val = [r for r in log if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="held-out episodes")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("flow-matching loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import yaml
+
+    ap = argparse.ArgumentParser(prog="vla-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bags", required=True, help="folder of episode bags (*.mcap or bag folders)")
+    ap.add_argument("--params", required=True, help="the node's parameter file (cameras, topics, joints)")
+    ap.add_argument("--preset", default="sim")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup", type=int, default=500)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--shift-px", type=int, default=6, help="random translation of each image (augmentation)")
+    ap.add_argument("--val-episodes", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--save-every", type=int, default=2000)
+    ap.add_argument("--time-budget-s", type=float, default=None, help="save and stop before this much wall time")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--workers", type=int, default=None, help="processes reading bags (default: all cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    device = torch.device(args.device)
+
+    params = next(iter(yaml.safe_load(Path(args.params).read_text()).values()))["ros__parameters"]
+    cfg = get_preset(args.preset)
+    layout = WindowLayout(tuple(params["camera_names"]), cfg.robot.frames, cfg.robot.obs_step_delta)
+    bags = sorted(p for p in Path(args.bags).iterdir() if p.suffix == ".mcap" or (p / "metadata.yaml").is_file())
+    if len(bags) <= args.val_episodes:
+        ap.error(f"{len(bags)} episode bags in {args.bags}: need more than --val-episodes {args.val_episodes}")
+    jobs = [(str(b), layout, cfg.robot.history_offset_s, tuple(params["joint_names"]), tuple(params["camera_topics"]),
+             cfg.vision.image_size, cfg.action.horizon, cfg.robot.control_rate_hz) for b in bags]
+    with Pool(args.workers) as pool:
+        episodes = pool.map(read_episode, jobs)
+    train = Dataset(episodes[args.val_episodes:], len(layout.cameras), device)
+    val = Dataset(episodes[:args.val_episodes], len(layout.cameras), device)
+    print(f"vla-train: {len(bags)} episodes ({len(train)} training windows, {len(val)} held out), "
+          f"{len(train.frames)} frames on {device}, read in {time.perf_counter() - t_start:.0f}s", flush=True)
+
+    model = init_random_(build_model(cfg, device), args.seed).train().requires_grad_(True)
+    # The statistics of the training data: min/max of states and actions (with a floor on the span).
+    states = torch.cat([g[1] for g in train.tensors.values()])
+    actions = torch.cat([g[2][~g[3]] for g in train.tensors.values()])
+    for buf, x in ((model.state_stats, states), (model.action_stats, actions)):
+        lo, hi = x.min(0).values, x.max(0).values
+        mid, half = (lo + hi) / 2, ((hi - lo) / 2).clamp_min(1e-3)
+        buf.copy_(torch.stack([mid - half, mid + half]))
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n and "pos" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n and "pos" not in n)]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    step, log = 0, []
+    if args.resume and (out / STATE_DIR / "state.json").is_file():
+        step, log = load_state(out, model, optim)
+        print(f"vla-train: resumed at step {step}", flush=True)
+    prompts = PromptBuilder(load_tokenizer(TINY_TOKENIZER), cfg)
+    instruction = params.get("instruction") or _bag_instruction(bags[0])
+    prompt_of = {k: prompts.build(len(layout.cameras), k, instruction) for k in train.sizes | val.sizes}
+    sampler = FlowTimeSampler()
+    gen = torch.Generator().manual_seed(args.seed * 7919 + step)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    meta = {"preset": args.preset, "batch": args.batch, "lr": args.lr, "steps": args.steps, "seed": args.seed,
+            "bags": len(bags), "train_windows": len(train), "command": "vla-train " + " ".join(argv or [])}
+    t_loop = time.perf_counter()
+    while step < args.steps:
+        if args.time_budget_s and time.perf_counter() - t_start > args.time_budget_s:
+            print(f"vla-train: time budget reached at step {step}", flush=True)
+            break
+        for g in optim.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        k, pixels, state, target, pad = train.batch(args.batch, gen)
+        pixels = shift_augment(pixels, args.shift_px, gen)
+        noise = torch.randn(target.shape, generator=gen).to(device)
+        with autocast:
+            loss = flow_matching_loss(model, pixels, prompt_of[k], state, target, pad,
+                                      sampler(args.batch, device), noise)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        step += 1
+        if step % 50 == 0 or step == 1:
+            log.append({"step": step, "loss": float(loss), "lr": optim.param_groups[0]["lr"],
+                        "elapsed_s": time.perf_counter() - t_loop})
+        if step % args.eval_every == 0 or step == args.steps:
+            log.append({"step": step, "val_loss": validation_loss(model, val, prompt_of, autocast, device)})
+            print(f"step {step}: loss {float(loss):.4f} val {log[-1]['val_loss']:.4f} "
+                  f"({(time.perf_counter() - t_loop) / max(1, step):.3f} s/step)", flush=True)
+        if step % args.save_every == 0:
+            save_state(out, model, optim, step, log, meta)
+    save_state(out, model, optim, step, log, meta)
+    plot_curves(log, out / "train_curves.png")
+    print(f"vla-train: step {step}/{args.steps}, checkpoint {out} ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB), "
+          f"{time.perf_counter() - t_start:.0f}s", flush=True)
+    load_checkpoint(out)  # the written checkpoint loads strictly
+    return 0
+
+
+def _bag_instruction(path: Path) -> str:
+    from .bag_io import INSTRUCTION_TOPIC
+
+    with Bag(path) as bag:
+        msg = bag.first_message(INSTRUCTION_TOPIC)
+    if msg is None:
+        raise SystemExit(f"vla-train: no instruction in {path} and none in the parameter file")
+    return msg.data
+
+
+@torch.no_grad()
+def validation_loss(model: VLAPolicy, data: Dataset, prompt_of: dict, autocast, device, batches: int = 8) -> float:
+    """The loss on held-out episodes at fixed windows, noise and flow times (comparable across steps)."""
+    gen = torch.Generator().manual_seed(1234)
+    losses = []
+    for _ in range(batches):
+        k, pixels, s, target, pad = data.batch(32, gen)
+        noise = torch.randn(target.shape, generator=gen).to(device)
+        t = torch.linspace(0.05, 0.95, len(s), device=device)
+        with autocast:
+            losses.append(float(flow_matching_loss(model, pixels, prompt_of[k], s, target, pad, t, noise)))
+    return float(np.mean(losses))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
