@@ -31,6 +31,9 @@ from gym_aloha.utils import sample_box_pose  # noqa: E402
 
 JOINT_NAMES = tuple(JOINTS)                      # the 14 names, left arm first
 CONTROL_PERIOD_NS = round(DT * 1e9)              # 20 ms: gym-aloha's 50 Hz control step
+# Sim time of every reset. Not 0: ROS reads a clock at 0 as "no time yet". Each episode starts
+# at the same time, so a node sees the clock jump back and forgets the last episode's inputs.
+EPISODE_START_NS = 1_000_000_000
 INSTRUCTION = "pick up the red cube with the right arm and hand it over to the left arm"
 MAX_REWARD = 4                                   # gym-aloha: the left gripper holds the cube off the table
 DEFAULT_CAMERAS = ("top", "angle")
@@ -50,7 +53,7 @@ class RenderConfig:
 @dataclass
 class SimState:
     tick: int              # control steps since the reset
-    time_ns: int           # sim time since the reset: tick * CONTROL_PERIOD_NS
+    stamp_ns: int          # sim time: EPISODE_START_NS + tick * CONTROL_PERIOD_NS
     qpos: np.ndarray       # [14] float64 joint positions in the units above
     reward: int            # gym-aloha's stage reward of this step: 0 none, 1 touched, 2 lifted, 3 both touch, 4 handed over
     success: bool          # MAX_REWARD reached at some step since the reset
@@ -133,7 +136,7 @@ class TransferCube:
         d.qpos[-7:] = sample_box_pose(seed)
         mujoco.mj_forward(m, d)
         self.seed = seed
-        self.state = SimState(0, 0, self.qpos(), self.reward(), False)
+        self.state = SimState(0, EPISODE_START_NS, self.qpos(), self.reward(), False)
         self.state.success = self.state.reward == MAX_REWARD
         return self.state
 
@@ -148,7 +151,7 @@ class TransferCube:
         step_physics(self.model, self.data, self.substeps)
         tick = self.state.tick + 1
         reward = self.reward()
-        self.state = SimState(tick, tick * CONTROL_PERIOD_NS, self.qpos(), reward,
+        self.state = SimState(tick, EPISODE_START_NS + tick * CONTROL_PERIOD_NS, self.qpos(), reward,
                               self.state.success or reward == MAX_REWARD)
         return self.state
 
