@@ -37,7 +37,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from ..runtime.state_history import StateHistory
 from . import messages, params
-from .control import Plan, SafetyFilter
+from .control import LATENCY_WINDOW, Plan, SafetyFilter
 from .diagnostics import Faults, Rolling, key_values, percentile_pairs
 from .engine_process import EngineError, EngineInfo, EngineProcess, Result
 from .frames import FrameRing, Wait, Window
@@ -48,7 +48,6 @@ STAGES = ("preprocess", "vision", "llm", "action", "total")
 RETRY_SOURCES = {"engine", "output", "sync", "clock"}
 STATS_WINDOW = 1000     # samples in each rolling statistic (20 s of ticks at 50 Hz)
 DIAGNOSTICS_PERIOD_S = 1.0
-LATENCY_WINDOW = 10     # recent inference latencies (in ticks) that set the rtc freeze
 
 
 @dataclass

@@ -77,10 +77,23 @@ def step_physics(model, data, substeps: int) -> None:
     mujoco.mj_step1(model, data)
 
 
+def load_llvm_users_first() -> None:
+    """Triton's compiler carries its own LLVM; Mesa's software renderer (llvmpipe: MuJoCo's EGL
+    on a machine without a GPU) loads the system's. Importing triton after the first GL context
+    crashes the process (a segfault in libtriton's initialisation, seen here); imported before,
+    both work. Torch's fast engine modes import triton, so it is loaded (~0.2 s) before any
+    context is made, where it is installed."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+
+
 class Cameras:
     """Off-screen renders of a model's named cameras at one size."""
 
     def __init__(self, model, config: RenderConfig):
+        load_llvm_users_first()
         unknown = [c for c in config.cameras if mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, c) < 0]
         if unknown:
             known = [model.camera(i).name for i in range(model.ncam)]
