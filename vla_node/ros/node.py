@@ -360,14 +360,17 @@ class VLANode(LifecycleNode):
 
     def _on_clock_jump(self, jump) -> None:
         """Time went backwards (a restarted simulation or bag): every stored stamp is from the
-        future now. Forget the frames and the plan, and the engine's stream state too (a
-        replayed frame may carry a stamp it has cached another picture under); the next complete
-        window clears it."""
+        future now. Forget the frames, the joints, the plan and the last command, and the
+        engine's stream state too (a replayed frame may carry a stamp it has cached another
+        picture under); the next complete window clears it."""
         if self._ring is not None:
             self._ring.clear()
         if self._engine is not None:
             self._engine.reset_stream()
         self._forget_joints()
+        # A restarted simulation has moved the robot: the hold restarts from its next measured
+        # position, not from the last command of the old timeline.
+        self._last_command = None
         self._plan.clear()
         self._epoch += 1
         self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "
