@@ -185,11 +185,30 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", default="out/sim_eval.json")
     _add_render_arguments(ev, defaults_from_params=True)
 
+    run = sub.add_parser("run", help="the simulator as a ROS 2 node (needs rclpy); ROS arguments after --ros-args")
+    run.add_argument("--episodes", type=int, default=1)
+    run.add_argument("--first-seed", type=int, default=1000)
+    run.add_argument("--ticks", type=int, default=EPISODE_TICKS, help="episode length in 20 ms ticks")
+    run.add_argument("--run-on", action="store_true", help="finish every episode's ticks after a success")
+    run.add_argument("--camera-every", type=int, default=1)
+    run.add_argument("--rate", type=float, default=1.0, help="sim time per wall time, at most (default %(default)s)")
+    run.add_argument("--command-topic", default="vla_node/command", help="the node's ~/command (default %(default)s)")
+    run.add_argument("--command-timeout-s", type=float, default=1.0,
+                     help="wall time to wait for a tick's command before holding the last one")
+    run.add_argument("--node-timeout-s", type=float, default=600.0,
+                     help="wall time to wait for the node's first command (it loads and warms up its model)")
+    run.add_argument("--params", default=str(DEFAULT_PARAMS),
+                     help="the node's params file: cameras, image size, limits, instruction (default: config/sim.yaml)")
+    run.add_argument("--video-dir", default=None, help="write a video per episode here")
+    run.add_argument("--json", default=None, help="write the episodes' results here")
+    _add_render_arguments(run, defaults_from_params=True)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ros_args = argv[argv.index("--ros-args"):] if "--ros-args" in argv else []
+    args = build_parser().parse_args(argv[:len(argv) - len(ros_args)])
     try:
         if args.command == "expert":
             return run_expert(args)
@@ -198,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "eval":
             return run_eval(args)
         from .node import run
-        return run(args)
+        return run(args, ros_args)
     except (ValueError, OSError) as err:
         print(f"vla-sim {args.command}: {err}", file=sys.stderr)
         return 1

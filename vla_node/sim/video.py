@@ -31,7 +31,8 @@ def annotate(image: np.ndarray, command: Optional[np.ndarray], state: np.ndarray
 
     for j, name in enumerate(names):
         y = int((j + 1) * row)
-        cv2.putText(panel, name.replace("_arm_", " ")[:12], (2, y + 3), cv2.FONT_HERSHEY_PLAIN, 0.7, (200, 200, 200), 1)
+        label = name.replace("left_arm_", "L ").replace("right_arm_", "R ")[:12]
+        cv2.putText(panel, label, (2, y + 3), cv2.FONT_HERSHEY_PLAIN, 0.7, (200, 200, 200), 1)
         cv2.line(panel, (left, y), (right, y), (80, 80, 80), 1)
         if command is not None:
             cv2.rectangle(panel, (x(0.0 if lower[j] <= 0 <= upper[j] else lower[j], j), y - 3),
