@@ -101,7 +101,8 @@ def test_recorded_episode_reads_back_as_the_node_sees_it(env, tmp_path):
         assert [stamp_ns(m.header.stamp) for m in sent] == list(EPISODE_START_NS + ticks[:24] * CONTROL_PERIOD_NS)
         np.testing.assert_array_equal(np.stack([m.position for m in sent]), commands)
         for camera in cameras:
-            assert [stamp_ns(m.header.stamp) for m in read[camera]] == list(EPISODE_START_NS + ticks[::2] * CONTROL_PERIOD_NS)
+            stamps = [stamp_ns(m.header.stamp) for m in read[camera]]
+            assert stamps == list(EPISODE_START_NS + ticks[::2] * CONTROL_PERIOD_NS)
         first_reference = read[REFERENCE_TOPIC][0]
         np.testing.assert_allclose(trajectory_positions(first_reference), commands[:4], rtol=1e-6)
 

@@ -21,12 +21,26 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+
+def load_llvm_users_first() -> None:
+    """Triton's compiler carries its own LLVM; Mesa's software renderer (llvmpipe: EGL on a
+    machine without a GPU) loads the system's. Importing triton after the first GL context
+    (ours or dm_control's) crashes the process (a segfault in libtriton's initialisation, seen
+    here); imported before, both work. Torch's fast engine modes import triton, so it is loaded
+    (~0.2 s) with this module, before any context can exist, where it is installed."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+
+
+load_llvm_users_first()
 # MuJoCo picks its GL back end when first imported: off-screen EGL unless the user chose one.
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 import mujoco  # noqa: E402
-from gym_aloha.constants import (ASSETS_DIR, DT, JOINTS, START_ARM_POSE, normalize_puppet_gripper_position,  # noqa: E402
-                                 unnormalize_puppet_gripper_position)
+from gym_aloha.constants import (ASSETS_DIR, DT, JOINTS, START_ARM_POSE,  # noqa: E402
+                                 normalize_puppet_gripper_position, unnormalize_puppet_gripper_position)
 from gym_aloha.utils import sample_box_pose  # noqa: E402
 
 JOINT_NAMES = tuple(JOINTS)                      # the 14 names, left arm first
@@ -55,7 +69,7 @@ class SimState:
     tick: int              # control steps since the reset
     stamp_ns: int          # sim time: EPISODE_START_NS + tick * CONTROL_PERIOD_NS
     qpos: np.ndarray       # [14] float64 joint positions in the units above
-    reward: int            # gym-aloha's stage reward of this step: 0 none, 1 touched, 2 lifted, 3 both touch, 4 handed over
+    reward: int            # gym-aloha's stage reward: 0 none, 1 touched, 2 lifted, 3 both touch, 4 handed over
     success: bool          # MAX_REWARD reached at some step since the reset
 
 
@@ -77,23 +91,10 @@ def step_physics(model, data, substeps: int) -> None:
     mujoco.mj_step1(model, data)
 
 
-def load_llvm_users_first() -> None:
-    """Triton's compiler carries its own LLVM; Mesa's software renderer (llvmpipe: MuJoCo's EGL
-    on a machine without a GPU) loads the system's. Importing triton after the first GL context
-    crashes the process (a segfault in libtriton's initialisation, seen here); imported before,
-    both work. Torch's fast engine modes import triton, so it is loaded (~0.2 s) before any
-    context is made, where it is installed."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pass
-
-
 class Cameras:
     """Off-screen renders of a model's named cameras at one size."""
 
     def __init__(self, model, config: RenderConfig):
-        load_llvm_users_first()
         unknown = [c for c in config.cameras if mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, c) < 0]
         if unknown:
             known = [model.camera(i).name for i in range(model.ncam)]

@@ -82,9 +82,10 @@ def evaluate(args, progress=print) -> dict:
                                                frames, 1e9 / CONTROL_PERIOD_NS / args.camera_every)
                             result.video = str(path)
                         results.append(result)
+                        median_ms = np.median(result.predict_ms) if result.predict_ms else float("nan")
                         progress(f"[{name}] seed {seed}: {'success' if result.success else 'fail'} "
                                  f"(reward {result.max_reward}, {result.ticks} ticks, {result.queries} queries, "
-                                 f"median {np.median(result.predict_ms) if result.predict_ms else float('nan'):.0f} ms)")
+                                 f"median {median_ms:.0f} ms)")
                     entry = {"mode": spec.mode, "overrides": {k: str(v) for k, v in spec.overrides.items()},
                              "handover_mode": handover, "latency": "measured" if latency_s is None else latency_s * 1e3,
                              "ready_s": ready_s, "wall_s": time.perf_counter() - t0, **summarize(results)}

@@ -65,7 +65,8 @@ class EpisodeRecord:
     bytes: int
 
 
-def record_episode(env: TransferCube, seed: int, path: str | Path, config: RecordConfig = RecordConfig()) -> EpisodeRecord:
+def record_episode(env: TransferCube, seed: int, path: str | Path,
+                   config: RecordConfig = RecordConfig()) -> EpisodeRecord:
     """Run the scripted expert for `seed` in `env` (whose RenderConfig sets the cameras) and write
     the episode to `path` (a .mcap file, or a bag directory)."""
     cameras = env.render_config.cameras
@@ -89,7 +90,8 @@ def record_episode(env: TransferCube, seed: int, path: str | Path, config: Recor
                         writer.write(REFERENCE_TOPIC, JOINT_TRAJECTORY, t + CAMERA_DELAY_NS + 10_000 * len(cameras),
                                      joint_trajectory_msg(t, JOINT_NAMES, upcoming, CONTROL_PERIOD_NS))
             if command is not None:
-                writer.write(DEMO_COMMAND_TOPIC, JOINT_STATE, t + COMMAND_DELAY_NS, joint_state_msg(t, JOINT_NAMES, command))
+                writer.write(DEMO_COMMAND_TOPIC, JOINT_STATE, t + COMMAND_DELAY_NS,
+                             joint_state_msg(t, JOINT_NAMES, command))
 
         episode = replay(env, seed, commands, on_tick)
     path = Path(path)
