@@ -32,6 +32,7 @@ setup(
             "vla-demo = vla_node.tools.demo:main",
             "vla-node-bench = vla_node.tools.node_bench:main",
             "vla-convert = vla_node.model.convert:main",
+            "vla-sim = vla_node.sim.cli:main",
         ],
     },
 )

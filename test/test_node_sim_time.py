@@ -5,7 +5,9 @@ import time
 
 import pytest
 
-from ros_helpers import Harness, NodeProcess, Robot
+import numpy as np
+
+from ros_helpers import HOME, Harness, NodeProcess, Robot
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +23,7 @@ def sim():
     h.publish_clock(SIM_START_NS)
     h.jumps = []          # ns to set the clock back by, applied by the clock's own timer (no race)
     h.every(EVERY_S, lambda: h.publish_clock(h.sim_time_ns + STEP_NS - (h.jumps.pop() if h.jumps else 0)))
-    Robot(h)
+    h.robot = Robot(h)
     try:
         h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run on simulated time", since=0)
         yield node, h
@@ -59,6 +61,23 @@ def test_clock_jump_back_holds_reports_once_and_recovers(sim):
     traj = h.wait_until(lambda: h.messages("trajectory", since), 20, "a chunk after the jump")[-1]
     stamp_ns = traj.header.stamp.sec * 10**9 + traj.header.stamp.nanosec
     assert abs(stamp_ns - h.sim_time_ns) < 10**9
+
+
+def test_after_a_jump_back_the_hold_starts_from_the_measured_joints(sim):
+    """A restarted simulation puts the robot back at its start: holding the last command of the
+    old timeline would drive it back to where the last episode ended."""
+    _, h = sim
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node running")
+    restarted = HOME + np.array([0.2, 0.1, 0.0, 0.1, 0.0, -0.1, 0.0, 0.0])
+    h.robot.joints = restarted.copy()
+    start = time.monotonic()
+    h.jumps.append(5 * 10**9)
+    h.wait_diagnostics(lambda d: "clock jumped back" in d["_message"], 15, "the jump", since=start)
+
+    def held_at_restart():
+        return [m for _, m in h.received["command"][-200:] if np.allclose(m.data, restarted, atol=1e-9)]
+    h.wait_until(held_at_restart, 10, "a command holding the robot where it was restarted")
+    h.robot.joints = HOME.copy()
 
 
 def test_input_timeout_counts_simulated_time(sim):

@@ -10,6 +10,8 @@ from typing import Optional
 
 import numpy as np
 
+LATENCY_WINDOW = 10     # recent inference latencies (in ticks) whose maximum is the rtc freeze
+
 
 class Plan:
     def __init__(self):

@@ -37,7 +37,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from ..runtime.state_history import StateHistory
 from . import messages, params
-from .control import Plan, SafetyFilter
+from .control import LATENCY_WINDOW, Plan, SafetyFilter
 from .diagnostics import Faults, Rolling, key_values, percentile_pairs
 from .engine_process import EngineError, EngineInfo, EngineProcess, Result
 from .frames import FrameRing, Wait, Window
@@ -48,7 +48,6 @@ STAGES = ("preprocess", "vision", "llm", "action", "total")
 RETRY_SOURCES = {"engine", "output", "sync", "clock"}
 STATS_WINDOW = 1000     # samples in each rolling statistic (20 s of ticks at 50 Hz)
 DIAGNOSTICS_PERIOD_S = 1.0
-LATENCY_WINDOW = 10     # recent inference latencies (in ticks) that set the rtc freeze
 
 
 @dataclass
@@ -361,14 +360,17 @@ class VLANode(LifecycleNode):
 
     def _on_clock_jump(self, jump) -> None:
         """Time went backwards (a restarted simulation or bag): every stored stamp is from the
-        future now. Forget the frames and the plan, and the engine's stream state too (a
-        replayed frame may carry a stamp it has cached another picture under); the next complete
-        window clears it."""
+        future now. Forget the frames, the joints, the plan and the last command, and the
+        engine's stream state too (a replayed frame may carry a stamp it has cached another
+        picture under); the next complete window clears it."""
         if self._ring is not None:
             self._ring.clear()
         if self._engine is not None:
             self._engine.reset_stream()
         self._forget_joints()
+        # A restarted simulation has moved the robot: the hold restarts from its next measured
+        # position, not from the last command of the old timeline.
+        self._last_command = None
         self._plan.clear()
         self._epoch += 1
         self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "

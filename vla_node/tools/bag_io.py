@@ -51,6 +51,9 @@ INSTRUCTION_TOPIC = "/instruction"
 # Reference actions: one JointTrajectory per camera frame, stamped with that frame's stamp,
 # point k = action k of the chunk (a demonstration's next actions, or a recorded node's output).
 REFERENCE_TOPIC = "/reference/joint_trajectory"
+# A demonstration's commands (what a policy learns to output): one JointState per control tick,
+# stamped with the tick's time; its positions are the target held from that tick to the next.
+DEMO_COMMAND_TOPIC = "/expert/joint_command"
 COMPRESSED_SUFFIX = "/compressed"
 # The node's frame synchronisation (vla_node/ros/frames.py): other cameras' frames within this
 # many seconds of the first camera's, from a few frames kept beyond the history span.
@@ -187,6 +190,16 @@ class BagWriter:
     def write(self, topic: str, msgtype: str, time_ns: int, msg) -> None:
         """Write a rosbags message object."""
         self.write_cdr(topic, msgtype, time_ns, TYPESTORE.serialize_cdr(msg, msgtype))
+
+    def write_image(self, topic: str, time_ns: int, rgb: np.ndarray, stamp_ns: int, frame_id: str = "",
+                    jpeg_quality: Optional[int] = None) -> None:
+        """A camera frame [H, W, 3] uint8 RGB: a raw rgb8 Image on `topic`, or with jpeg_quality a
+        JPEG CompressedImage on `topic`/compressed (image_transport's name for it)."""
+        if jpeg_quality is None:
+            self.write(topic, IMAGE, time_ns, image_msg(rgb, stamp_ns, frame_id))
+        else:
+            self.write(topic + COMPRESSED_SUFFIX, COMPRESSED_IMAGE, time_ns,
+                       compressed_image_msg(rgb, stamp_ns, frame_id, jpeg_quality))
 
     def write_cdr(self, topic: str, msgtype: str, time_ns: int, data: bytes) -> None:
         """Write CDR bytes as rosbags would serialise them (see canonical_cdr for DDS bytes)."""

@@ -15,9 +15,8 @@ from typing import Optional
 import cv2
 import numpy as np
 
-from .bag_io import (CAMERA_TOPICS, COMPRESSED_IMAGE, COMPRESSED_SUFFIX, IMAGE, INSTRUCTION_TOPIC, JOINT_STATE,
-                     JOINT_STATES_TOPIC, JOINT_TRAJECTORY, REFERENCE_TOPIC, STRING, BagWriter,
-                     compressed_image_msg, image_msg, joint_state_msg, joint_trajectory_msg, string_msg)
+from .bag_io import (CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_STATE, JOINT_STATES_TOPIC, JOINT_TRAJECTORY,
+                     REFERENCE_TOPIC, STRING, BagWriter, joint_state_msg, joint_trajectory_msg, string_msg)
 
 # The bag shipped with the package (made by scripts/make_sample_bag.py with the defaults).
 SAMPLE_BAG = Path(__file__).resolve().parents[1] / "data" / "sample_droid.mcap"
@@ -203,12 +202,8 @@ def write_sample_bag(path: str | Path, spec: SampleSpec = SampleSpec(), storage:
                              joint_state_msg(stamp, JOINT_NAMES, joint_positions(t), joint_velocities(t)))
             else:
                 rgb = RENDERERS[kind](t)
-                frame_id = f"{kind}_camera_optical_frame"
-                if spec.compressed:
-                    writer.write(topic + COMPRESSED_SUFFIX, COMPRESSED_IMAGE, log_ns,
-                                 compressed_image_msg(rgb, stamp, frame_id, spec.jpeg_quality))
-                else:
-                    writer.write(topic, IMAGE, log_ns, image_msg(rgb, stamp, frame_id))
+                writer.write_image(topic, log_ns, rgb, stamp, f"{kind}_camera_optical_frame",
+                                   spec.jpeg_quality if spec.compressed else None)
                 if kind == "exo" and spec.reference:
                     future = np.stack([joint_positions(t + (k + 1) * step_ns / 1e9) for k in range(REFERENCE_HORIZON)])
                     writer.write(REFERENCE_TOPIC, JOINT_TRAJECTORY, log_ns,

@@ -1,0 +1,143 @@
+"""The closed loop without DDS (vla-sim eval): chunks run on the ticks they were computed for,
+through the node's Plan and SafetyFilter, with latency in sim time; and the command line writes
+its report with a random-weight engine."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from vla_node.runtime import ActionChunk, Observation
+from vla_node.sim.aloha import CONTROL_PERIOD_NS, EPISODE_START_NS, RenderConfig, TransferCube
+from vla_node.sim.cli import DEFAULT_PARAMS, main
+from vla_node.sim.closed_loop import ClosedLoop, ControlSettings, wilson_interval
+from vla_node.sim.expert import expert_trajectory
+
+HORIZON = 16
+
+
+class ExpertReplay:
+    """A policy that knows the scripted expert's commands: its chunk for an observation whose
+    newest frame is from tick d holds the expert's commands for ticks d + 1 ... d + 16 (the
+    node's convention). What the loop executes is then checkable tick for tick."""
+
+    def __init__(self, seed: int):
+        self.commands = expert_trajectory(seed)
+        self.queried_ticks = []
+
+    def reset_stream(self) -> None:
+        self.queried_ticks = []
+
+    def predict(self, obs: Observation) -> ActionChunk:
+        tick = round((obs.stamp * 1e9 - EPISODE_START_NS) / CONTROL_PERIOD_NS)
+        self.queried_ticks.append(tick)
+        actions = self.commands[np.clip(np.arange(tick + 1, tick + 1 + HORIZON), 0, len(self.commands) - 1)]
+        return ActionChunk(actions=actions.astype(np.float32), normalized=actions, stamp=obs.stamp)
+
+
+class Recording(TransferCube):
+    def reset(self, seed):
+        self.sent = []
+        return super().reset(seed)
+
+    def step(self, target):
+        self.sent.append(np.array(target))
+        return super().step(target)
+
+
+@pytest.fixture(scope="module")
+def settings():
+    return ControlSettings.from_params_file(DEFAULT_PARAMS, camera_height=48, camera_width=64)
+
+
+@pytest.fixture(scope="module")
+def env(settings):
+    with Recording(RenderConfig(settings.camera_names, 48, 64)) as sim:
+        yield sim
+
+
+@pytest.mark.parametrize("handover,latency_s", [("rtc", 0.0), ("rtc", 0.15), ("average", 0.15)])
+def test_chunks_execute_on_the_ticks_they_were_computed_for(env, settings, handover, latency_s):
+    policy = ExpertReplay(seed=2)
+    loop = ClosedLoop(env, policy, dataclasses.replace(settings, handover=handover), latency_s=latency_s,
+                      ticks=400, stop_on_success=False)
+    result = loop.run(2)
+    latency_ticks = max(1, int(np.ceil(latency_s / 0.02 - 1e-9)))
+    span = (settings.history_frames - 1) * settings.history_stride
+    # The first query waits for its history frame; the chunk comes back latency_ticks later.
+    assert policy.queried_ticks[0] == span
+    first_planned = span + latency_ticks + 1
+    sent = np.stack(env.sent)
+    # Until then the loop holds the start pose; from then on it sends the expert's commands
+    # through the safety filter (which catches the arm up with the expert's, 0.2 rad per tick):
+    # every chunk agrees with the plan it replaces, so no hand-over may change them.
+    np.testing.assert_allclose(sent[:first_planned], np.broadcast_to(sent[0], (first_planned, 14)))
+    expected = settings.safety().rollout(policy.commands[first_planned:], sent[first_planned - 1])
+    np.testing.assert_allclose(sent[first_planned:], expected, atol=1e-6)
+    assert np.abs(expected - policy.commands[first_planned:])[5:].max() < 1e-9   # caught up
+    assert set(result.latency_ticks) == {latency_ticks}
+    assert result.late_chunks == 0 and result.underruns == 0
+    assert result.success and result.first_success_tick < 400
+    # Queries come whenever replan_threshold actions remain: every 16 - 8 ticks.
+    assert np.diff(policy.queried_ticks).max() <= HORIZON - settings.replan_threshold + latency_ticks
+    assert result.step_at_boundary and result.step_inside
+
+
+def test_a_chunk_slower_than_the_horizon_is_dropped_and_the_arm_holds(env, settings):
+    loop = ClosedLoop(env, ExpertReplay(seed=1), settings, latency_s=0.4, ticks=60)
+    result = loop.run(1)
+    assert result.chunks == 0 and result.late_chunks >= 1
+    sent = np.stack(env.sent)
+    np.testing.assert_allclose(sent, np.broadcast_to(sent[0], sent.shape))
+
+
+def test_wilson_interval():
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    low, high = wilson_interval(45, 50)
+    assert low == pytest.approx(0.786, abs=1e-3) and high == pytest.approx(0.957, abs=1e-3)
+    assert wilson_interval(50, 50) == pytest.approx((0.929, 1.0), abs=1e-3)
+
+
+def test_settings_come_from_the_node_params_file(settings):
+    assert settings.camera_names == ("top", "angle") and settings.handover == "rtc"
+    assert len(settings.joint_lower_limits) == 14
+    from vla_node.sim.aloha import INSTRUCTION
+    assert settings.instruction == INSTRUCTION
+    with pytest.raises(ValueError, match="control_rate_hz"):
+        ControlSettings.from_params_file(DEFAULT_PARAMS, control_rate_hz=30.0)
+
+
+def random_sim_checkpoint(folder):
+    """Random weights of the tiny preset with the simulator's 14 joints as state and action."""
+    from vla_node.model import build_model, get_preset, init_random_, save_checkpoint
+    tiny = get_preset("tiny")
+    config = dataclasses.replace(tiny, name="tiny-aloha",
+                                 action=dataclasses.replace(tiny.action, action_dim=14, state_dim=14))
+    return save_checkpoint(init_random_(build_model(config), 0), folder)
+
+
+def test_eval_writes_success_latency_and_handover_per_config(tmp_path):
+    checkpoint = random_sim_checkpoint(tmp_path / "policy")
+    report_path = tmp_path / "eval.json"
+    code = main(["eval", "--checkpoint", str(checkpoint), "--configs", "eager,static", "--episodes", "1",
+                 "--ticks", "40", "--latency-ms", "40", "--height", "48", "--width", "64",
+                 "--json", str(report_path), "--video-dir", str(tmp_path / "videos")])
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert report["seeds"] == [1000]
+    for name in ("eager", "static"):
+        entry = report["configs"][name]
+        assert entry["success_rate"] == 0.0 and entry["episodes"] == 1     # random weights
+        assert entry["success_ci95"][0] == 0.0 and 0.0 < entry["success_ci95"][1] < 1.0
+        assert entry["predict_ms"]["n"] >= 2 and entry["chunks"] >= 1
+        assert entry["latency_ticks"]["max"] == 2
+        assert entry["handover"]["command_step_rad_at_boundaries"]["n"] >= 1
+        assert entry["per_episode"][0]["seed"] == 1000
+        assert (tmp_path / "videos").exists() and entry["per_episode"][0]["video"]
+    assert "speedup_vs_first" in report["configs"]["static"]
+
+
+def test_eval_refuses_a_policy_without_the_simulators_joints(tmp_path, capsys):
+    code = main(["eval", "--preset", "tiny", "--episodes", "1", "--ticks", "5", "--json", str(tmp_path / "r.json")])
+    assert code == 1
+    assert "state_dim 8 and action_dim 8; the simulator has 14 joints" in capsys.readouterr().err

@@ -1,0 +1,255 @@
+"""The closed loop without DDS: the simulator, the node's chunk execution (vla_node.ros.control:
+Plan, SafetyFilter) and a policy called directly, in sim time.
+
+Each control tick does what the node's control tick does (VLANode._on_tick, _collect, _dispatch):
+publish the command for this tick (the plan's action, or hold the last command), take a chunk
+whose inference has finished, and send the newest complete observation when at most
+replan_threshold actions remain. The simulator then holds that command for the tick.
+
+Inference latency is sim time: a request sent after tick d returns at tick
+d + max(1, ceil(latency / control period)), where latency is the policy's measured wall time or a
+fixed figure (latency_s), so hand-over modes compare under the latency a robot would see, on any
+machine. The policy sees what the node would: per camera the frames t - k * stride (camera
+frames), and the joint state stamped at the newest frame.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+import yaml
+
+from ..ros.control import LATENCY_WINDOW, Plan, SafetyFilter
+from ..runtime.types import ActionChunk, Observation, WindowLayout
+from .aloha import CONTROL_PERIOD_NS, GRIPPERS, JOINT_NAMES, SimState, TransferCube
+from .video import annotate
+
+ARM_JOINTS = [j for j in range(len(JOINT_NAMES)) if j not in GRIPPERS]
+
+
+class Policy(Protocol):
+    def predict(self, obs: Observation) -> ActionChunk: ...
+    def reset_stream(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """The node parameters the loop follows, as in a vla_node params file."""
+    camera_names: tuple[str, ...]
+    camera_height: int
+    camera_width: int
+    history_frames: int
+    history_stride: int
+    joint_names: tuple[str, ...]
+    instruction: str
+    control_rate_hz: float
+    replan_threshold: int
+    handover: str
+    blend_steps: int
+    average_weight: float
+    joint_lower_limits: tuple[float, ...]
+    joint_upper_limits: tuple[float, ...]
+    max_step_per_tick: tuple[float, ...]
+
+    @classmethod
+    def from_params_file(cls, path: str | Path, **overrides) -> "ControlSettings":
+        """The vla_node entry of a ROS 2 params file (`<name>: ros__parameters: ...`), with
+        `overrides` (e.g. handover="average") on top."""
+        document = yaml.safe_load(Path(path).read_text())
+        entries = [v["ros__parameters"] for k, v in document.items() if k.split("/")[-1] == "vla_node"]
+        if not entries:
+            raise ValueError(f"{path}: no vla_node ros__parameters")
+        values = {**entries[0], **overrides}
+        missing = [f for f in cls.__dataclass_fields__ if f not in values]
+        if missing:
+            raise ValueError(f"{path}: parameters {missing} missing")
+        kinds = {f: tuple if str(t).startswith("tuple") else None for f, t in cls.__annotations__.items()}
+        settings = cls(**{f: tuple(values[f]) if kinds[f] else values[f] for f in cls.__dataclass_fields__})
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        rate = 1e9 / CONTROL_PERIOD_NS
+        if abs(self.control_rate_hz - rate) > 1e-6:
+            raise ValueError(f"control_rate_hz is {self.control_rate_hz:g}; the simulator steps at {rate:g} Hz")
+        if tuple(self.joint_names) != JOINT_NAMES:
+            raise ValueError(f"joint_names must be the simulator's {list(JOINT_NAMES)}")
+        if self.handover not in ("rtc", "average"):
+            raise ValueError(f"handover must be rtc or average, got {self.handover!r}")
+
+    @property
+    def layout(self) -> WindowLayout:
+        return WindowLayout(tuple(self.camera_names), self.history_frames, self.history_stride)
+
+    def safety(self) -> SafetyFilter:
+        return SafetyFilter(self.joint_lower_limits, self.joint_upper_limits, self.max_step_per_tick)
+
+
+@dataclass
+class EpisodeResult:
+    seed: int
+    success: bool
+    first_success_tick: Optional[int]
+    max_reward: int
+    ticks: int
+    queries: int = 0
+    chunks: int = 0
+    late_chunks: int = 0          # returned after their last action's tick: dropped, as in the node
+    underruns: int = 0            # the plan ran out before the next chunk: held
+    predict_ms: list[float] = field(default_factory=list)
+    latency_ticks: list[int] = field(default_factory=list)
+    # Largest |command change| over the arm joints (rad) per tick: at the first tick of each new
+    # plan (a chunk boundary) and at every other planned tick.
+    step_at_boundary: list[float] = field(default_factory=list)
+    step_inside: list[float] = field(default_factory=list)
+    video: Optional[str] = None
+
+    def summary(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not isinstance(v, list)}
+
+
+@dataclass
+class InFlight:
+    tick: int                     # the tick after which it was sent: its chunk starts at tick + 1
+    ready_tick: int               # the tick whose collect takes it
+    chunk: ActionChunk
+
+
+class ClosedLoop:
+    """Runs episodes of `env` under `policy` with the node's control settings. latency_s None:
+    each query's measured predict time is its latency; a number: every query takes that long."""
+
+    def __init__(self, env: TransferCube, policy: Policy, settings: ControlSettings, latency_s: Optional[float] = None,
+                 ticks: int = 400, camera_every: int = 1, stop_on_success: bool = True):
+        if tuple(env.render_config.cameras) != tuple(settings.camera_names):
+            raise ValueError(f"the simulator renders {env.render_config.cameras}, the policy's cameras are "
+                             f"{settings.camera_names}")
+        if (env.render_config.height, env.render_config.width) != (settings.camera_height, settings.camera_width):
+            raise ValueError("the simulator's image size differs from camera_height x camera_width")
+        self.env, self.policy, self.settings = env, policy, settings
+        self.latency_s = latency_s
+        self.ticks, self.camera_every, self.stop_on_success = ticks, camera_every, stop_on_success
+        self.safety = settings.safety()
+        self.period_s = CONTROL_PERIOD_NS / 1e9
+
+    def run(self, seed: int, video: Optional[list] = None) -> EpisodeResult:
+        """One episode from env.reset(seed). `video`, a list, receives an annotated frame of the
+        first camera at every camera tick."""
+        s, env = self.settings, self.env
+        layout = s.layout
+        span = (layout.frames - 1) * layout.stride + 1
+        frames: deque = deque(maxlen=span)            # (stamp_ns, images, qpos) per camera frame
+        self.policy.reset_stream()
+        plan, latencies = Plan(), deque(maxlen=LATENCY_WINDOW)
+        last_command: Optional[np.ndarray] = None
+        in_flight: Optional[InFlight] = None
+        boundary_tick: Optional[int] = None
+        state: SimState = env.reset(seed)
+        result = EpisodeResult(seed, False, None, state.reward, 0)
+        for tick in range(self.ticks):
+            if tick % self.camera_every == 0:
+                frames.append((state.stamp_ns, env.render(), state.qpos))
+            # publish: the plan's action for this tick, else hold
+            target = plan.action(tick)
+            if target is None and plan.actions is not None:
+                result.underruns += 1          # the plan ran out before the next chunk
+                plan.clear()
+            previous = last_command if last_command is not None else state.qpos
+            command = self.safety(previous if target is None else target, previous)
+            if target is not None and last_command is not None:
+                step = float(np.abs(command - last_command)[ARM_JOINTS].max())
+                (result.step_at_boundary if tick == boundary_tick else result.step_inside).append(step)
+            last_command = command
+            if video is not None and tick % self.camera_every == 0:
+                video.append(annotate(frames[-1][1][layout.cameras[0]], None if target is None else command,
+                                      state.qpos, JOINT_NAMES, np.asarray(s.joint_lower_limits),
+                                      np.asarray(s.joint_upper_limits),
+                                      f"seed {seed} t {tick * self.period_s:.2f}s r{state.reward}"
+                                      f"{' success' if state.success else ''}"))
+            # collect
+            if in_flight is not None and in_flight.ready_tick <= tick:
+                latency = tick - in_flight.tick
+                latencies.append(latency)
+                result.latency_ticks.append(latency)
+                if plan.hand_over(in_flight.chunk.actions, in_flight.tick + 1, tick, s.handover, max(latencies),
+                                  s.blend_steps, s.average_weight):
+                    result.chunks += 1
+                    boundary_tick = plan.start
+                else:
+                    result.late_chunks += 1
+                in_flight = None
+            # dispatch
+            if in_flight is None and plan.remaining(tick) <= s.replan_threshold and len(frames) == span:
+                in_flight = self._query(tick, frames, result)
+            state = env.step(command)
+            result.ticks = tick + 1
+            result.max_reward = max(result.max_reward, state.reward)
+            if state.success and result.first_success_tick is None:
+                result.success, result.first_success_tick = True, state.tick
+                if self.stop_on_success:
+                    break
+        return result
+
+    def _query(self, tick: int, frames: deque, result: EpisodeResult) -> InFlight:
+        layout = self.settings.layout
+        window = [frames[k * layout.stride] for k in range(layout.frames)]   # oldest first
+        images = [f[1][camera] for f in window for camera in layout.cameras]
+        frame_ids = [(camera, f[0]) for f in window for camera in layout.cameras]
+        newest_ns, _, state = window[-1]
+        obs = Observation(images=images, state=state.astype(np.float32), instruction=self.settings.instruction,
+                          stamp=newest_ns / 1e9, frame_ids=frame_ids)
+        t0 = time.perf_counter()
+        chunk = self.policy.predict(obs)
+        wall_s = time.perf_counter() - t0
+        result.queries += 1
+        result.predict_ms.append(wall_s * 1e3)
+        latency_s = wall_s if self.latency_s is None else self.latency_s
+        return InFlight(tick, tick + max(1, math.ceil(latency_s / self.period_s - 1e-9)), chunk)
+
+
+# -- statistics -----------------------------------------------------------------------------------
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95 % Wilson score interval of a success rate."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def percentiles(samples: Sequence[float]) -> dict:
+    a = np.asarray(samples, np.float64)
+    if a.size == 0:
+        return {"n": 0}
+    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def summarize(results: Sequence[EpisodeResult]) -> dict:
+    """Success rate with its 95 % interval, latency, and the command's step per tick at chunk
+    boundaries against inside chunks, over episodes."""
+    wins = sum(r.success for r in results)
+    low, high = wilson_interval(wins, len(results))
+    join = lambda name: [x for r in results for x in getattr(r, name)]  # noqa: E731
+    boundary, inside = join("step_at_boundary"), join("step_inside")
+    return {
+        "episodes": len(results), "successes": wins, "success_rate": wins / max(1, len(results)),
+        "success_ci95": [low, high],
+        "predict_ms": percentiles(join("predict_ms")),
+        "latency_ticks": percentiles(join("latency_ticks")),
+        "handover": {
+            "command_step_rad_at_boundaries": percentiles(boundary),
+            "command_step_rad_inside_chunks": percentiles(inside),
+            "boundary_p99_over_inside_p99": (float(np.percentile(boundary, 99) / max(np.percentile(inside, 99), 1e-12))
+                                             if boundary and inside else None),
+        },
+        "chunks": sum(r.chunks for r in results), "late_chunks": sum(r.late_chunks for r in results),
+        "underruns": sum(r.underruns for r in results),
+        "per_episode": [r.summary() for r in results],
+    }

@@ -1,0 +1,104 @@
+"""`vla-sim eval`: closed-loop success of engine configurations on the same seeds, without DDS.
+
+Every configuration (and hand-over mode and latency) runs the same seeds. Each engine is loaded
+and warmed up once; its stream state is reset at every episode. The report's
+`configs.<name>.success_rate` comes with its 95 % Wilson interval, the engine's predict time,
+and the command's step per tick at chunk boundaries against inside chunks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime import EngineConfig, PolicyEngine
+from ..tools.offline import file_label, parse_configs, parse_overrides
+from .aloha import CONTROL_PERIOD_NS, RenderConfig, TransferCube
+from .closed_loop import ClosedLoop, ControlSettings, summarize
+from .video import write_video
+
+
+def variants(args, settings: ControlSettings) -> list[tuple[str, str, float | None]]:
+    """(suffix, handover, latency_s) for every hand-over mode x latency asked for; a suffix only
+    where more than one was asked for."""
+    handovers = args.handover or [settings.handover]
+    latencies = []
+    for text in args.latency_ms:
+        if text == "measured":
+            latencies.append(("measured", None))
+        else:
+            try:
+                latencies.append((f"{float(text):g}ms", float(text) / 1e3))
+            except ValueError:
+                raise ValueError(f"--latency-ms takes 'measured' or milliseconds, got {text!r}") from None
+    out = []
+    for handover in handovers:
+        for label, latency_s in latencies:
+            suffix = (f"|{handover}" if len(handovers) > 1 else "") + (f"|{label}" if len(latencies) > 1 else "")
+            out.append((suffix, handover, latency_s))
+    return out
+
+
+def evaluate(args, progress=print) -> dict:
+    settings = ControlSettings.from_params_file(args.params)
+    render = RenderConfig(cameras=tuple(args.cameras or settings.camera_names),
+                          height=args.height or settings.camera_height, width=args.width or settings.camera_width,
+                          shadows=args.shadows)
+    settings = dataclasses.replace(settings, camera_names=render.cameras, camera_height=render.height,
+                                   camera_width=render.width)
+    specs = parse_configs(args.configs)
+    common = dict(preset=args.preset, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
+                  seed=args.seed, layout=settings.layout, camera_height=render.height, camera_width=render.width)
+    common.update(parse_overrides(args.overrides))
+    seeds = list(range(args.first_seed, args.first_seed + args.episodes))
+    report = {"task": "gym-aloha AlohaTransferCube-v0 (vla_node.sim)", "seeds": seeds, "ticks": args.ticks,
+              "params": str(args.params), "checkpoint": args.checkpoint, "preset": args.preset,
+              "device": args.device, "cameras": list(render.cameras), "image_size": [render.height, render.width],
+              "control_period_ms": CONTROL_PERIOD_NS / 1e6, "configs": {}}
+    with TransferCube(render) as env:
+        for spec in specs:
+            config = EngineConfig.for_mode(spec.mode, **{**common, **spec.overrides})
+            progress(f"[{spec.label}] loading {config.checkpoint or config.preset} ({spec.mode}) on {config.device}")
+            engine = PolicyEngine(config, progress=lambda m: progress(f"[{spec.label}] {m}"))
+            try:
+                action = engine.model_cfg.action
+                if (action.state_dim, action.action_dim) != (14, 14):
+                    raise ValueError(f"the policy has state_dim {action.state_dim} and action_dim "
+                                     f"{action.action_dim}; the simulator has 14 joints")
+                ready_s = engine.warmup().ready_s
+                for suffix, handover, latency_s in variants(args, settings):
+                    name = spec.label + suffix
+                    loop = ClosedLoop(env, engine, dataclasses.replace(settings, handover=handover),
+                                      latency_s=latency_s, ticks=args.ticks, camera_every=args.camera_every)
+                    results, t0 = [], time.perf_counter()
+                    for i, seed in enumerate(seeds):
+                        frames = [] if args.video_dir and i < args.videos else None
+                        result = loop.run(seed, frames)
+                        if frames:
+                            path = write_video(Path(args.video_dir) / f"{file_label(name)}_seed{seed}",
+                                               frames, 1e9 / CONTROL_PERIOD_NS / args.camera_every)
+                            result.video = str(path)
+                        results.append(result)
+                        median_ms = np.median(result.predict_ms) if result.predict_ms else float("nan")
+                        progress(f"[{name}] seed {seed}: {'success' if result.success else 'fail'} "
+                                 f"(reward {result.max_reward}, {result.ticks} ticks, {result.queries} queries, "
+                                 f"median {median_ms:.0f} ms)")
+                    entry = {"mode": spec.mode, "overrides": {k: str(v) for k, v in spec.overrides.items()},
+                             "handover_mode": handover, "latency": "measured" if latency_s is None else latency_s * 1e3,
+                             "ready_s": ready_s, "wall_s": time.perf_counter() - t0, **summarize(results)}
+                    report["configs"][name] = entry
+                    low, high = entry["success_ci95"]
+                    progress(f"[{name}] success {entry['successes']}/{entry['episodes']} "
+                             f"({100 * entry['success_rate']:.0f} %, 95 % interval {100 * low:.0f}-{100 * high:.0f} %)")
+            finally:
+                engine.close()
+                del engine
+                gc.collect()
+    base = next(iter(report["configs"].values()), None)
+    for entry in report["configs"].values():
+        if base and base["predict_ms"].get("p50") and entry["predict_ms"].get("p50"):
+            entry["speedup_vs_first"] = base["predict_ms"]["p50"] / entry["predict_ms"]["p50"]
+    return report

@@ -1,0 +1,250 @@
+"""`vla-sim run`: the simulator as a ROS 2 node, the clock of a closed loop with vla_node.
+
+    publishes  cameras/<name>/image_raw  sensor_msgs/Image (rgb8), every camera_every ticks
+               joint_states              sensor_msgs/JointState, every tick (the 14 joints)
+               instruction               std_msgs/String, at every episode start
+               /clock                    rosgraph_msgs/Clock: sim time, one 20 ms tick at a time
+    subscribes vla_node/command          std_msgs/Float64MultiArray: the node's 14-D command
+
+Topic names are relative: started in the node's namespace, nothing needs remapping.
+
+Lockstep in sim time: at each tick the simulator publishes the observations stamped with the
+tick's time, then the clock; the node (use_sim_time) runs its control tick on that clock message
+and publishes the tick's command, which the simulator holds for the tick. A command that does not
+come within command_timeout_s (wall time) is replaced by holding the last one, and counted. Sim
+time advances no faster than `rate` times the wall clock, so the policy's inference, which runs
+in wall time while the node keeps ticking, costs the sim time it would cost a robot at that rate;
+a slow machine only runs slower.
+
+Each episode restarts the clock at the same time (EPISODE_START_NS): the node sees the clock
+jump back and forgets the last episode's frames, joints, plan and command. Before the first
+episode the clock runs with the robot at rest until the node commands.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import rclpy
+from builtin_interfaces.msg import Time
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import DurabilityPolicy, QoSProfile, qos_profile_sensor_data
+from rosgraph_msgs.msg import Clock
+from sensor_msgs.msg import Image, JointState
+from std_msgs.msg import Float64MultiArray, String
+
+from ..tools.node_process import frame_transport
+from .aloha import CONTROL_PERIOD_NS, GRIPPERS, JOINT_NAMES, RenderConfig, SimState, TransferCube
+from .closed_loop import ControlSettings, wilson_interval
+from .video import annotate, write_video
+
+
+def time_msg(ns: int) -> Time:
+    return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+
+@dataclass
+class EpisodeReport:
+    seed: int
+    success: bool = False
+    first_success_tick: Optional[int] = None
+    max_reward: int = 0
+    ticks: int = 0
+    commands: int = 0               # ticks whose command came from the node
+    held_without_command: int = 0   # ticks that waited command_timeout_s in vain
+    arm_travel_rad: float = 0.0     # largest change of an arm joint from its start position
+    wall_s: float = 0.0
+    video: Optional[str] = None
+    first_command_tick: Optional[int] = None
+
+
+class SimNode(Node):
+    def __init__(self, cameras: tuple[str, ...], command_topic: str):
+        super().__init__("vla_sim")
+        self.clock_pub = self.create_publisher(Clock, "/clock", 10)
+        self.joint_pub = self.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
+        self.camera_pubs = {c: self.create_publisher(Image, f"cameras/{c}/image_raw", qos_profile_sensor_data)
+                            for c in cameras}
+        self.instruction_pub = self.create_publisher(String, "instruction",
+                                                     QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL))
+        self.create_subscription(Float64MultiArray, command_topic, self._on_command, 10)
+        self.commands_received = 0
+        self.command: Optional[np.ndarray] = None
+        self._bad_command_logged = False
+
+    def _on_command(self, msg: Float64MultiArray) -> None:
+        data = np.asarray(msg.data, np.float64)
+        if data.shape != (len(JOINT_NAMES),) or not np.all(np.isfinite(data)):
+            if not self._bad_command_logged:
+                self.get_logger().error(f"command with {data.size} values (or non-finite) ignored: the simulator "
+                                        f"takes {len(JOINT_NAMES)} joint positions")
+                self._bad_command_logged = True
+            return
+        self.command = data
+        self.commands_received += 1
+
+    def publish_observation(self, state: SimState, images: Optional[dict[str, np.ndarray]]) -> None:
+        """Joint state, then the cameras with the first camera last (its frame triggers the
+        node's query), all stamped with the tick's time."""
+        stamp = time_msg(state.stamp_ns)
+        joints = JointState(name=list(JOINT_NAMES), position=state.qpos.tolist())
+        joints.header.stamp = stamp
+        self.joint_pub.publish(joints)
+        for camera in reversed(list(images or ())):
+            rgb = images[camera]
+            msg = Image(height=rgb.shape[0], width=rgb.shape[1], encoding="rgb8", step=rgb.shape[1] * 3,
+                        data=rgb.tobytes())
+            msg.header.stamp = stamp
+            msg.header.frame_id = f"{camera}_camera"
+            self.camera_pubs[camera].publish(msg)
+
+    def publish_clock(self, ns: int) -> None:
+        self.clock_pub.publish(Clock(clock=time_msg(ns)))
+
+
+class Simulation:
+    """Drives SimNode through episodes; spins its executor while it waits."""
+
+    def __init__(self, node: SimNode, executor: SingleThreadedExecutor, env: TransferCube, args,
+                 settings: ControlSettings):
+        self.node, self.executor, self.env, self.args, self.settings = node, executor, env, args, settings
+        self.period_s = CONTROL_PERIOD_NS / 1e9
+        self._paced_since: Optional[float] = None
+        self._paced_ticks = 0
+
+    def _pace(self) -> None:
+        """Sim time no faster than `rate` x wall time."""
+        if self._paced_since is None:
+            self._paced_since = time.monotonic()
+        self._paced_ticks += 1
+        due = self._paced_since + self._paced_ticks * self.period_s / self.args.rate
+        while (wait := due - time.monotonic()) > 0:
+            self.executor.spin_once(timeout_sec=wait)
+
+    def _wait_command(self, before: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.node.commands_received == before:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.executor.spin_once(timeout_sec=left)
+        return True
+
+    def wait_for_node(self) -> None:
+        """Run the clock with the robot at rest (seed of the first episode) until the node
+        commands: it has configured, activated and seen joint states."""
+        state = self.env.reset(self.args.first_seed)
+        images = self.env.render()
+        deadline = time.monotonic() + self.args.node_timeout_s
+        self.node.get_logger().info("running the clock until the node commands")
+        tick = 0
+        while self.node.commands_received == 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no command within {self.args.node_timeout_s:g} s: is vla-node running in this "
+                                   f"namespace with use_sim_time:=true and active (autostart:=true)?")
+            self.node.publish_observation(SimState(tick, state.stamp_ns + tick * CONTROL_PERIOD_NS, state.qpos,
+                                                   state.reward, False), images)
+            self.node.instruction_pub.publish(String(data=self.settings.instruction))
+            self.node.publish_clock(state.stamp_ns + tick * CONTROL_PERIOD_NS)
+            tick += 1
+            self._pace()
+
+    def episode(self, seed: int) -> EpisodeReport:
+        args, node, env = self.args, self.node, self.env
+        report = EpisodeReport(seed)
+        frames = [] if args.video_dir else None
+        state = env.reset(seed)
+        start_q = state.qpos.copy()
+        last: Optional[np.ndarray] = None
+        node.instruction_pub.publish(String(data=self.settings.instruction))
+        # The clock jumps back one tick before the episode's first observation: the node forgets
+        # the last episode on the jump, not the first observation of this one.
+        node.publish_clock(state.stamp_ns - CONTROL_PERIOD_NS)
+        self._pace()
+        t0 = time.monotonic()
+        for tick in range(args.ticks):
+            images = env.render() if tick % args.camera_every == 0 else None
+            node.publish_observation(state, images)
+            before = node.commands_received
+            node.publish_clock(state.stamp_ns)
+            if self._wait_command(before, args.command_timeout_s):
+                last = node.command
+                report.commands += 1
+                if report.first_command_tick is None:
+                    report.first_command_tick = tick
+            else:
+                report.held_without_command += 1
+            command = last if last is not None else state.qpos
+            if frames is not None and images is not None:
+                frames.append(annotate(images[env.render_config.cameras[0]], command, state.qpos, JOINT_NAMES,
+                                       np.asarray(self.settings.joint_lower_limits),
+                                       np.asarray(self.settings.joint_upper_limits),
+                                       f"seed {seed} t {tick * self.period_s:.2f}s r{state.reward}"
+                                       f"{' success' if state.success else ''}"))
+            self._pace()
+            state = env.step(command)
+            report.ticks = tick + 1
+            report.max_reward = max(report.max_reward, state.reward)
+            arm = [j for j in range(len(JOINT_NAMES)) if j not in GRIPPERS]
+            report.arm_travel_rad = max(report.arm_travel_rad, float(np.abs(state.qpos - start_q)[arm].max()))
+            if state.success and not report.success:
+                report.success, report.first_success_tick = True, state.tick
+                if not args.run_on:
+                    break
+        report.wall_s = time.monotonic() - t0
+        if frames:
+            report.video = str(write_video(Path(args.video_dir) / f"episode_seed{seed}", frames,
+                                           1e9 / CONTROL_PERIOD_NS / args.camera_every))
+        return report
+
+
+def run(args, ros_args: list[str]) -> int:
+    settings = ControlSettings.from_params_file(args.params)
+    render = RenderConfig(cameras=tuple(args.cameras or settings.camera_names),
+                          height=args.height or settings.camera_height, width=args.width or settings.camera_width,
+                          shadows=args.shadows)
+    frame_transport()      # raw frames over shared memory (the camera side of the loop)
+    rclpy.init(args=["vla-sim", *ros_args])
+    node = None
+    try:
+        node = SimNode(render.cameras, args.command_topic)
+        executor = SingleThreadedExecutor()
+        executor.add_node(node)
+        log = node.get_logger()
+        with TransferCube(render) as env:
+            sim = Simulation(node, executor, env, args, settings)
+            sim.wait_for_node()
+            log.info("the node commands: starting episodes")
+            reports = []
+            for i in range(args.episodes):
+                report = sim.episode(args.first_seed + i)
+                reports.append(report)
+                log.info(f"episode {i + 1}/{args.episodes} seed {report.seed}: "
+                         f"{'SUCCESS' if report.success else 'failure'} (reward {report.max_reward}, "
+                         f"{report.ticks} ticks in {report.wall_s:.1f} s wall, {report.commands} commands, "
+                         f"{report.held_without_command} ticks without one)"
+                         + (f", video {report.video}" if report.video else ""))
+        wins = sum(r.success for r in reports)
+        low, high = wilson_interval(wins, len(reports))
+        summary = {"episodes": len(reports), "successes": wins, "success_rate": wins / max(1, len(reports)),
+                   "success_ci95": [low, high], "rate": args.rate, "per_episode": [asdict(r) for r in reports]}
+        print(f"vla-sim: {wins}/{len(reports)} episodes succeeded", flush=True)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        return 0
+    except TimeoutError as err:
+        print(f"vla-sim run: {err}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, ExternalShutdownException):
+        return 0
+    finally:
+        if node is not None:
+            node.destroy_node()
+        rclpy.try_shutdown()
