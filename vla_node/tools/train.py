@@ -8,7 +8,7 @@ commands, one bag per episode (what `vla-sim record` writes).
 Windows come from the bag reader the offline replay uses (tools/bag_io.ObservationStream, the
 node's window picker), so the policy trains on exactly the observations the node will hand it,
 an episode's start (no history yet) included. The target of a window stamped t is the chunk of
-the next `horizon` commands from t on; past the episode's end it is padded and masked, as in the
+the next `horizon` commands after t; past the episode's end it is padded and masked, as in the
 official dataset. Frames are resized once, as the engine resizes them (rounded to uint8), and
 kept on the device. The output folder is a checkpoint (config.json, model.safetensors in bf16,
 tokenizer) that every engine mode loads; train_state/ holds fp32 weights and optimizer moments
@@ -85,7 +85,10 @@ def read_episode(job: tuple) -> EpisodeWindows:
                     row_of[fid] = len(frames)
                     frames.append(resize_u8(torch.from_numpy(image)[None], size)[0].numpy())
                 rows.append(row_of[fid])
-            first = int(np.searchsorted(stamps, query.stamp_ns))
+            # The chunk of a window stamped at tick d holds the commands of ticks d+1 ... d+horizon
+            # (the recorder stamps a command with the tick it takes effect; the node executes a
+            # chunk's action i at tick d + 1 + i).
+            first = int(np.searchsorted(stamps, query.stamp_ns, side="right"))
             chunk = targets[first:first + horizon]
             pad = np.zeros(horizon, bool)
             pad[len(chunk):] = True
