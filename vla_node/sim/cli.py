@@ -109,6 +109,7 @@ def run_record(args) -> int:
 # -- eval -------------------------------------------------------------------------------------
 def run_eval(args) -> int:
     from .eval import evaluate
+    args.workers = _workers(args.workers)
     report = evaluate(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -182,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--camera-every", type=int, default=1)
     ev.add_argument("--video-dir", default=None, help="write a video of the first --videos episodes per config")
     ev.add_argument("--videos", type=int, default=1)
+    ev.add_argument("--workers", type=int, default=1,
+                    help="processes sharing each configuration's seeds (0: every core)")
     ev.add_argument("--json", default="out/sim_eval.json")
     _add_render_arguments(ev, defaults_from_params=True)
 

@@ -42,61 +42,100 @@ def variants(args, settings: ControlSettings) -> list[tuple[str, str, float | No
     return out
 
 
-def evaluate(args, progress=print) -> dict:
+def _render_and_settings(args) -> tuple[RenderConfig, ControlSettings]:
     settings = ControlSettings.from_params_file(args.params)
     render = RenderConfig(cameras=tuple(args.cameras or settings.camera_names),
                           height=args.height or settings.camera_height, width=args.width or settings.camera_width,
                           shadows=args.shadows)
     settings = dataclasses.replace(settings, camera_names=render.cameras, camera_height=render.height,
                                    camera_width=render.width)
-    specs = parse_configs(args.configs)
+    return render, settings
+
+
+def _engine_config(args, spec, settings: ControlSettings, render: RenderConfig) -> EngineConfig:
     common = dict(preset=args.preset, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
                   seed=args.seed, layout=settings.layout, camera_height=render.height, camera_width=render.width)
     common.update(parse_overrides(args.overrides))
+    return EngineConfig.for_mode(spec.mode, **{**common, **spec.overrides})
+
+
+def run_seeds(args, spec, seeds: list[int], progress=print) -> tuple[float, dict[str, list]]:
+    """One engine for `spec`, every variant (hand-over x latency) on `seeds`: (ready_s, results by
+    variant suffix). A process of its own per worker: its own simulator and engine."""
+    render, settings = _render_and_settings(args)
+    config = _engine_config(args, spec, settings, render)
+    progress(f"[{spec.label}] loading {config.checkpoint or config.preset} ({spec.mode}) on {config.device}")
+    engine = PolicyEngine(config, progress=lambda m: progress(f"[{spec.label}] {m}"))
+    out: dict[str, list] = {}
+    try:
+        action = engine.model_cfg.action
+        if (action.state_dim, action.action_dim) != (14, 14):
+            raise ValueError(f"the policy has state_dim {action.state_dim} and action_dim "
+                             f"{action.action_dim}; the simulator has 14 joints")
+        ready_s = engine.warmup().ready_s
+        with TransferCube(render) as env:
+            for suffix, handover, latency_s in variants(args, settings):
+                name = spec.label + suffix
+                loop = ClosedLoop(env, engine, dataclasses.replace(settings, handover=handover),
+                                  latency_s=latency_s, ticks=args.ticks, camera_every=args.camera_every)
+                results = out[suffix] = []
+                for seed in seeds:
+                    frames = [] if args.video_dir and seed - args.first_seed < args.videos else None
+                    result = loop.run(seed, frames)
+                    if frames:
+                        path = write_video(Path(args.video_dir) / f"{file_label(name)}_seed{seed}",
+                                           frames, 1e9 / CONTROL_PERIOD_NS / args.camera_every)
+                        result.video = str(path)
+                    results.append(result)
+                    median_ms = np.median(result.predict_ms) if result.predict_ms else float("nan")
+                    progress(f"[{name}] seed {seed}: {'success' if result.success else 'fail'} "
+                             f"(reward {result.max_reward}, {result.ticks} ticks, {result.queries} queries, "
+                             f"median {median_ms:.0f} ms)")
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+    return ready_s, out
+
+
+def _worker(job) -> tuple[float, dict[str, list]]:
+    args, spec, seeds = job
+    return run_seeds(args, spec, seeds, progress=lambda m: print(m, flush=True))
+
+
+def evaluate(args, progress=print) -> dict:
+    """Every configuration on the same seeds. With `args.workers` > 1 the seeds of a configuration
+    are spread over that many processes (each its own simulator and engine; on one GPU they share
+    it, which slows each query: compare predict times from one worker, or from vla-bench)."""
+    render, settings = _render_and_settings(args)
+    specs = parse_configs(args.configs)
     seeds = list(range(args.first_seed, args.first_seed + args.episodes))
+    workers = max(1, min(getattr(args, "workers", 1) or 1, len(seeds)))
     report = {"task": "gym-aloha AlohaTransferCube-v0 (vla_node.sim)", "seeds": seeds, "ticks": args.ticks,
               "params": str(args.params), "checkpoint": args.checkpoint, "preset": args.preset,
               "device": args.device, "cameras": list(render.cameras), "image_size": [render.height, render.width],
-              "control_period_ms": CONTROL_PERIOD_NS / 1e6, "configs": {}}
-    with TransferCube(render) as env:
-        for spec in specs:
-            config = EngineConfig.for_mode(spec.mode, **{**common, **spec.overrides})
-            progress(f"[{spec.label}] loading {config.checkpoint or config.preset} ({spec.mode}) on {config.device}")
-            engine = PolicyEngine(config, progress=lambda m: progress(f"[{spec.label}] {m}"))
-            try:
-                action = engine.model_cfg.action
-                if (action.state_dim, action.action_dim) != (14, 14):
-                    raise ValueError(f"the policy has state_dim {action.state_dim} and action_dim "
-                                     f"{action.action_dim}; the simulator has 14 joints")
-                ready_s = engine.warmup().ready_s
-                for suffix, handover, latency_s in variants(args, settings):
-                    name = spec.label + suffix
-                    loop = ClosedLoop(env, engine, dataclasses.replace(settings, handover=handover),
-                                      latency_s=latency_s, ticks=args.ticks, camera_every=args.camera_every)
-                    results, t0 = [], time.perf_counter()
-                    for i, seed in enumerate(seeds):
-                        frames = [] if args.video_dir and i < args.videos else None
-                        result = loop.run(seed, frames)
-                        if frames:
-                            path = write_video(Path(args.video_dir) / f"{file_label(name)}_seed{seed}",
-                                               frames, 1e9 / CONTROL_PERIOD_NS / args.camera_every)
-                            result.video = str(path)
-                        results.append(result)
-                        median_ms = np.median(result.predict_ms) if result.predict_ms else float("nan")
-                        progress(f"[{name}] seed {seed}: {'success' if result.success else 'fail'} "
-                                 f"(reward {result.max_reward}, {result.ticks} ticks, {result.queries} queries, "
-                                 f"median {median_ms:.0f} ms)")
-                    entry = {"mode": spec.mode, "overrides": {k: str(v) for k, v in spec.overrides.items()},
-                             "handover_mode": handover, "latency": "measured" if latency_s is None else latency_s * 1e3,
-                             "ready_s": ready_s, "wall_s": time.perf_counter() - t0, **summarize(results)}
-                    report["configs"][name] = entry
-                    low, high = entry["success_ci95"]
-                    progress(f"[{name}] success {entry['successes']}/{entry['episodes']} "
-                             f"({100 * entry['success_rate']:.0f} %, 95 % interval {100 * low:.0f}-{100 * high:.0f} %)")
-            finally:
-                engine.close()
-                del engine
-                gc.collect()
+              "control_period_ms": CONTROL_PERIOD_NS / 1e6, "workers": workers, "configs": {}}
+    for spec in specs:
+        t0 = time.perf_counter()
+        if workers == 1:
+            parts = [run_seeds(args, spec, seeds, progress)]
+        else:
+            import multiprocessing
+
+            shares = [seeds[i::workers] for i in range(workers)]
+            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+                parts = pool.map(_worker, [(args, spec, share) for share in shares])
+        for suffix, handover, latency_s in variants(args, settings):
+            results = sorted((r for _, part in parts for r in part[suffix]), key=lambda r: r.seed)
+            name = spec.label + suffix
+            entry = {"mode": spec.mode, "overrides": {k: str(v) for k, v in spec.overrides.items()},
+                     "handover_mode": handover, "latency": "measured" if latency_s is None else latency_s * 1e3,
+                     "ready_s": max(ready for ready, _ in parts), "wall_s": time.perf_counter() - t0,
+                     **summarize(results)}
+            report["configs"][name] = entry
+            low, high = entry["success_ci95"]
+            progress(f"[{name}] success {entry['successes']}/{entry['episodes']} "
+                     f"({100 * entry['success_rate']:.0f} %, 95 % interval {100 * low:.0f}-{100 * high:.0f} %)")
     base = next(iter(report["configs"].values()), None)
     for entry in report["configs"].values():
         if base and base["predict_ms"].get("p50") and entry["predict_ms"].get("p50"):
