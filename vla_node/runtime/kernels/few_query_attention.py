@@ -24,6 +24,48 @@ BLOCK_N = 64
 
 
 @triton.jit
+def attend_keys(q, K, V, Mask, skn, svn, lo, hi, n_keys, scale, offs_d, d_ok,
+                BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Online softmax of queries q [M, BLOCK_D] over keys lo..hi (clipped to n_keys) of one
+    (batch, head): K, V point at its key 0, Mask at its mask entry 0 (bool, read when HAS_MASK).
+    Returns (acc [M, BLOCK_D] fp32 un-normalised, running max m [M], denominator l [M]); a chunk
+    with no valid key gives m = -inf, l = 0."""
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_keys
+        k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if HAS_MASK:
+            n_ok = n_ok & (tl.load(Mask + offs_n, mask=n_ok, other=0) != 0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def merge_partials(OPart, MPart, LPart, stat, offs_d, d_ok, BLOCK_D: tl.constexpr):
+    """Softmax-weighted merge of split partials: stat [SPLITS, M] indexes each split's row of
+    MPart/LPart (and of OPart, rows of BLOCK_D); returns the normalised output [M, BLOCK_D]."""
+    m_s = tl.load(MPart + stat)
+    l_s = tl.load(LPart + stat)
+    m_max = tl.max(m_s, 0)
+    w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max[None, :]))  # [SPLITS, M]
+    denom = tl.sum(w * l_s, 0)
+    o = tl.load(OPart + stat[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=d_ok[None, None, :], other=0.0)
+    return tl.sum(o * w[:, :, None], 0) / tl.where(denom == 0, 1.0, denom)[:, None]
+
+
+@triton.jit
 def _partial(Q, K, V, Mask, OPart, MPart, LPart, Out, n_keys, heads, scale,
              sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, sob, soh, som,
              M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -36,27 +78,9 @@ def _partial(Q, K, V, Mask, OPart, MPart, LPart, Out, n_keys, heads, scale,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BLOCK_D], tl.float32)
-    for start in range(split * KEYS_PER_PROGRAM, (split + 1) * KEYS_PER_PROGRAM, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_keys
-        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if HAS_MASK:
-            n_ok = n_ok & (tl.load(Mask + b * smb + offs_n, mask=n_ok, other=0) != 0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    acc, m_i, l_i = attend_keys(q, K + b * skb + h * skh, V + b * svb + h * svh, Mask + b * smb, skn, svn,
+                                split * KEYS_PER_PROGRAM, (split + 1) * KEYS_PER_PROGRAM, n_keys, scale,
+                                offs_d, d_ok, BLOCK_N, HAS_MASK)
     if DIRECT:  # one chunk holds every key: normalise and write the output, no merge pass
         tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :],
                  (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=d_ok[None, :])
@@ -73,17 +97,10 @@ def _merge(OPart, MPart, LPart, Out, heads, sob, soh, som,
     bh = tl.program_id(0)
     b = bh // heads
     h = bh % heads
-    offs_s = tl.arange(0, SPLITS)
     offs_m = tl.arange(0, M)
     offs_d = tl.arange(0, BLOCK_D)
-    stat = (bh * SPLITS + offs_s[:, None]) * M + offs_m[None, :]           # [SPLITS, M]
-    m_s = tl.load(MPart + stat)
-    l_s = tl.load(LPart + stat)
-    m_max = tl.max(m_s, 0)
-    w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max[None, :]))  # [SPLITS, M]
-    denom = tl.sum(w * l_s, 0)
-    o = tl.load(OPart + stat[:, :, None] * BLOCK_D + offs_d[None, None, :])  # [SPLITS, M, BLOCK_D]
-    out = tl.sum(o * w[:, :, None], 0) / denom[:, None]
+    stat = (bh * SPLITS + tl.arange(0, SPLITS)[:, None]) * M + offs_m[None, :]  # [SPLITS, M]
+    out = merge_partials(OPart, MPart, LPart, stat, offs_d, offs_d < D, BLOCK_D)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=(offs_d < D)[None, :])
 
