@@ -29,7 +29,7 @@ def attend_keys(q, K, V, Mask, skn, svn, lo, hi, n_keys, scale, offs_d, d_ok,
     """Online softmax of queries q [M, BLOCK_D] over keys lo..hi (clipped to n_keys) of one
     (batch, head): K, V point at its key 0, Mask at its mask entry 0 (bool, read when HAS_MASK).
     Returns (acc [M, BLOCK_D] fp32 un-normalised, running max m [M], denominator l [M]); a chunk
-    with no valid key gives m = -inf, l = 0."""
+    with no valid key gives m = -inf, l = 0. Dots run in q's dtype."""
     m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
     l_i = tl.zeros([q.shape[0]], tl.float32)
     acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
@@ -40,14 +40,14 @@ def attend_keys(q, K, V, Mask, skn, svn, lo, hi, n_keys, scale, offs_d, d_ok,
         v = tl.load(V + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if HAS_MASK:
             n_ok = n_ok & (tl.load(Mask + offs_n, mask=n_ok, other=0) != 0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return acc, m_i, l_i
 
