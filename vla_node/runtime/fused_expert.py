@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -71,7 +71,7 @@ class BlockWeights:
 
 
 @dataclass
-class _Buffers:
+class Buffers:
     """Scratch of one (batch, horizon, context length): fp32 rows [batch * horizon, *]."""
     x: torch.Tensor          # the residual stream [M, w]
     qkv: torch.Tensor        # [M, 3w]
@@ -97,7 +97,7 @@ class FusedExpert:
         self.width, self.heads, self.mlp, self.action_dim = cfg.width, cfg.heads, cfg.mlp, cfg.action_dim
         self.dtype = expert.action_pos.dtype
         self.blocks = [BlockWeights(blk, fp8) for blk in expert.blocks]
-        self._buffers: dict[tuple, _Buffers] = {}
+        self._buffers: dict[tuple, Buffers] = {}
         self.handle = next(_IDS)
         _INSTANCES[self.handle] = self
 
@@ -115,7 +115,8 @@ class FusedExpert:
         return fused_expert_velocity(self.handle, x, list(block_mods), final_mod, [k for k, _ in kv],
                                      [v for _, v in kv], ctx_mask)
 
-    def _buffers_for(self, entries: int, tokens: int, n_keys: int, device) -> _Buffers:
+    def buffers(self, entries: int, tokens: int, n_keys: int, device) -> Buffers:
+        """The scratch of a shape, made on first use (outside graph capture, as a warm-up call does)."""
         key = (entries, tokens, n_keys, torch.device(device))
         if key not in self._buffers:
             m, w, t = entries * tokens, self.width, self.tiling
@@ -128,7 +129,7 @@ class FusedExpert:
             tiles = max(n for n, _ in tiles_parts)
             floats = max(n * per for n, per in tiles_parts) * block_rows(m)
             f32 = dict(dtype=torch.float32, device=device)
-            self._buffers[key] = _Buffers(
+            self._buffers[key] = Buffers(
                 x=torch.empty((m, w), **f32), qkv=torch.empty((m, 3 * w), **f32), q=torch.empty((m, w), **f32),
                 hidden=torch.empty((m, self.mlp), **f32),
                 partials=cross_partials(entries, self.heads, tokens, w // self.heads, n_keys, t, device),
@@ -139,37 +140,48 @@ class FusedExpert:
             keys: list[torch.Tensor], values: list[torch.Tensor], ctx_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """The launches of one velocity (the custom op's body)."""
         entries, tokens, _ = x.shape
-        m, w, e = entries * tokens, self.width, self.expert
-        buf = self._buffers_for(entries, tokens, keys[0].shape[2], x.device)
-        s = buf.scratch
+        m, e = entries * tokens, self.expert
+        buf = self.buffers(entries, tokens, keys[0].shape[2], x.device)
         mask = ctx_mask.reshape(ctx_mask.shape[0], -1).contiguous() if ctx_mask is not None else None
         opts = dict(compute=self.dtype, tiling=self.tiling, pdl=self.pdl)
-        # Offsets of the modulation chunks (shift, scale, gate) x (self, cross, mlp) in mod [B, 9w].
-        linear(x.contiguous().view(m, -1), e.action_in.weight, e.action_in.bias, buf.x, s,
+        linear(x.contiguous().view(m, -1), e.action_in.weight, e.action_in.bias, buf.x, buf.scratch,
                residual=e.action_pos[:tokens], **opts)
-        for blk, mod, k, v in zip(self.blocks, block_mods, keys, values):
-            linear(buf.x, blk.qkv.weight, blk.qkv.bias, buf.qkv, s, weight_scale=blk.qkv.scale, mod=mod,
-                   norm=(0, w), tokens=tokens, eps=LN_EPS, **opts)
-            head_linear(buf.x, blk.self_out.weight, blk.self_out.bias, mod, 2 * w, s, heads=self.heads,
-                        tokens=tokens, qkv=buf.qkv, weight_scale=blk.self_out.scale, **opts)
-            if self.project_in_attention:
-                cross_attention(buf.x, k, v, mask, buf.partials, tokens=tokens, q_weight=blk.cross_q.weight,
-                                q_bias=blk.cross_q.bias, q_scale=blk.cross_q.scale, mod=mod, norm=(3 * w, 4 * w),
-                                eps=LN_EPS, **opts)
-            else:
-                linear(buf.x, blk.cross_q.weight, blk.cross_q.bias, buf.q, s, weight_scale=blk.cross_q.scale,
-                       mod=mod, norm=(3 * w, 4 * w), tokens=tokens, eps=LN_EPS, **opts)
-                cross_attention(buf.q, k, v, mask, buf.partials, tokens=tokens, **opts)
-            head_linear(buf.x, blk.cross_out.weight, blk.cross_out.bias, mod, 5 * w, s, heads=self.heads,
-                        tokens=tokens, partials=buf.partials, weight_scale=blk.cross_out.scale, **opts)
-            linear(buf.x, blk.fc1.weight, blk.fc1.bias, buf.hidden, s, weight_scale=blk.fc1.scale, mod=mod,
-                   norm=(6 * w, 7 * w), gelu=True, tokens=tokens, eps=LN_EPS, **opts)
-            linear(buf.hidden, blk.fc2.weight, blk.fc2.bias, buf.x, s, weight_scale=blk.fc2.scale, mod=mod,
-                   gate=8 * w, residual=buf.x, tokens=tokens, **opts)
+        for j, (mod, k, v) in enumerate(zip(block_mods, keys, values)):
+            for _, launch in self.block_stages(buf, j, mod, k, v, mask, tokens):
+                launch()
         out = torch.empty((m, self.action_dim), dtype=self.dtype, device=x.device)
-        linear(buf.x, e.action_out.weight, e.action_out.bias, out, s, mod=final_mod, norm=(0, w), tokens=tokens,
-               eps=LN_EPS, **opts)
+        linear(buf.x, e.action_out.weight, e.action_out.bias, out, buf.scratch, mod=final_mod, norm=(0, self.width),
+               tokens=tokens, eps=LN_EPS, **opts)
         return out.view(entries, tokens, self.action_dim)
+
+    def block_stages(self, buf: Buffers, j: int, mod: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: Optional[torch.Tensor], tokens: int) -> list[tuple[str, Callable[[], None]]]:
+        """Block j's launches in order, named (the benchmark times each): mod [B|1, 9w] holds
+        (shift, scale, gate) for self-attention, cross-attention and MLP; mask [B|1, T+1]."""
+        blk, w, s, heads = self.blocks[j], self.width, buf.scratch, self.heads
+        opts = dict(compute=self.dtype, tiling=self.tiling, pdl=self.pdl)
+        stages = [
+            ("qkv", lambda: linear(buf.x, blk.qkv.weight, blk.qkv.bias, buf.qkv, s, weight_scale=blk.qkv.scale,
+                                   mod=mod, norm=(0, w), tokens=tokens, eps=LN_EPS, **opts)),
+            ("self_out", lambda: head_linear(buf.x, blk.self_out.weight, blk.self_out.bias, mod, 2 * w, s, heads=heads,
+                                             tokens=tokens, qkv=buf.qkv, weight_scale=blk.self_out.scale, **opts))]
+        if self.project_in_attention:
+            stages.append(("cross", lambda: cross_attention(
+                buf.x, k, v, mask, buf.partials, tokens=tokens, q_weight=blk.cross_q.weight, q_bias=blk.cross_q.bias,
+                q_scale=blk.cross_q.scale, mod=mod, norm=(3 * w, 4 * w), eps=LN_EPS, **opts)))
+        else:
+            stages.append(("cross_q", lambda: linear(buf.x, blk.cross_q.weight, blk.cross_q.bias, buf.q, s,
+                                                     weight_scale=blk.cross_q.scale, mod=mod, norm=(3 * w, 4 * w),
+                                                     tokens=tokens, eps=LN_EPS, **opts)))
+            stages.append(("cross", lambda: cross_attention(buf.q, k, v, mask, buf.partials, tokens=tokens, **opts)))
+        return stages + [
+            ("cross_out", lambda: head_linear(buf.x, blk.cross_out.weight, blk.cross_out.bias, mod, 5 * w, s,
+                                              heads=heads, tokens=tokens, partials=buf.partials,
+                                              weight_scale=blk.cross_out.scale, **opts)),
+            ("fc1", lambda: linear(buf.x, blk.fc1.weight, blk.fc1.bias, buf.hidden, s, weight_scale=blk.fc1.scale,
+                                   mod=mod, norm=(6 * w, 7 * w), gelu=True, tokens=tokens, eps=LN_EPS, **opts)),
+            ("fc2", lambda: linear(buf.hidden, blk.fc2.weight, blk.fc2.bias, buf.x, s, weight_scale=blk.fc2.scale,
+                                   mod=mod, gate=8 * w, residual=buf.x, tokens=tokens, **opts))]
 
 
 @torch.library.custom_op("vla::fused_expert_velocity", mutates_args=())

@@ -19,9 +19,10 @@ weights, and only the last one touches the residual, so the stream is updated in
 
 Weights are read in nn.Linear layout [N, K] (bf16/fp32, or e4m3 with an fp32 scale per output
 channel, dequantised in the kernel). Dots run in DOT (bf16 on the GPU; fp32 under
-TRITON_INTERPRET, whose bf16 dots are wrong). With USE_PDL (Hopper programmatic dependent
-launch) a kernel first warms L2 with the weights (and keys) it will read, lets the next kernel
-launch, and only then waits for the previous one: weight traffic overlaps the previous tail.
+TRITON_INTERPRET, whose bf16 dots are wrong). With PREFETCH a program first asks L2 for the
+weight (and key) lines it will read, so their DRAM latency overlaps the prologue; with USE_PDL
+(Hopper programmatic dependent launch) it does so, lets the next kernel launch and only then
+waits for the previous one, so weight traffic also overlaps the previous kernel's tail.
 """
 from __future__ import annotations
 
@@ -124,8 +125,8 @@ def linear_kernel(X, sxm, W, swn, WScale, Bias, Out, som, Res, srm, res_period, 
                   gate_off, Part, Counter, M, N, K, k_per_split, tokens, eps,
                   NORM: tl.constexpr, GELU: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
                   SCALED: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr,
-                  LINE: tl.constexpr, LINES: tl.constexpr):
+                  BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
+                  USE_PDL: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
     """Out [M, N] = epilogue(prologue(X [M, K]) @ W[N, K]^T). Grid (N / BLOCK_N, SPLITS); the
     prologue is modulate(LayerNorm(x)) when NORM (stats over all of K), else x as it is."""
     pid_n = tl.program_id(0)
@@ -136,8 +137,9 @@ def linear_kernel(X, sxm, W, swn, WScale, Bias, Out, som, Res, srm, res_period, 
     n_ok = offs_n < N
     mod_rows = (rows // tokens) * smb
     k_lo = split * k_per_split
-    if USE_PDL:
+    if PREFETCH:  # weight lines start coming from DRAM while the statistics are computed
         _prefetch_rows(W + k_lo, offs_n, n_ok, swn, k_per_split, LINE, LINES)
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if NORM:
@@ -185,8 +187,7 @@ def head_linear_kernel(Src, ssm, OPart, MPart, LPart, W, swn, WScale, Bias, X, s
                        Part, Counter, M, N, tokens, width, heads, scale,
                        ATTEND: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, KEY_SPLITS: tl.constexpr,
                        BLOCK_H: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
-                       LINES: tl.constexpr):
+                       BLOCK_D: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """x [M, N] += gate * (y @ W[N, width]^T + b), split over K by head: program (n, h) makes
     head h's y [M, D] itself - its self-attention from the fused q/k/v rows Src [M, 3 width]
     (ATTEND), or the merge of its cross-attention partials (OPart/MPart/LPart) - then
@@ -199,8 +200,9 @@ def head_linear_kernel(Src, ssm, OPart, MPart, LPart, W, swn, WScale, Bias, X, s
     n_ok = offs_n < N
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
+    # The weights first (constant, so safe before gdc_wait): their latency overlaps the prologue.
+    w = tl.load(W + offs_n[:, None] * swn + h * D + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     if USE_PDL:
-        _prefetch_rows(W + h * D, offs_n, n_ok, swn, D, LINE, LINES)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if ATTEND:
@@ -209,7 +211,6 @@ def head_linear_kernel(Src, ssm, OPart, MPart, LPart, W, swn, WScale, Bias, X, s
         entry_head = (rows // tokens) * heads + h
         stat = (entry_head[None, :] * KEY_SPLITS + tl.arange(0, KEY_SPLITS)[:, None]) * BLOCK_H + (rows % tokens)[None, :]
         y = merge_partials(OPart, MPart, LPart, tl.where(row_ok[None, :], stat, 0), offs_d, d_ok, BLOCK_D)
-    w = tl.load(W + offs_n[:, None] * swn + h * D + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     acc = tl.dot(y.to(DOT), tl.trans(w.to(DOT)))
     acc, last = _reduce_splits(acc, Part, Counter, pid_n, h, HEADS, BLOCK_M, BLOCK_N)
     if last:
@@ -224,7 +225,7 @@ def cross_attention_kernel(X, sxm, Wq, swq, WqScale, Bq, Mod, smb, shift_off, sc
                            PROJECT: tl.constexpr, SCALED: tl.constexpr, HAS_MASK: tl.constexpr, D: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                            K_CHUNKS: tl.constexpr, BLOCK_KEYS: tl.constexpr, DOT: tl.constexpr,
-                           USE_PDL: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
+                           PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
                            KV_LINE: tl.constexpr, KV_LINES: tl.constexpr):
     """Flash-decoding partials of the cross-attention, program (batch entry * heads + h, split):
     queries of head h over keys split * keys_per_split ... (+ keys_per_split). With PROJECT the
@@ -243,13 +244,14 @@ def cross_attention_kernel(X, sxm, Wq, swq, WqScale, Bq, Mod, smb, shift_off, sc
     Kb = K + b * skb + h * skh
     Vb = V + b * svb + h * svh
     lo = split * keys_per_split
-    if USE_PDL:  # weights and keys are constant during the flow loop
+    if PREFETCH:  # keys and values arrive while the queries are made
         if PROJECT:
             _prefetch_rows(Wq, h * D + offs_d, d_ok, swq, width, LINE, LINES)
         keys = lo + tl.arange(0, BLOCK_KEYS)
         for k0 in range(0, keys_per_split, BLOCK_KEYS):
             _prefetch_rows(Kb, keys + k0, keys + k0 < n_keys, skn, D, KV_LINE, KV_LINES)
             _prefetch_rows(Vb, keys + k0, keys + k0 < n_keys, svn, D, KV_LINE, KV_LINES)
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if PROJECT:
@@ -291,6 +293,7 @@ class Tiling:
     min_programs: int = 128    # split K (by powers of two) until a linear has this many programs
     num_warps: int = 4
     num_stages: int = 3
+    prefetch_l2: bool = True   # each program first asks L2 for its weight (and key) lines (GPU only)
 
 
 @dataclass
@@ -340,6 +343,10 @@ def _prefetch_lines(weight: torch.Tensor, cols: int) -> tuple[int, int]:
     return line, triton.next_power_of_2(triton.cdiv(cols, line))
 
 
+def _prefetch(tiling: Tiling) -> bool:
+    return tiling.prefetch_l2 and not interpreting()  # the interpreter cannot run inline PTX
+
+
 def _launch_options(tiling: Tiling, pdl: bool) -> dict:
     options = dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     if pdl:
@@ -377,7 +384,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch
         norm[1] if norm else 0, gate or 0, scratch.part, scratch.counter, m, n, k, k // splits, tokens, eps,
         NORM=norm is not None, GELU=gelu, GATED=gate is not None, RESIDUAL=residual is not None,
         SCALED=weight_scale is not None, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k,
-        K_CHUNKS=triton.cdiv(k, block_k), DOT=dot_dtype(compute), USE_PDL=pdl, LINE=line, LINES=lines,
+        K_CHUNKS=triton.cdiv(k, block_k), DOT=dot_dtype(compute), PREFETCH=_prefetch(tiling), USE_PDL=pdl,
+        LINE=line, LINES=lines,
         **_launch_options(tiling, pdl))
     return out
 
@@ -397,14 +405,13 @@ def head_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mod: 
     scratch.check(tiles, tiles * heads * block_m * tiling.head_block_n)
     attend = qkv is not None
     o, mp, lp = partials if partials is not None else (x, x, x)
-    line, lines = _prefetch_lines(weight, d)
     head_linear_kernel[(tiles, heads)](
         qkv if attend else x, qkv.stride(0) if attend else 0, o, mp, lp, weight, weight.stride(0),
         weight_scale if weight_scale is not None else bias, bias, x, x.stride(0), mod,
         mod.stride(0) if mod.shape[0] > 1 else 0, gate, scratch.part, scratch.counter, m, n, tokens, width, heads,
         1.0 / math.sqrt(d), ATTEND=attend, D=d, HEADS=heads, KEY_SPLITS=1 if attend else o.shape[1],
         BLOCK_H=1 if attend else o.shape[2], SCALED=weight_scale is not None, BLOCK_M=block_m,
-        BLOCK_N=tiling.head_block_n, BLOCK_D=block_d, DOT=dot_dtype(compute), USE_PDL=pdl, LINE=line, LINES=lines,
+        BLOCK_N=tiling.head_block_n, BLOCK_D=block_d, DOT=dot_dtype(compute), USE_PDL=pdl,
         **_launch_options(tiling, pdl))
 
 
@@ -452,5 +459,6 @@ def cross_attention(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
         mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
         PROJECT=project, SCALED=q_scale is not None, HAS_MASK=mask is not None, D=d, BLOCK_H=o.shape[2],
         BLOCK_D=o.shape[3], BLOCK_K=block_k, K_CHUNKS=triton.cdiv(width, block_k), BLOCK_KEYS=tiling.block_keys,
-        DOT=dot_dtype(compute), USE_PDL=pdl, LINE=line, LINES=lines, KV_LINE=kv_line, KV_LINES=kv_lines,
+        DOT=dot_dtype(compute), PREFETCH=_prefetch(tiling), USE_PDL=pdl, LINE=line, LINES=lines, KV_LINE=kv_line,
+        KV_LINES=kv_lines,
         **_launch_options(tiling, pdl))
