@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .few_query_attention import attend_keys, merge_partials
 
-INV_SQRT2 = 0.7071067811865476
+INV_SQRT2 = tl.constexpr(0.7071067811865476)  # a jit function reads only constexpr globals
 
 
 @triton.jit
@@ -330,9 +330,13 @@ def block_rows(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
+def _block_k(k: int, tiling: Tiling) -> int:
+    return max(16, min(tiling.block_k, triton.next_power_of_2(k)))  # tl.dot needs K >= 16
+
+
 def linear_splits(n: int, k: int, tiling: Tiling) -> int:
     """K splits of a linear: double while it has too few programs and K divides evenly."""
-    tiles, block_k, splits = triton.cdiv(n, tiling.block_n), min(tiling.block_k, triton.next_power_of_2(k)), 1
+    tiles, block_k, splits = triton.cdiv(n, tiling.block_n), _block_k(k, tiling), 1
     while tiles * splits < tiling.min_programs and k % (2 * splits * block_k) == 0:
         splits *= 2
     return splits
@@ -370,7 +374,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch
     n = weight.shape[0]
     tokens = tokens or m
     splits = linear_splits(n, k, tiling)
-    block_m, block_k = block_rows(m), min(tiling.block_k, triton.next_power_of_2(k))
+    block_m, block_k = block_rows(m), _block_k(k, tiling)
     tiles = triton.cdiv(n, tiling.block_n)
     if splits > 1:
         scratch.check(tiles, tiles * splits * block_m * tiling.block_n)
@@ -446,7 +450,7 @@ def cross_attention(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
     entries, heads, n_keys, d = k.shape
     o, mp, lp = partials
     project = q_weight is not None
-    block_k = min(tiling.block_k, triton.next_power_of_2(width))
+    block_k = _block_k(width, tiling)
     mask_arg = mask if mask is not None else x
     wq = q_weight if project else x
     line, lines = _prefetch_lines(wq, width)
