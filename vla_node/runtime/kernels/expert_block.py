@@ -58,8 +58,9 @@ def _prefetch_rows(Base, rows, row_ok, stride, cols, LINE: tl.constexpr, LINES: 
 
 @triton.jit
 def _row_stats(X, sxm, rows, row_ok, K, eps, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr):
-    """LayerNorm mean and 1/std [BLOCK_M] of rows of X [M, K]. One pass (all chunk loads in
-    flight at once), shifted by each row's first value so the variance does not cancel."""
+    """LayerNorm mean and 1/std [BLOCK_M] of rows of X [M, K]. One pass in K_CHUNKS unrolled
+    chunks (loads in flight together; a loop would serialise them), shifted by each row's
+    first value so the variance does not cancel."""
     shift = tl.load(X + rows * sxm, mask=row_ok, other=0.0).to(tl.float32)
     s1 = tl.zeros_like(shift)
     s2 = tl.zeros_like(shift)
@@ -75,14 +76,20 @@ def _row_stats(X, sxm, rows, row_ok, K, eps, BLOCK_K: tl.constexpr, K_CHUNKS: tl
 
 
 @triton.jit
-def _ln_modulate(X, sxm, rows, row_ok, offs_k, k_ok, mean, rstd, Mod, mod_rows, shift_off, scale_off):
-    """A chunk [BLOCK_M, BLOCK_K] of LayerNorm(x) * (1 + scale) + shift (shift/scale at those
-    offsets of each row's modulation vector); 0 outside the matrix."""
+def _ln_modulate(X, sxm, rows, row_ok, offs_k, k_ok, mean, rstd, Mod, mod_rows, shift_off, scale_off,
+                 PER_ROW: tl.constexpr):
+    """A chunk [BLOCK_M, BLOCK_K] of LayerNorm(x) * (1 + scale) + shift; shift/scale at those
+    offsets of the modulation vector at Mod (PER_ROW: at Mod + mod_rows, one per row, which
+    costs registers); 0 outside the matrix."""
     ok = row_ok[:, None] & k_ok[None, :]
     x = tl.load(X + rows[:, None] * sxm + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-    m = Mod + mod_rows[:, None] + offs_k[None, :]
-    shift = tl.load(m + shift_off, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.load(m + scale_off, mask=ok, other=0.0).to(tl.float32)
+    if PER_ROW:
+        m = Mod + mod_rows[:, None] + offs_k[None, :]
+        shift = tl.load(m + shift_off, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.load(m + scale_off, mask=ok, other=0.0).to(tl.float32)
+    else:
+        shift = tl.load(Mod + shift_off + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        scale = tl.load(Mod + scale_off + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
     return tl.where(ok, (x - mean[:, None]) * rstd[:, None] * (1.0 + scale) + shift, 0.0)
 
 
@@ -123,9 +130,10 @@ def _epilogue(acc, rows, row_ok, offs_n, n_ok, Out, som, Bias, WScale, Res, srm,
 @triton.jit
 def linear_kernel(X, sxm, W, swn, WScale, Bias, Out, som, Res, srm, res_period, Mod, smb, shift_off, scale_off,
                   gate_off, Part, Counter, M, N, K, k_per_split, tokens, eps,
-                  NORM: tl.constexpr, GELU: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                  NORM: tl.constexpr, MOD_PER_ROW: tl.constexpr, GELU: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
                   SCALED: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
+                  BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, STATS_CHUNKS: tl.constexpr, DOT: tl.constexpr,
+                  PREFETCH: tl.constexpr,
                   USE_PDL: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
     """Out [M, N] = epilogue(prologue(X [M, K]) @ W[N, K]^T). Grid (N / BLOCK_N, SPLITS); the
     prologue is modulate(LayerNorm(x)) when NORM (stats over all of K), else x as it is."""
@@ -143,13 +151,14 @@ def linear_kernel(X, sxm, W, swn, WScale, Bias, Out, som, Res, srm, res_period, 
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if NORM:
-        mean, rstd = _row_stats(X, sxm, rows, row_ok, K, eps, BLOCK_K, K_CHUNKS)
+        mean, rstd = _row_stats(X, sxm, rows, row_ok, K, eps, STATS_K, STATS_CHUNKS)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         if NORM:
-            a = _ln_modulate(X, sxm, rows, row_ok, offs_k, k_ok, mean, rstd, Mod, mod_rows, shift_off, scale_off)
+            a = _ln_modulate(X, sxm, rows, row_ok, offs_k, k_ok, mean, rstd, Mod, mod_rows, shift_off, scale_off,
+                             MOD_PER_ROW)
         else:
             a = tl.load(X + rows[:, None] * sxm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + offs_n[:, None] * swn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -208,9 +217,8 @@ def head_linear_kernel(Src, ssm, OPart, MPart, LPart, W, swn, WScale, Bias, X, s
     if ATTEND:
         y = _self_attention(Src, ssm, rows, row_ok, tokens, h * D, width, scale, offs_d, d_ok, DOT)
     else:  # partial rows of (batch entry, head, key split) hold BLOCK_H tokens each
-        entry_head = (rows // tokens) * heads + h
-        stat = (entry_head[None, :] * KEY_SPLITS + tl.arange(0, KEY_SPLITS)[:, None]) * BLOCK_H + (rows % tokens)[None, :]
-        y = merge_partials(OPart, MPart, LPart, tl.where(row_ok[None, :], stat, 0), offs_d, d_ok, BLOCK_D)
+        row0 = ((rows // tokens) * heads + h) * KEY_SPLITS * BLOCK_H + rows % tokens
+        y = merge_partials(OPart, MPart, LPart, tl.where(row_ok, row0, 0), BLOCK_H, offs_d, d_ok, KEY_SPLITS, BLOCK_D)
     acc = tl.dot(y.to(DOT), tl.trans(w.to(DOT)))
     acc, last = _reduce_splits(acc, Part, Counter, pid_n, h, HEADS, BLOCK_M, BLOCK_N)
     if last:
@@ -224,7 +232,8 @@ def cross_attention_kernel(X, sxm, Wq, swq, WqScale, Bq, Mod, smb, shift_off, sc
                            skb, skh, skn, svb, svh, svn, smask,
                            PROJECT: tl.constexpr, SCALED: tl.constexpr, HAS_MASK: tl.constexpr, D: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                           K_CHUNKS: tl.constexpr, BLOCK_KEYS: tl.constexpr, DOT: tl.constexpr,
+                           STATS_K: tl.constexpr, STATS_CHUNKS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+                           DOT: tl.constexpr,
                            PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
                            KV_LINE: tl.constexpr, KV_LINES: tl.constexpr):
     """Flash-decoding partials of the cross-attention, program (batch entry * heads + h, split):
@@ -255,13 +264,13 @@ def cross_attention_kernel(X, sxm, Wq, swq, WqScale, Bq, Mod, smb, shift_off, sc
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if PROJECT:
-        mean, rstd = _row_stats(X, sxm, rows, row_ok, width, eps, BLOCK_K, K_CHUNKS)
-        mod_rows = tl.zeros_like(offs_i) + b * smb
+        mean, rstd = _row_stats(X, sxm, rows, row_ok, width, eps, STATS_K, STATS_CHUNKS)
         q = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for k0 in range(0, width, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < width
-            a = _ln_modulate(X, sxm, rows, row_ok, offs_k, k_ok, mean, rstd, Mod, mod_rows, shift_off, scale_off)
+            a = _ln_modulate(X, sxm, rows, row_ok, offs_k, k_ok, mean, rstd, Mod + b * smb, rows, shift_off,
+                             scale_off, False)
             w = tl.load(Wq + (h * D + offs_d)[:, None] * swq + offs_k[None, :], mask=d_ok[:, None] & k_ok[None, :],
                         other=0.0)
             q += tl.dot(a.to(DOT), tl.trans(w.to(DOT)))
@@ -286,7 +295,7 @@ class Tiling:
     weights on every SM (qkv 144, fc1 192, fc2 48 x 4 splits), tiles the software pipeliner
     keeps in flight."""
     block_n: int = 16          # output channels per program of a linear
-    block_k: int = 256         # K per loop step (and per LayerNorm statistics chunk)
+    block_k: int = 128         # K per loop step (256: fc2 spills registers)
     head_block_n: int = 32     # output channels per program of self_out / cross_out
     keys_per_split: int = 256  # cross-attention keys per program (a multiple of block_keys)
     block_keys: int = 64
@@ -347,6 +356,12 @@ def _prefetch_lines(weight: torch.Tensor, cols: int) -> tuple[int, int]:
     return line, triton.next_power_of_2(triton.cdiv(cols, line))
 
 
+def _stats_chunks(k: int) -> dict:
+    """LayerNorm statistics in chunks of <= 256 columns: more, smaller chunks spill registers."""
+    stats_k = max(16, min(256, triton.next_power_of_2(k)))
+    return dict(STATS_K=stats_k, STATS_CHUNKS=triton.cdiv(k, stats_k))
+
+
 def _prefetch(tiling: Tiling) -> bool:
     return tiling.prefetch_l2 and not interpreting()  # the interpreter cannot run inline PTX
 
@@ -386,9 +401,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch
         out, out.stride(0), res_arg, res_arg.stride(0), res_arg.shape[0], mod_arg,
         mod_arg.stride(0) if mod is not None and mod.shape[0] > 1 else 0, norm[0] if norm else 0,
         norm[1] if norm else 0, gate or 0, scratch.part, scratch.counter, m, n, k, k // splits, tokens, eps,
-        NORM=norm is not None, GELU=gelu, GATED=gate is not None, RESIDUAL=residual is not None,
+        NORM=norm is not None, MOD_PER_ROW=mod is not None and mod.shape[0] > 1 and m > tokens, GELU=gelu, GATED=gate is not None, RESIDUAL=residual is not None,
         SCALED=weight_scale is not None, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k,
-        K_CHUNKS=triton.cdiv(k, block_k), DOT=dot_dtype(compute), PREFETCH=_prefetch(tiling), USE_PDL=pdl,
+        **_stats_chunks(k), DOT=dot_dtype(compute), PREFETCH=_prefetch(tiling), USE_PDL=pdl,
         LINE=line, LINES=lines,
         **_launch_options(tiling, pdl))
     return out
@@ -450,7 +465,8 @@ def cross_attention(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
     entries, heads, n_keys, d = k.shape
     o, mp, lp = partials
     project = q_weight is not None
-    block_k = _block_k(width, tiling)
+    # The query projection's weight tile is [BLOCK_D, block_k]: at most 8K elements in registers.
+    block_k = min(_block_k(width, tiling), max(16, 8192 // o.shape[3]))
     mask_arg = mask if mask is not None else x
     wq = q_weight if project else x
     line, lines = _prefetch_lines(wq, width)
@@ -462,7 +478,7 @@ def cross_attention(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
         1.0 / math.sqrt(d), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
         PROJECT=project, SCALED=q_scale is not None, HAS_MASK=mask is not None, D=d, BLOCK_H=o.shape[2],
-        BLOCK_D=o.shape[3], BLOCK_K=block_k, K_CHUNKS=triton.cdiv(width, block_k), BLOCK_KEYS=tiling.block_keys,
+        BLOCK_D=o.shape[3], BLOCK_K=block_k, **_stats_chunks(width), BLOCK_KEYS=tiling.block_keys,
         DOT=dot_dtype(compute), PREFETCH=_prefetch(tiling), USE_PDL=pdl, LINE=line, LINES=lines, KV_LINE=kv_line,
         KV_LINES=kv_lines,
         **_launch_options(tiling, pdl))

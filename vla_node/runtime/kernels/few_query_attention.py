@@ -53,16 +53,24 @@ def attend_keys(q, K, V, Mask, skn, svn, lo, hi, n_keys, scale, offs_d, d_ok,
 
 
 @triton.jit
-def merge_partials(OPart, MPart, LPart, stat, offs_d, d_ok, BLOCK_D: tl.constexpr):
-    """Softmax-weighted merge of split partials: stat [SPLITS, M] indexes each split's row of
-    MPart/LPart (and of OPart, rows of BLOCK_D); returns the normalised output [M, BLOCK_D]."""
-    m_s = tl.load(MPart + stat)
-    l_s = tl.load(LPart + stat)
-    m_max = tl.max(m_s, 0)
-    w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max[None, :]))  # [SPLITS, M]
-    denom = tl.sum(w * l_s, 0)
-    o = tl.load(OPart + stat[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=d_ok[None, None, :], other=0.0)
-    return tl.sum(o * w[:, :, None], 0) / tl.where(denom == 0, 1.0, denom)[:, None]
+def merge_partials(OPart, MPart, LPart, row0, split_rows, offs_d, d_ok, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Softmax-weighted merge of split partials: split s of query m sits at row row0[m] + s *
+    split_rows of MPart/LPart (and of OPart, rows of BLOCK_D); returns the normalised output
+    [M, BLOCK_D]. Four splits per load: all at once spill registers, one at a time serialises
+    the loads (the loop is not software-pipelined)."""
+    GROUP: tl.constexpr = 4 if SPLITS > 4 else SPLITS
+    offs_g = tl.arange(0, GROUP)
+    m_max = tl.max(tl.load(MPart + row0[None, :] + tl.arange(0, SPLITS)[:, None] * split_rows), 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    out = tl.zeros([row0.shape[0], BLOCK_D], tl.float32)
+    denom = tl.zeros([row0.shape[0]], tl.float32)
+    for g in range(0, SPLITS, GROUP):
+        rows = row0[None, :] + (g + offs_g)[:, None] * split_rows                 # [GROUP, M]
+        w = tl.exp(tl.load(MPart + rows) - m_max[None, :])  # 0 for a split without valid keys (m = -inf)
+        denom += tl.sum(w * tl.load(LPart + rows), 0)
+        o = tl.load(OPart + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=d_ok[None, None, :], other=0.0)
+        out += tl.sum(o * w[:, :, None], 0)
+    return out / tl.where(denom == 0, 1.0, denom)[:, None]
 
 
 @triton.jit
@@ -99,8 +107,7 @@ def _merge(OPart, MPart, LPart, Out, heads, sob, soh, som,
     h = bh % heads
     offs_m = tl.arange(0, M)
     offs_d = tl.arange(0, BLOCK_D)
-    stat = (bh * SPLITS + tl.arange(0, SPLITS)[:, None]) * M + offs_m[None, :]  # [SPLITS, M]
-    out = merge_partials(OPart, MPart, LPart, stat, offs_d, offs_d < D, BLOCK_D)
+    out = merge_partials(OPart, MPart, LPart, bh * SPLITS * M + offs_m, M, offs_d, offs_d < D, SPLITS, BLOCK_D)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=(offs_d < D)[None, :])
 
