@@ -229,8 +229,8 @@ class Bench:
             uncompile(list(e.blocks))
             for blk in e.blocks:
                 blk.attend = F.scaled_dot_product_attention
-        for tiling in (Tiling(block_n=32), Tiling(keys_per_split=128), Tiling(keys_per_split=512),
-                       Tiling(block_k=128), Tiling(num_warps=8)):
+        for tiling in (Tiling(prefetch_l2=False), Tiling(keys_per_split=128), Tiling(keys_per_split=512),
+                       Tiling(block_n=32), Tiling(head_block_n=16), Tiling(num_stages=2), Tiling(num_warps=8)):
             changed = ",".join(f"{k}={v}" for k, v in vars(tiling).items() if v != getattr(Tiling(), k))
             f = FusedExpert(e, tiling=tiling)
             self.loop(f"fused bf16 {changed}", f.velocity, contexts[-1], self.bf16_weight_bytes, launches(f),

@@ -90,14 +90,14 @@ def test_self_attention_out_projection_matches_sdpa(entries, tokens, heads, d):
     assert rel(out, x.double() + gate * (y @ w.double().T + b.double())) < TOL
 
 
-@pytest.mark.parametrize("entries, n_keys, project, masked", [
-    (1, 100, True, True),     # 4 key splits, the last partial, q projected in the kernel
-    (1, 17, False, False),    # one split, queries given
-    (2, 70, True, True),      # a mask per batch entry
+@pytest.mark.parametrize("entries, n_keys, project, masked, d", [
+    (1, 100, True, True, 16),     # 4 key splits, the last partial, q projected in the kernel
+    (1, 17, False, False, 16),    # one split, queries given
+    (2, 70, True, True, 24),      # a mask per batch entry, head_dim not a power of two (like 96)
 ])
-def test_cross_attention_and_merge_projection_match_sdpa(entries, n_keys, project, masked):
+def test_cross_attention_and_merge_projection_match_sdpa(entries, n_keys, project, masked, d):
     g = torch.Generator().manual_seed(n_keys)
-    tokens, heads, d = 16, 4, 16
+    tokens, heads = 16, 4
     m, width = entries * tokens, heads * d
     x = randn(m, width, g=g)
     mod = randn(entries, 9 * width, g=g) * 0.5
