@@ -247,7 +247,7 @@ class Bench:
                   f"{x['gb_s']:6.0f} {100 * x['gb_s'] * 1e9 / BANDWIDTH:5.1f} {x['floor_ms']:8.3f} "
                   f"{x['rel_err_velocity']:8.1e} {x['rel_err_actions']:8.1e} {str(x['replays_identical']):>7s}")
         if r["stages"]:
-            print(f"\n{'per kernel (360 launches in one graph)':44s} {'ctx':>5s} {'us':>7s} {'GB/s':>6s} {'floor us':>8s}")
+            print(f"\n{'per kernel (all its launches of a loop, 1 graph)':44s} {'ctx':>5s} {'us':>7s} {'GB/s':>6s} {'floor us':>8s}")
             for x in r["stages"]:
                 print(f"{(x['variant'] + ' ' + x['stage'])[:44]:44s} {x['context']:5d} {x['us']:7.2f} "
                       f"{x['gb_s']:6.0f} {x['floor_us']:8.2f}")
