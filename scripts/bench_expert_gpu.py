@@ -5,12 +5,13 @@ not), each captured as one CUDA graph per loop; then each fused kernel alone aga
 bandwidth floor, and a few tilings. Random weights (init_random_), contexts of ~830 and ~1650
 tokens (2 cameras x 2 frames / 8 images) with 10% padding masked.
 
-    python3 scripts/bench_expert_gpu.py [--contexts 830,1650] [--out $OUT] [--budget-s 200]
+    PYTHONPATH=$PWD python3 scripts/bench_expert_gpu.py [--contexts 830,1650] [--out $OUT] [--budget-s 200]
 
-Needs no ROS. Without CUDA (a dry run of the script itself: TRITON_INTERPRET=1 ... --preset tiny
---contexts 30,60 --no-compile) graphs become plain calls and times mean nothing. Prints a table last and writes bench_expert_gpu.json under --out (after
-every measurement, so a cut-off run keeps what it measured). Variants still pending when the
-time budget is spent are skipped and listed.
+Needs no ROS. Prints a table last and writes bench_expert_gpu.json under --out (after every
+measurement, so a cut-off run keeps what it measured); variants still pending when the time
+budget is spent are skipped and listed. Without CUDA it is a dry run of the script itself
+(TRITON_INTERPRET=1 ... --preset tiny --contexts 30 --no-compile): graphs become plain calls
+and the times mean nothing.
 """
 import argparse
 import copy
@@ -80,7 +81,8 @@ class Bench:
     def __init__(self, args):
         self.args, self.t0 = args, time.perf_counter()
         self.out_path = os.path.join(args.out, "bench_expert_gpu.json")
-        self.results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)", "torch": torch.__version__,
+        device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
+        self.results = {"device": device, "torch": torch.__version__,
                         "triton": triton.__version__, "loops": [], "stages": [], "skipped": [], "errors": {}}
         cfg = get_preset(args.preset)
         with torch.device(DEVICE):
@@ -149,7 +151,8 @@ class Bench:
                 graph.replay()
                 replays.append(actions.clone())
             nbytes = STEPS * (weight_bytes + self.kv_bytes_per_key * (ctx["tokens"] + 1))
-            row = dict(variant=name, context=ctx["tokens"], loop_ms=ms, us_per_block=1e3 * ms / (STEPS * len(self.expert.blocks)),
+            row = dict(variant=name, context=ctx["tokens"], loop_ms=ms,
+                       us_per_block=1e3 * ms / (STEPS * len(self.expert.blocks)),
                        gb_s=nbytes / ms / 1e6, floor_ms=1e3 * nbytes / BANDWIDTH, launches_per_loop=launches,
                        rel_err_velocity=rel(v0, ctx["truth_v0"]), rel_err_actions=rel(actions, ctx["truth_actions"]),
                        replays_identical=all(torch.equal(r, replays[0]) for r in replays), ready_s=ready_s)
@@ -188,8 +191,8 @@ class Bench:
                     b += lin.weight.numel() * lin.weight.element_size()
                 self.results["stages"].append(dict(variant=name, context=ctx["tokens"], stage=stage, us=us,
                                                    bytes=b, gb_s=b / us / 1e3, floor_us=1e6 * b / BANDWIDTH))
-                print(f"  {name} {stage:10s} {us:6.2f} us  {b / us / 1e3:7.0f} GB/s  (floor {1e6 * b / BANDWIDTH:5.2f} us)",
-                      flush=True)
+                print(f"  {name} {stage:10s} {us:6.2f} us  {b / us / 1e3:7.0f} GB/s  "
+                      f"(floor {1e6 * b / BANDWIDTH:5.2f} us)", flush=True)
         except Exception:
             self.results["errors"][f"stages {name} @ {ctx['tokens']}"] = traceback.format_exc()
             print(f"stages {name} failed:\n{traceback.format_exc()}", flush=True)
@@ -230,7 +233,7 @@ class Bench:
             for blk in e.blocks:
                 blk.attend = F.scaled_dot_product_attention
         for tiling in (Tiling(prefetch_l2=False), Tiling(keys_per_split=128), Tiling(keys_per_split=512),
-                       Tiling(block_n=32), Tiling(head_block_n=16), Tiling(num_stages=2), Tiling(num_warps=8)):
+                       Tiling(block_n=32), Tiling(head_block_n=64), Tiling(num_warps=8)):
             changed = ",".join(f"{k}={v}" for k, v in vars(tiling).items() if v != getattr(Tiling(), k))
             f = FusedExpert(e, tiling=tiling)
             self.loop(f"fused bf16 {changed}", f.velocity, contexts[-1], self.bf16_weight_bytes, launches(f),
@@ -247,7 +250,8 @@ class Bench:
                   f"{x['gb_s']:6.0f} {100 * x['gb_s'] * 1e9 / BANDWIDTH:5.1f} {x['floor_ms']:8.3f} "
                   f"{x['rel_err_velocity']:8.1e} {x['rel_err_actions']:8.1e} {str(x['replays_identical']):>7s}")
         if r["stages"]:
-            print(f"\n{'per kernel (all its launches of a loop, 1 graph)':44s} {'ctx':>5s} {'us':>7s} {'GB/s':>6s} {'floor us':>8s}")
+            print(f"\n{'per kernel (its launches of a loop, 1 graph)':44s} {'ctx':>5s} {'us':>7s} {'GB/s':>6s} "
+                  f"{'floor us':>8s}")
             for x in r["stages"]:
                 print(f"{(x['variant'] + ' ' + x['stage'])[:44]:44s} {x['context']:5d} {x['us']:7.2f} "
                       f"{x['gb_s']:6.0f} {x['floor_us']:8.2f}")

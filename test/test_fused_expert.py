@@ -103,7 +103,8 @@ def test_cross_attention_and_merge_projection_match_sdpa(entries, n_keys, projec
     mod = randn(entries, 9 * width, g=g) * 0.5
     wq, bq = randn(width, width, g=g) / width ** 0.5, randn(width, g=g)
     # K/V as the model makes them: head views into one fused [entries, T, 2w] projection.
-    k, v = (t.view(entries, n_keys, heads, d).transpose(1, 2) for t in randn(entries, n_keys, 2 * width, g=g).split(width, -1))
+    fused_kv = randn(entries, n_keys, 2 * width, g=g)
+    k, v = (t.view(entries, n_keys, heads, d).transpose(1, 2) for t in fused_kv.split(width, -1))
     mask = None
     if masked:
         mask = torch.rand(entries, 1, 1, n_keys, generator=g).to(DEVICE) > 0.3
@@ -158,7 +159,8 @@ def test_fused_velocity_matches_expert(tiny, masked, project_in_attention, tilin
     ctx_mask = mask if masked else None
     with torch.no_grad():
         ref = expert.velocity(x, mods, kv, ctx_mask)
-        out = FusedExpert(expert, project_in_attention=project_in_attention, tiling=tiling).velocity(x, mods, kv, ctx_mask)
+        fused = FusedExpert(expert, project_in_attention=project_in_attention, tiling=tiling)
+        out = fused.velocity(x, mods, kv, ctx_mask)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel(out, ref) < TOL
 

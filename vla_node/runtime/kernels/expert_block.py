@@ -130,11 +130,11 @@ def _epilogue(acc, rows, row_ok, offs_n, n_ok, Out, som, Bias, WScale, Res, srm,
 @triton.jit
 def linear_kernel(X, sxm, W, swn, WScale, Bias, Out, som, Res, srm, res_period, Mod, smb, shift_off, scale_off,
                   gate_off, Part, Counter, M, N, K, k_per_split, tokens, eps,
-                  NORM: tl.constexpr, MOD_PER_ROW: tl.constexpr, GELU: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                  SCALED: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, STATS_CHUNKS: tl.constexpr, DOT: tl.constexpr,
-                  PREFETCH: tl.constexpr,
-                  USE_PDL: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
+                  NORM: tl.constexpr, MOD_PER_ROW: tl.constexpr, GELU: tl.constexpr, GATED: tl.constexpr,
+                  RESIDUAL: tl.constexpr, SCALED: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+                  DOT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
+                  LINES: tl.constexpr):
     """Out [M, N] = epilogue(prologue(X [M, K]) @ W[N, K]^T). Grid (N / BLOCK_N, SPLITS); the
     prologue is modulate(LayerNorm(x)) when NORM (stats over all of K), else x as it is."""
     pid_n = tl.program_id(0)
@@ -401,11 +401,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch
         out, out.stride(0), res_arg, res_arg.stride(0), res_arg.shape[0], mod_arg,
         mod_arg.stride(0) if mod is not None and mod.shape[0] > 1 else 0, norm[0] if norm else 0,
         norm[1] if norm else 0, gate or 0, scratch.part, scratch.counter, m, n, k, k // splits, tokens, eps,
-        NORM=norm is not None, MOD_PER_ROW=mod is not None and mod.shape[0] > 1 and m > tokens, GELU=gelu, GATED=gate is not None, RESIDUAL=residual is not None,
-        SCALED=weight_scale is not None, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k,
-        **_stats_chunks(k), DOT=dot_dtype(compute), PREFETCH=_prefetch(tiling), USE_PDL=pdl,
-        LINE=line, LINES=lines,
-        **_launch_options(tiling, pdl))
+        NORM=norm is not None, MOD_PER_ROW=mod is not None and mod.shape[0] > 1 and m > tokens, GELU=gelu,
+        GATED=gate is not None, RESIDUAL=residual is not None, SCALED=weight_scale is not None, SPLITS=splits,
+        BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k, **_stats_chunks(k), DOT=dot_dtype(compute),
+        PREFETCH=_prefetch(tiling), USE_PDL=pdl, LINE=line, LINES=lines, **_launch_options(tiling, pdl))
     return out
 
 
