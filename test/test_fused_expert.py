@@ -7,6 +7,9 @@ Tolerances: fp32 paths 1e-5 relative. bf16 models: within bf16 noise, i.e. as fa
 model as eager bf16 is (both ~7e-3 on the tiny model; under the interpreter the dots run in
 fp32, on the GPU in bf16)."""
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -228,6 +231,54 @@ def test_fused_velocity_rejects_more_than_64_rows(tiny):
     mods, kv = step_inputs(expert, hidden, state)
     with pytest.raises(ValueError, match="at most 64 rows"):
         FusedExpert(expert).velocity(torch.zeros(5, 16, 8, device=DEVICE), mods, kv)
+
+
+# The interpreter accepts code the GPU compiler rejects (it ran a kernel that read a plain Python
+# global). This compiles, with the CUDA backend and ptxas and no GPU, every kernel configuration a
+# full-size fp8 FusedExpert with PDL launches (a superset of the bf16 code paths).
+HOPPER_COMPILE = r"""
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from triton.runtime.jit import JITFunction
+
+launches = {}
+def record(self, *args, grid, warmup, **kwargs):
+    launches.setdefault((self.fn.__name__, tuple(sorted(map(str, kwargs.items())))), (self, args, kwargs))
+JITFunction.run = record
+
+from vla_node.model import get_preset
+from vla_node.model.action_expert import ActionExpert
+from vla_node.runtime.fused_expert import FusedExpert
+from vla_node.runtime.fusion import fuse_projections
+
+with torch.device("meta"):
+    expert = ActionExpert(get_preset("molmobot-4b")).to(torch.bfloat16)
+    fuse_projections(expert)
+    kv = [(torch.empty(1, 8, 1651, 96, dtype=torch.bfloat16),) * 2 for _ in expert.blocks]
+    mods = ([torch.empty(1, 9 * 768, dtype=torch.bfloat16)] * 36, torch.empty(1, 2 * 768, dtype=torch.bfloat16))
+    mask = torch.empty(1, 1, 1, 1651, dtype=torch.bool)
+    # run(), not velocity(): the custom op would answer meta tensors with its fake.
+    FusedExpert(expert, fp8=True, pdl=True).run(torch.empty(1, 16, 8), *mods, *zip(*kv), mask)
+TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32",
+         torch.bool: "*i1"}
+for (name, _), (kernel, args, kwargs) in launches.items():
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
+    types = iter(TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
+                 for a in args)
+    signature = {p: "constexpr" if p in kwargs else next(types) for p in kernel.arg_names}
+    compile(ASTSource(kernel, signature, kwargs), target=GPUTarget("cuda", 90, 32), options=options)
+assert len(launches) >= 7, launches.keys()
+print(len(launches), "kernel configurations compiled for sm_90")
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on the GPU every configuration runs natively")
+def test_every_kernel_configuration_compiles_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel configurations compiled for sm_90" in done.stdout
 
 
 # -- GPU only -----------------------------------------------------------------------------------------
