@@ -120,6 +120,7 @@ class Bench:
         truth_mods = [self.truth.modulations(t) for t in times]
         truth_v = lambda x, i: self.truth.velocity(x, truth_mods[i], truth_kv, mask)  # noqa: E731
         ctx["truth_v0"] = truth_v(ctx["noise"], 0)
+        ctx["eager_v0"] = e.velocity(ctx["noise"].to(BF16), ctx["mods"][0], ctx["kv"], mask).float()
         ctx["truth_actions"] = self.flow(truth_v, ctx["noise"])()
         return ctx
 
@@ -155,6 +156,7 @@ class Bench:
                        us_per_block=1e3 * ms / (STEPS * len(self.expert.blocks)),
                        gb_s=nbytes / ms / 1e6, floor_ms=1e3 * nbytes / BANDWIDTH, launches_per_loop=launches,
                        rel_err_velocity=rel(v0, ctx["truth_v0"]), rel_err_actions=rel(actions, ctx["truth_actions"]),
+                       rel_err_velocity_vs_eager_bf16=rel(v0, ctx["eager_v0"]),
                        replays_identical=all(torch.equal(r, replays[0]) for r in replays), ready_s=ready_s)
             self.results["loops"].append(row)
             print(f"{name:28s} ctx {ctx['tokens']:5d}: {ms:7.3f} ms/loop, err {row['rel_err_actions']:.2e} "
@@ -244,11 +246,12 @@ class Bench:
         r = self.results
         print(f"\n{r['device']}, torch {r['torch']}, triton {r['triton']}; floor = bytes / {BANDWIDTH / 1e12} TB/s")
         print(f"{'variant':44s} {'ctx':>5s} {'ms/loop':>8s} {'us/blk':>7s} {'GB/s':>6s} {'%BW':>5s} "
-              f"{'floor ms':>8s} {'err(v)':>8s} {'err(act)':>8s} {'replay=':>7s}")
+              f"{'floor ms':>8s} {'err(v)':>8s} {'err(act)':>8s} {'vs bf16':>8s} {'replay=':>7s}")
         for x in r["loops"]:
             print(f"{x['variant'][:44]:44s} {x['context']:5d} {x['loop_ms']:8.3f} {x['us_per_block']:7.2f} "
                   f"{x['gb_s']:6.0f} {100 * x['gb_s'] * 1e9 / BANDWIDTH:5.1f} {x['floor_ms']:8.3f} "
-                  f"{x['rel_err_velocity']:8.1e} {x['rel_err_actions']:8.1e} {str(x['replays_identical']):>7s}")
+                  f"{x['rel_err_velocity']:8.1e} {x['rel_err_actions']:8.1e} "
+                  f"{x['rel_err_velocity_vs_eager_bf16']:8.1e} {str(x['replays_identical']):>7s}")
         if r["stages"]:
             print(f"\n{'per kernel (its launches of a loop, 1 graph)':44s} {'ctx':>5s} {'us':>7s} {'GB/s':>6s} "
                   f"{'floor us':>8s}")
@@ -260,7 +263,8 @@ class Bench:
         for what, trace in r["errors"].items():
             print(f"error: {what}: {trace.strip().splitlines()[-1]}")
         print(f"err = relative L2 error against the fp32 expert with the same weights (velocity of step 0; "
-              f"actions after {STEPS} steps); full results: {self.out_path}")
+              f"actions after {STEPS} steps); vs bf16: the step-0 velocity against the eager bf16 expert's; "
+              f"full results: {self.out_path}")
 
 
 def main():
