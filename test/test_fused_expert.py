@@ -1,7 +1,8 @@
 """The fused action-expert kernels and FusedExpert against PyTorch: each kernel against its
 float64 reference (on the CPU through TRITON_INTERPRET=1, set by conftest.py), FusedExpert
-against ActionExpert.velocity of the tiny model. GPU checks (bf16 dots, graph replays, PDL)
-are marked cuda.
+against ActionExpert.velocity of the tiny model, and every kernel configuration of the
+full-size expert compiled for sm_90 (no GPU needed). GPU checks (bf16 dots, graph replays,
+PDL) are marked cuda.
 
 Tolerances: fp32 paths 1e-5 relative. bf16 models: within bf16 noise, i.e. as far from the fp32
 model as eager bf16 is (both ~7e-3 on the tiny model; under the interpreter the dots run in
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from vla_node.model import build_model, get_preset, init_random_
 from vla_node.model.action_expert import LN_EPS
-from vla_node.runtime.fused_expert import FusedExpert, KernelWeights
+from vla_node.runtime.fused_expert import FusedExpert
 from vla_node.runtime.kernels.expert_block import (SplitScratch, Tiling, cross_attention, cross_partials,
                                                    head_linear, linear)
 

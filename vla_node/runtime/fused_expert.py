@@ -116,7 +116,8 @@ class FusedExpert:
                                      [v for _, v in kv], ctx_mask)
 
     def buffers(self, entries: int, tokens: int, n_keys: int, device) -> Buffers:
-        """The scratch of a shape, made on first use (outside graph capture, as a warm-up call does)."""
+        """The scratch of a shape, made on its first call (warm up before capturing a graph, as the
+        runner does, so it is not allocated inside the capture)."""
         key = (entries, tokens, n_keys, torch.device(device))
         if key not in self._buffers:
             m, w, t = entries * tokens, self.width, self.tiling
