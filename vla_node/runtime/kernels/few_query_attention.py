@@ -24,6 +24,56 @@ BLOCK_N = 64
 
 
 @triton.jit
+def attend_keys(q, K, V, Mask, skn, svn, lo, hi, n_keys, scale, offs_d, d_ok,
+                BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Online softmax of queries q [M, BLOCK_D] over keys lo..hi (clipped to n_keys) of one
+    (batch, head): K, V point at its key 0, Mask at its mask entry 0 (bool, read when HAS_MASK).
+    Returns (acc [M, BLOCK_D] fp32 un-normalised, running max m [M], denominator l [M]); a chunk
+    with no valid key gives m = -inf, l = 0. Dots run in q's dtype."""
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_keys
+        k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if HAS_MASK:
+            n_ok = n_ok & (tl.load(Mask + offs_n, mask=n_ok, other=0) != 0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def merge_partials(OPart, MPart, LPart, row0, split_rows, offs_d, d_ok, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Softmax-weighted merge of split partials: split s of query m sits at row row0[m] + s *
+    split_rows of MPart/LPart (and of OPart, rows of BLOCK_D); returns the normalised output
+    [M, BLOCK_D]. Four splits per load: all at once spill registers, one at a time serialises
+    the loads (the loop is not software-pipelined)."""
+    GROUP: tl.constexpr = 4 if SPLITS > 4 else SPLITS
+    offs_g = tl.arange(0, GROUP)
+    m_max = tl.max(tl.load(MPart + row0[None, :] + tl.arange(0, SPLITS)[:, None] * split_rows), 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    out = tl.zeros([row0.shape[0], BLOCK_D], tl.float32)
+    denom = tl.zeros([row0.shape[0]], tl.float32)
+    for g in range(0, SPLITS, GROUP):
+        rows = row0[None, :] + (g + offs_g)[:, None] * split_rows                 # [GROUP, M]
+        w = tl.exp(tl.load(MPart + rows) - m_max[None, :])  # 0 for a split without valid keys (m = -inf)
+        denom += tl.sum(w * tl.load(LPart + rows), 0)
+        o = tl.load(OPart + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=d_ok[None, None, :], other=0.0)
+        out += tl.sum(o * w[:, :, None], 0)
+    return out / tl.where(denom == 0, 1.0, denom)[:, None]
+
+
+@triton.jit
 def _partial(Q, K, V, Mask, OPart, MPart, LPart, Out, n_keys, heads, scale,
              sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, sob, soh, som,
              M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -36,27 +86,9 @@ def _partial(Q, K, V, Mask, OPart, MPart, LPart, Out, n_keys, heads, scale,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BLOCK_D], tl.float32)
-    for start in range(split * KEYS_PER_PROGRAM, (split + 1) * KEYS_PER_PROGRAM, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_keys
-        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if HAS_MASK:
-            n_ok = n_ok & (tl.load(Mask + b * smb + offs_n, mask=n_ok, other=0) != 0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    acc, m_i, l_i = attend_keys(q, K + b * skb + h * skh, V + b * svb + h * svh, Mask + b * smb, skn, svn,
+                                split * KEYS_PER_PROGRAM, (split + 1) * KEYS_PER_PROGRAM, n_keys, scale,
+                                offs_d, d_ok, BLOCK_N, HAS_MASK)
     if DIRECT:  # one chunk holds every key: normalise and write the output, no merge pass
         tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :],
                  (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=d_ok[None, :])
@@ -73,17 +105,9 @@ def _merge(OPart, MPart, LPart, Out, heads, sob, soh, som,
     bh = tl.program_id(0)
     b = bh // heads
     h = bh % heads
-    offs_s = tl.arange(0, SPLITS)
     offs_m = tl.arange(0, M)
     offs_d = tl.arange(0, BLOCK_D)
-    stat = (bh * SPLITS + offs_s[:, None]) * M + offs_m[None, :]           # [SPLITS, M]
-    m_s = tl.load(MPart + stat)
-    l_s = tl.load(LPart + stat)
-    m_max = tl.max(m_s, 0)
-    w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max[None, :]))  # [SPLITS, M]
-    denom = tl.sum(w * l_s, 0)
-    o = tl.load(OPart + stat[:, :, None] * BLOCK_D + offs_d[None, None, :])  # [SPLITS, M, BLOCK_D]
-    out = tl.sum(o * w[:, :, None], 0) / denom[:, None]
+    out = merge_partials(OPart, MPart, LPart, bh * SPLITS * M + offs_m, M, offs_d, offs_d < D, SPLITS, BLOCK_D)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=(offs_d < D)[None, :])
 
