@@ -167,7 +167,8 @@ class PolicyEngine:
             raise ValueError("the adaptive action cache needs static_shapes (its per-step buffers)")
 
     def weight_bytes(self) -> int:
-        """Bytes of weights the model holds (fp8 weights count at one byte)."""
+        """Bytes of weights the model holds (fp8 weights count at one byte; with expert_fp8 the
+        expert's e4m3 copies are what the flow loop reads, its bf16 weights stay for the context)."""
         return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     def draw_noise(self) -> torch.Tensor:

@@ -52,6 +52,10 @@ class StaticRunner:
         self.mod_table = None
         if cfg.ctx_kv_once:
             self.mod_table = self._modulation_table()
+        self.fused_expert = None
+        if cfg.fused_expert:
+            from .fused_expert import FusedExpert
+            self.fused_expert = FusedExpert(m.expert, fp8=cfg.expert_fp8)
         self.regions = compile_regions(m) if cfg.compile else []
         self.graphs_on = cfg.cuda_graphs
         self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
@@ -110,6 +114,8 @@ class StaticRunner:
 
     def _velocity(self, b: Bucket, x: torch.Tensor, i: int) -> torch.Tensor:
         e, expert = self.engine, self.engine.model.expert
+        if self.fused_expert is not None:
+            return self.fused_expert.velocity(x.to(e.dtype), self.mod_table[i], b.kv, b.ctx_mask).float()
         if self.mod_table is not None:
             kv, mods = b.kv, self.mod_table[i]
         else:

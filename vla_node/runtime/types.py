@@ -69,7 +69,7 @@ class ActionChunk:
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "flex_attention",
-                     "cuda_graphs", "triton_attention", "vision_cache")
+                     "cuda_graphs", "triton_attention", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
@@ -79,12 +79,13 @@ _LADDER = {
     "compile": ("compile", "flex_attention"),
     "graphs": ("cuda_graphs",),
     "triton": ("triton_attention",),
+    "kernels": ("fused_expert",),
     "fast": ("vision_cache",),
 }
 MODES: dict[str, tuple[str, ...]] = {}
 for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
-GPU_FEATURES = ("flex_attention", "cuda_graphs", "triton_attention")  # rungs a CPU engine skips
+GPU_FEATURES = ("flex_attention", "cuda_graphs", "triton_attention", "fused_expert")  # rungs a CPU engine skips
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,14 @@ class EngineConfig:
     cuda_graphs: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
+    fused_expert: bool = False            # the flow loop's expert in 6 Triton launches per block (runtime/fused_expert)
     vision_cache: bool = False
     vision_cache_frames: int = 64         # frames kept by the vision cache
     # Opt-in options that change the numbers (each reported with its deviation).
     streaming_kv: bool = False            # reuse surviving frames' LLM KV across sliding windows
     action_cache: str = ""                # flow-step velocity reuse schedule (runtime/action_cache.py)
     fp8: str = "off"                      # off | rowwise | tensorwise: e4m3 LLM linears
+    expert_fp8: bool = False              # e4m3 action-expert weights (per output channel) in the fused expert
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -137,8 +140,13 @@ class EngineConfig:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
-        if self.triton_attention and not (self.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
-            raise ValueError("triton_attention needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+        for feature in ("triton_attention", "fused_expert"):
+            if getattr(self, feature) and not (self.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
+                raise ValueError(f"{feature} needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+        if self.fused_expert and not self.ctx_kv_once:
+            raise ValueError("fused_expert needs ctx_kv_once (it takes the expert's context K/V once per query)")
+        if self.expert_fp8 and not self.fused_expert:
+            raise ValueError("expert_fp8 needs fused_expert (its kernels read the e4m3 weights)")
 
     @classmethod
     def for_mode(cls, mode: str, **overrides) -> "EngineConfig":
