@@ -135,8 +135,8 @@ def frame_interval_ns(stamps: Sequence[int], upto: int) -> Optional[int]:
 
 
 # _partner's answers other than an index
-PENDING = -1       # the camera's next frame may still be the one
-OUT_OF_STEP = -2   # no frame within the slop so far
+PENDING = -1       # the camera's next frame may still be the one (or the nearest)
+OUT_OF_STEP = -2   # its frames around the time are all farther than the slop
 
 
 def _partner(stamps: Sequence[int], t: int, slop_ns: int) -> int:
@@ -148,8 +148,7 @@ def _partner(stamps: Sequence[int], t: int, slop_ns: int) -> int:
     if before is not None and t - stamps[before] <= slop_ns // 2:
         return before   # a later frame could only be nearer if frames came less than the slop apart
     if after is None:
-        # A frame within the slop: the next one may be nearer.
-        return PENDING if before is None or t - stamps[before] <= slop_ns else OUT_OF_STEP
+        return PENDING
     nearest = after if before is None or stamps[after] - t <= t - stamps[before] else before
     return nearest if abs(stamps[nearest] - t) <= slop_ns else OUT_OF_STEP
 
@@ -204,18 +203,21 @@ def window_at(cameras: Sequence[Sequence[int]], names: Sequence[str], r: int, sp
 def pick_window(cameras: Sequence[Sequence[int]], names: Sequence[str], spec: WindowSpec,
                 state: Callable[[int], State | Wait]) -> tuple[int, Rows, State] | Wait:
     """The newest complete window and its state: (reference index, rows, state(stamp)). The
-    first camera's REFERENCE_TRIES newest frames are tried, newest first. The reason of the
-    newest one's failure otherwise."""
+    first camera's REFERENCE_TRIES newest frames are tried, newest first. Else why not: the
+    newest frame's reason, unless an older one got further (its frames complete, or its partner
+    settled out of step): a frame still on its way is no news, the older frame's reason is."""
     ref = cameras[0]
     if not ref:
         return Wait(f"waiting for camera {names[0]!r}", sync=False)
-    reason = None
+    reason, progress = None, -1
     for r in range(len(ref) - 1, max(-1, len(ref) - 1 - REFERENCE_TRIES), -1):
         rows = window_at(cameras, names, r, spec)
         observed = state(ref[r]) if not isinstance(rows, Wait) else rows
         if not isinstance(observed, Wait):
             return r, rows, observed
-        reason = reason or observed
+        got = 2 if observed is not rows else int(observed.sync)
+        if got > progress:
+            reason, progress = observed, got
     return reason
 
 
