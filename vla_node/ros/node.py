@@ -374,14 +374,11 @@ class VLANode(LifecycleNode):
         self.faults.set("timeline", f"{step}: inputs and plan discarded, resuming with inputs stamped after it")
 
     def _drop_old_timeline(self) -> None:
-        """The control loop's part of _end_timeline and of a clock jump: forget the plan and the
-        last command, drop the chunk in flight, and the engine's stream state (a frame of the new
-        timeline may carry a stamp it has cached another picture under)."""
+        """The control loop's part of _end_timeline and of a clock jump: forget the plan, drop the
+        chunk in flight, and the engine's stream state (a frame of the new timeline may carry a
+        stamp it has cached another picture under)."""
         if self._engine is not None:
             self._engine.reset_stream()
-        # A restarted simulation has moved the robot: the hold restarts from its next measured
-        # position, not from the last command of the old timeline.
-        self._last_command = None
         self._plan.clear()
         self._epoch += 1
 
@@ -410,6 +407,10 @@ class VLANode(LifecycleNode):
             self._ring.clear()
         self._joints.clear()
         self._drop_old_timeline()
+        # A restarted simulation has moved the robot: the hold restarts from its next measured
+        # position, not from the last command of the old timeline. (Stamps stepping back without
+        # a clock jump keep the last command: every command stays within max_step_per_tick.)
+        self._last_command = None
         self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "
                                  f"inputs and plan discarded")
 
