@@ -40,7 +40,7 @@ def cut(path, fraction):
 
 def queries(path):
     with Bag(path) as bag:
-        stream = ObservationStream(bag, resolve_inputs(bag, LAYOUT.cameras), LAYOUT, state_dim=8)
+        stream = ObservationStream(bag, resolve_inputs(bag, LAYOUT.cameras), LAYOUT, history_offset_s=8 / 15)
         return sum(1 for _ in stream), bag.damage, bag.notes, bag.start_ns
 
 
@@ -104,8 +104,8 @@ def test_unreadable_message_stops_the_stream_there(tmp_path):
                            header=header_msg(0), format="jpeg", data=np.zeros(64, np.uint8)), COMPRESSED_IMAGE))
                        if topic == "/cameras/exo/image_raw/compressed" and i == bad else raw))
     n, damage, _, _ = queries(bag)
-    assert n == bad - LAYOUT.stride
-    assert "cannot decode a compressed image" in damage.reason
+    assert n == bad      # one query per frame before it (the first ones without history)
+    assert "cannot use this image: corrupt jpeg data" in damage.reason
 
 
 @pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
@@ -138,13 +138,13 @@ def test_unusable_image_encoding(tmp_path, capsys):
     path = write_sample_bag(tmp_path / "raw.mcap", SampleSpec(duration_s=0.2, compressed=False, reference=False))
     depth = copy_bag(path, tmp_path / "depth.mcap", "mcap", replace=lambda topic, i, raw: (
         bytes(TYPESTORE.serialize_cdr(TYPESTORE.types[IMAGE](
-            header=header_msg(0), height=4, width=4, encoding="16UC1", is_bigendian=0, step=8,
-            data=np.zeros(32, np.uint8)), IMAGE)) if topic.startswith("/cameras/") else raw))
+            header=header_msg(0), height=4, width=4, encoding="32FC1", is_bigendian=0, step=16,
+            data=np.zeros(64, np.uint8)), IMAGE)) if topic.startswith("/cameras/") else raw))
     rc, _, err = offline(capsys, depth)
-    assert rc == 2 and "cannot use an image of encoding '16UC1'" in err
+    assert rc == 2 and "cannot use this image: unsupported encoding '32FC1'" in err
 
 
 def test_wrong_joint_count(tmp_path, capsys):
     rc, _, err = offline(capsys, SAMPLE_BAG, "--joint-names", "panda_joint1,panda_joint2", "--max-frames", "1",
                          "--out", tmp_path)
-    assert rc == 2 and "2 joint positions, the model's state has 8" in err
+    assert rc == 2 and "2 joints ['panda_joint1', 'panda_joint2'], the model's state has 8" in err

@@ -105,17 +105,23 @@ def test_sample_bag_gives_observations_with_history(tmp_path, storage):
         suffix = "/compressed" if storage == "mcap" else ""
         assert [c.topic for c in inputs.cameras] == [f"/cameras/exo/image_raw{suffix}",
                                                      f"/cameras/wrist/image_raw{suffix}"]
-        stream = ObservationStream(bag, inputs, layout, state_dim=8)
+        stream = ObservationStream(bag, inputs, layout, history_offset_s=8 / 15)
         frames = list(stream)
+        waiting = ObservationStream(bag, inputs, layout, history_offset_s=8 / 15, wait_for_history=True)
+        full = list(waiting)
     camera_frames = int(1.4 * 15)
-    assert stream.stats.first_camera_frames == camera_frames
-    assert stream.stats.frames_without_history == layout.stride * (layout.frames - 1)
-    assert len(frames) == camera_frames - layout.stride
-    first = frames[0].observation
+    history = 8   # frames 8/15 s = 8 frames at 15 Hz
+    assert stream.stats.first_camera_frames == camera_frames and len(frames) == camera_frames
+    # Until the history frame exists, a query holds the newest frames only (as the policy's wrapper).
+    assert stream.stats.partial_history == history
+    assert [len(f.observation.images) for f in frames] == [2] * history + [4] * (camera_frames - history)
+    assert waiting.stats.frames_without_history == history and len(full) == camera_frames - history
+    first = frames[history].observation
+    assert [f.observation.frame_ids for f in full] == [f.observation.frame_ids for f in frames[history:]]
     assert [img.shape for img in first.images] == [(480, 640, 3)] * 4
     (exo_old, t_old), (wrist_old, _), (exo_new, t_new), (wrist_new, _) = first.frame_ids
     assert (exo_old, wrist_old, exo_new, wrist_new) == ("exo", "wrist", "exo", "wrist")
-    assert t_new - t_old == pytest.approx(layout.stride * 1e9 / 15, abs=1)
-    assert first.stamp == t_new / 1e9 and frames[0].stamp_ns == t_new
+    assert t_new - t_old == pytest.approx(history * 1e9 / 15, abs=1)
+    assert first.stamp == t_new / 1e9 and frames[history].stamp_ns == t_new
     assert first.instruction == "pick up the red cup and put it in the bowl"
     assert first.state.shape == (8,) and first.state.dtype == np.float32

@@ -8,12 +8,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import cv2
 import numpy as np
 import pytest
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, String
 
 from ros_helpers import CAMERA_TOPICS, JOINTS, Harness, NodeProcess, Robot, stamp_ns
+from vla_node.ros.diagnostics import LOG_BURST
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,21 +114,23 @@ def long_instruction(robot, h):
 
 
 CASES = [
-    Case("unsupported encoding", "camera 'exo'", "unsupported encoding 'yuv422'",
-         camera(0, image(480, 640, "yuv422", channels=2))),
+    Case("unsupported encoding", "camera 'exo'", "unsupported encoding '32FC1'",
+         camera(0, image(480, 640, "32FC1", channels=4))),
     Case("wrong size", "camera 'exo'", "wrong image size 320x240", camera(0, image(240, 320))),
     Case("truncated data", "camera 'exo'", "truncated image data", camera(0, image(480, 640, data=bytes(1000)))),
     Case("oversize image", "camera 'exo'", "oversize image 1280x960", camera(0, image(960, 1280))),
     Case("corrupt jpeg", "camera 'wrist'", "corrupt jpeg data", camera(1, corrupt_jpeg)),
-    Case("out-of-order stamps", "camera 'exo'", "out-of-order stamp", camera(0, older_stamp)),
+    # (The harness stamps both cameras' frames with one stamp object: both step back.)
+    Case("stamps stepping back", "timeline", "stamps stepped back by", camera(0, older_stamp)),
     Case("camera dropout", "camera 'wrist' stale", "no camera 'wrist' input for more than", dropout),
     Case("nan joint", "joint_states", "non-finite joint positions for ['panda_joint4']",
          joint_stream(joints(JOINTS, HOME_LIST[:3] + [float("nan")] + HOME_LIST[4:]))),
     Case("inf joint", "joint_states", "non-finite joint positions for ['panda_gripper']",
          joint_stream(joints(JOINTS, HOME_LIST[:7] + [float("inf")]))),
-    Case("unknown joints", "joint_states", "none of the configured joints",
+    # Joint states are assembled by name across messages: silence of the joints is what holds.
+    Case("unknown joints", "joint_states stale", "the latest message named only ['ur_joint0'",
          joint_stream(joints([f"ur_joint{i}" for i in range(6)], [0.0] * 6))),
-    Case("missing joint", "joint_states", "lacks joints ['panda_gripper']",
+    Case("missing joint", "joint_states stale", "no joint state for ['panda_gripper'] for more than",
          joint_stream(joints(JOINTS[:7], HOME_LIST[:7]))),
     Case("names and positions differ", "joint_states", "8 names but 7 positions",
          joint_stream(joints(JOINTS, HOME_LIST[:7]))),
@@ -193,3 +197,33 @@ def test_every_command_was_finite_within_limits_and_step(rig):
     assert len(commands) > 100 and np.isfinite(commands).all()
     assert (commands >= LOWER - 1e-9).all() and (commands <= UPPER + 1e-9).all()
     assert (np.abs(np.diff(commands, axis=0)) <= MAX_STEP + 1e-9).all()
+
+
+def test_alternating_causes_keep_diagnostics_at_their_rate(rig):
+    """A camera whose frames fail alternately for two reasons (or, before joint states were
+    assembled by name, an arm and a gripper driver sharing /joint_states) changed the hold cause
+    with every message: /diagnostics followed at the message rate and every change was logged."""
+    node, h, robot = rig
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run")
+    logged = node.count("camera 'wrist': ")
+    small = cv2.imencode(".jpg", np.zeros((240, 320, 3), np.uint8))[1].tobytes()
+
+    def alternating(camera, stamp, seq):
+        if seq % 2:
+            return corrupt_jpeg(camera, stamp, seq)
+        msg = CompressedImage(format="jpeg", data=small)    # decodes, but 320x240
+        msg.header.stamp = stamp
+        return msg
+    robot.camera_messages[1] = alternating
+    start = time.monotonic()
+    h.wait_diagnostics(lambda d: "camera 'wrist'" in d["_message"], 15, "the wrist camera's fault", since=start)
+    frames = robot.frame_count
+    h.wait_until(lambda: robot.frame_count >= frames + 60, 30, "4 s of alternating bad frames")   # 15 Hz
+    span = time.monotonic() - start
+    robot.camera_messages.pop(1)
+    sent = len(h.diagnostics_since(start))
+    # 1 Hz, and the first LOG_BURST changes at once (15 per second before).
+    assert sent <= span * 1.0 + LOG_BURST + 1, f"{sent} /diagnostics messages in {span:.1f} s"
+    lines = node.count("camera 'wrist': ") - logged
+    assert lines <= LOG_BURST, node.output()
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "recovery")

@@ -1,18 +1,19 @@
-"""The node's parts without DDS: message conversion, parameter validation, frame windows, the
-chunk hand-over and the safety filter (fast; the tests over DDS are in the other test_node_*)."""
+"""The node's parts without DDS: message conversion, parameter validation, the frame buffer, the
+chunk hand-over, the safety filter and fault reporting (fast; the tests over DDS are in the other
+test_node_*; window choice and joint assembly in test_windows)."""
 import logging
 
 import cv2
 import numpy as np
 import pytest
-from sensor_msgs.msg import CompressedImage, Image, JointState
+from sensor_msgs.msg import CompressedImage, Image
 
 from vla_node.ros import messages, params
 from vla_node.ros.control import Plan, SafetyFilter
-from vla_node.ros.diagnostics import Faults
-from vla_node.ros.frames import FrameRing, Wait, Window
-from vla_node.ros.messages import InputError
-from vla_node.runtime.state_history import StateHistory
+from vla_node.ros.diagnostics import LOG_BURST, Faults
+from vla_node.ros.frames import FrameRing, Window
+from vla_node.runtime import images
+from vla_node.runtime.windows import InputError, StampStep, Wait, WindowSpec
 
 H, W = 6, 8
 
@@ -35,13 +36,73 @@ def test_raw_encodings_convert_to_rgb(encoding, pad):
     source = {"rgb8": img, "bgr8": img[..., ::-1], "rgba8": np.dstack([img, np.full((H, W), 7, np.uint8)]),
               "bgra8": np.dstack([img[..., ::-1], np.full((H, W), 7, np.uint8)]), "mono8": img[..., 0]}[encoding]
     out = np.zeros((H, W, 3), np.uint8)
-    messages.image_into(raw(np.ascontiguousarray(source), encoding, pad), out)
+    images.image_into(raw(np.ascontiguousarray(source), encoding, pad), out)
     expected = np.repeat(img[..., :1], 3, axis=2) if encoding == "mono8" else img
     np.testing.assert_array_equal(out, expected)
 
 
+def blocks() -> np.ndarray:
+    """H x W RGB in 2x2 blocks of one colour: chroma subsampling and demosaicing keep their
+    colours (nearly) exact, so a wrong byte or pattern order shows."""
+    colours = np.random.default_rng(1).integers(30, 226, (H // 2, W // 2, 3), dtype=np.uint8)
+    return np.kron(colours, np.ones((2, 2, 1), np.uint8))
+
+
+PACKED_YUV = {"yuv422": cv2.COLOR_RGB2YUV_UYVY, "uyvy": cv2.COLOR_RGB2YUV_UYVY,
+              "yuv422_yuy2": cv2.COLOR_RGB2YUV_YUYV, "yuyv": cv2.COLOR_RGB2YUV_YUYV}
+YUV_TO_RGB = {"yuv422": cv2.COLOR_YUV2RGB_UYVY, "uyvy": cv2.COLOR_YUV2RGB_UYVY,
+              "yuv422_yuy2": cv2.COLOR_YUV2RGB_YUYV, "yuyv": cv2.COLOR_YUV2RGB_YUYV}
+
+
+@pytest.mark.parametrize("encoding", list(PACKED_YUV))
+@pytest.mark.parametrize("pad", [0, 4])
+def test_packed_yuv_converts_as_opencv_does(encoding, pad):
+    """usb_cam publishes yuv422_yuy2 (YUYV) by default; sensor_msgs' yuv422 is UYVY."""
+    img = blocks()
+    packed = cv2.cvtColor(img, PACKED_YUV[encoding])                 # H x W x 2
+    out = np.zeros((H, W, 3), np.uint8)
+    images.image_into(raw(packed, encoding, pad), out)
+    np.testing.assert_array_equal(out, cv2.cvtColor(packed, YUV_TO_RGB[encoding]))
+    assert np.abs(out.astype(int) - img).max() <= 3                  # and the colours come back
+
+
+# pattern -> which colour channel each of the 2x2 positions samples, and OpenCV's code for it
+BAYER = {"bayer_rggb8": ([[0, 1], [1, 2]], cv2.COLOR_BayerRGGB2RGB), "bayer_bggr8": ([[2, 1], [1, 0]],
+                                                                                     cv2.COLOR_BayerBGGR2RGB),
+         "bayer_gbrg8": ([[1, 2], [0, 1]], cv2.COLOR_BayerGBRG2RGB), "bayer_grbg8": ([[1, 0], [2, 1]],
+                                                                                     cv2.COLOR_BayerGRBG2RGB)}
+
+
+@pytest.mark.parametrize("encoding", list(BAYER))
+def test_bayer_mosaics_convert_as_opencv_does(encoding):
+    channels, code = BAYER[encoding]
+    flat = np.full((H, W, 3), (200, 90, 30), np.uint8)
+    mosaic = np.zeros((H, W), np.uint8)
+    for dy in (0, 1):
+        for dx in (0, 1):
+            mosaic[dy::2, dx::2] = flat[dy::2, dx::2, channels[dy][dx]]
+    out = np.zeros((H, W, 3), np.uint8)
+    images.image_into(raw(mosaic[..., None], encoding), out)
+    np.testing.assert_array_equal(out, cv2.cvtColor(mosaic, code))
+    np.testing.assert_array_equal(out[2:-2, 2:-2], flat[2:-2, 2:-2])   # a wrong pattern swaps red and blue
+
+
+@pytest.mark.parametrize("encoding", ["mono16", "16UC1"])
+@pytest.mark.parametrize("bigendian", [False, True])
+def test_16_bit_mono_scales_to_8_bits_as_cv_bridge_does(encoding, bigendian):
+    values = np.random.default_rng(2).integers(0, 65536, (H, W), dtype=np.uint16)
+    values[0, :3] = (0, 32896, 65535)
+    msg = raw(values.astype(">u2" if bigendian else "<u2").view(np.uint8).reshape(H, W, 2), encoding)
+    msg.is_bigendian = bigendian
+    out = np.zeros((H, W, 3), np.uint8)
+    images.image_into(msg, out)
+    np.testing.assert_array_equal(out, cv2.cvtColor(cv2.convertScaleAbs(values, alpha=255 / 65535),
+                                                    cv2.COLOR_GRAY2RGB))
+    assert out[0, :3, 0].tolist() == [0, 128, 255]
+
+
 @pytest.mark.parametrize("change, match", [
-    (dict(encoding="yuv422"), "unsupported encoding"),
+    (dict(encoding="32FC1"), "unsupported encoding"),
     (dict(height=H - 1), "wrong image size"),
     (dict(width=W * 2, step=W * 6), "oversize image"),
     (dict(step=W * 3 - 1), "step"),
@@ -54,7 +115,7 @@ def test_raw_errors_leave_the_destination_untouched(change, match):
         setattr(msg, k, v)
     out = np.full((H, W, 3), 9, np.uint8)
     with pytest.raises(InputError, match=match):
-        messages.image_into(msg, out)
+        images.image_into(msg, out)
     assert (out == 9).all()
 
 
@@ -62,11 +123,11 @@ def test_compressed_png_is_exact_and_jpeg_decodes():
     img = rgb()
     out = np.zeros((H, W, 3), np.uint8)
     png = CompressedImage(format="bgr8; png compressed bgr8", data=cv2.imencode(".png", img[..., ::-1])[1].tobytes())
-    messages.compressed_into(png, out)
+    images.compressed_into(png, out)
     np.testing.assert_array_equal(out, img)
     flat = np.full((H, W, 3), (200, 40, 10), np.uint8)
     jpeg = CompressedImage(format="jpeg", data=cv2.imencode(".jpg", flat[..., ::-1])[1].tobytes())
-    messages.compressed_into(jpeg, out)
+    images.compressed_into(jpeg, out)
     assert np.abs(out.astype(int) - flat).max() <= 3
 
 
@@ -74,34 +135,17 @@ def test_compressed_png_is_exact_and_jpeg_decodes():
     ("jpeg", b"\xff\xd8not a jpeg at all", "corrupt"),
     ("jpeg", b"", "corrupt"),
     ("tiff", b"II*\x00", "unsupported compressed format"),
-    ("jpeg", bytes(2 * H * W * 3 + messages.COMPRESSED_HEADROOM + 1), "oversize compressed"),
+    ("jpeg", bytes(2 * H * W * 3 + images.COMPRESSED_HEADROOM + 1), "oversize compressed"),
 ])
 def test_compressed_errors(fmt, data, match):
     with pytest.raises(InputError, match=match):
-        messages.compressed_into(CompressedImage(format=fmt, data=data), np.zeros((H, W, 3), np.uint8))
+        images.compressed_into(CompressedImage(format=fmt, data=data), np.zeros((H, W, 3), np.uint8))
 
 
 def test_compressed_wrong_size():
     big = CompressedImage(format="png", data=cv2.imencode(".png", np.zeros((H, W + 1, 3), np.uint8))[1].tobytes())
     with pytest.raises(InputError, match="oversize image"):
-        messages.compressed_into(big, np.zeros((H, W, 3), np.uint8))
-
-
-def test_joint_states_are_reordered_and_extra_joints_ignored():
-    msg = JointState(name=["b", "x", "a"], position=[2.0, 9.0, 1.0])
-    np.testing.assert_array_equal(messages.joint_positions(msg, ["a", "b"]), [1.0, 2.0])
-
-
-@pytest.mark.parametrize("names, positions, match", [
-    (["a"], [1.0], "lacks joints \\['b'\\]"),
-    (["p", "q"], [1.0, 2.0], "none of the configured joints"),
-    (["a", "b"], [1.0, float("nan")], "non-finite joint positions for \\['b'\\]"),
-    (["a", "b"], [float("inf"), 1.0], "non-finite"),
-    (["a", "b"], [1.0], "2 names but 1 positions"),
-])
-def test_joint_state_errors(names, positions, match):
-    with pytest.raises(InputError, match=match):
-        messages.joint_positions(JointState(name=names, position=positions), ["a", "b"])
+        images.compressed_into(big, np.zeros((H, W, 3), np.uint8))
 
 
 def test_trajectory_times_follow_the_control_period():
@@ -153,36 +197,43 @@ def test_invalid_values_are_rejected_with_a_reason(change, match):
         params.validate(values, horizon=16)
 
 
-# -- frame windows ----------------------------------------------------------------------------------
-def ring(frames=2, stride=3, cameras=("a", "b")):
-    nbytes = FrameRing.nbytes(len(cameras), 2, 2, frames, stride)
-    return FrameRing(list(cameras), 2, 2, frames, stride, bytearray(nbytes))
+# -- the frame buffer -------------------------------------------------------------------------------
+def ring(slots=8, cameras=("a", "b"), slop_ns=10):
+    """Frames 1000 ns apart in the tests: the history frame is 3 frames back."""
+    spec = WindowSpec(frames=2, offset_ns=3000, sync_slop_ns=slop_ns, state_slop_ns=0)
+    return FrameRing(list(cameras), 2, 2, spec, slots,
+                     bytearray(int(np.prod(FrameRing.shape_of(len(cameras), 2, 2, slots)))))
 
 
 def put(r, camera, stamp, value=0):
     r.write(camera, stamp, stamp, lambda out: out.fill(value))
 
 
-def test_window_takes_history_stride_frames_back_and_matches_other_cameras_by_stamp():
+def state(stamp_ns):
+    return np.array([1.0]), np.array([stamp_ns])
+
+
+def test_window_takes_the_history_offset_back_and_matches_other_cameras_by_stamp():
     r = ring()
     for t in range(10):
         put(r, 0, 1000 * t, t)
         put(r, 1, 1000 * t + 7, 100 + t)          # 7 ns behind: within the slop
-    w = r.take_window(slop_ns=10)
-    assert isinstance(w, Window) and w.stamp_ns == 9000
+    w = r.take_window(state)
+    assert isinstance(w, Window) and w.stamp_ns == 9000 and w.state_stamps_ns.tolist() == [9000]
     assert w.frame_ids == [("a", 6000), ("b", 6007), ("a", 9000), ("b", 9007)]
     assert [int(r.pixels[s][0, 0, 0]) for s in w.slots] == [6, 106, 9, 109]
-    assert isinstance(r.take_window(slop_ns=5), Wait) and r.take_window(slop_ns=5).sync
+    r.unpin()
+    r.spec = WindowSpec(frames=2, offset_ns=3000, sync_slop_ns=5, state_slop_ns=0)
+    assert r.take_window(state) == Wait("camera 'b' has no frame within sync_slop_s of camera 'a'", sync=True)
 
 
-def test_window_waits_for_history_then_for_the_other_camera():
+def test_window_waits_for_the_other_camera_and_for_state():
     r = ring()
-    put(r, 0, 0)
-    put(r, 0, 1000)
-    assert not r.take_window(10).sync      # history still filling: not a fault
-    for t in range(2, 5):
+    for t in range(5):
         put(r, 0, 1000 * t)
-    assert r.take_window(10).sync          # camera b never sent a frame
+    assert r.take_window(state) == Wait("waiting for camera 'b'", sync=False)
+    put(r, 1, 4000)
+    assert r.take_window(lambda t: Wait("no state", sync=True)) == Wait("no state", sync=True)
 
 
 def test_newest_complete_window_wins_when_the_newest_frame_has_no_partner_yet():
@@ -191,28 +242,29 @@ def test_newest_complete_window_wins_when_the_newest_frame_has_no_partner_yet():
         put(r, 0, 1000 * t)
         put(r, 1, 1000 * t)
     put(r, 0, 5000)                        # b's frame for t=5 is still on its way
-    assert r.take_window(10).stamp_ns == 4000
+    assert r.take_window(state).stamp_ns == 4000
 
 
-def test_out_of_order_frames_are_refused_before_any_copy():
+def test_stamps_stepping_back_are_refused_before_any_copy():
     r = ring()
     put(r, 0, 1000, 1)
-    with pytest.raises(InputError, match="out-of-order"):
+    with pytest.raises(InputError, match="repeated stamp"):
         put(r, 0, 1000, 2)
-    with pytest.raises(InputError, match="out-of-order"):
+    with pytest.raises(StampStep, match="camera 'a' stamps stepped back by 0.000 s") as step:
         r.write(0, 500, 500, lambda out: pytest.fail("copied"))
+    assert step.value.back_ns == 500
 
 
 def test_pinned_frames_are_never_overwritten():
-    r = ring(frames=2, stride=1)
-    for t in range(3):
-        put(r, 0, t, t)
-        put(r, 1, t, t)
-    w = r.take_window(0)
+    r = ring(slots=6)
+    for t in range(4):
+        put(r, 0, 1000 * t, t)
+        put(r, 1, 1000 * t, t)
+    w = r.take_window(state)
     pinned = {s: r.pixels[s].copy() for s in w.slots}
-    for t in range(3, 50):
-        put(r, 0, t, t % 250)
-        put(r, 1, t, t % 250)
+    for t in range(4, 50):
+        put(r, 0, 1000 * t, t % 250)
+        put(r, 1, 1000 * t, t % 250)
     for s, pixels in pinned.items():
         np.testing.assert_array_equal(r.pixels[s], pixels)
     r.unpin()
@@ -221,7 +273,7 @@ def test_pinned_frames_are_never_overwritten():
 def test_a_frame_filled_across_a_clear_is_dropped():
     r = ring()
     put(r, 0, 5000)
-    r.write(0, 6000, 6000, lambda out: r.clear())      # the clock jumped back while it was copied
+    r.write(0, 6000, 6000, lambda out: r.clear())      # the timeline ended while it was copied
     put(r, 0, 10)                                       # so its stamp does not refuse later frames
     assert r.newest_received_ns()[0] == 10
 
@@ -232,24 +284,8 @@ def test_clear_forgets_frames_and_stamps():
         put(r, 0, 1000 * t)
         put(r, 1, 1000 * t)
     r.clear()
-    put(r, 0, 10)                          # an earlier stamp is fine after a clock jump
-    assert not r.take_window(10).sync
-
-
-# -- robot state by stamp ----------------------------------------------------------------------------
-def test_state_history_gives_the_state_stamped_nearest_the_frame():
-    states = StateHistory(capacity=3)
-    assert states.nearest(100) is None
-    for stamp in (10, 20, 30, 40):                  # 10 falls out of the history
-        states.add(stamp, np.array([stamp]))
-    assert states.nearest(26)[0] == 4 and states.nearest(26)[1][0] == 30
-    assert states.nearest(25)[1][0] == 30           # a tie goes to the later state
-    assert states.nearest(0)[0] == 20               # only what is kept: the nearest is 20 after it
-    assert states.nearest(1000)[0] == 40 - 1000
-    states.add(40, np.array([41]))                  # the same stamp again: the later message
-    assert states.nearest(40)[1][0] == 41
-    states.clear()
-    assert states.nearest(30) is None
+    put(r, 0, 10)                          # an earlier stamp is fine after a clear
+    assert r.take_window(state) == Wait("waiting for camera 'b'", sync=False)
 
 
 # -- hand-over and safety -----------------------------------------------------------------------------
@@ -299,3 +335,53 @@ def test_faults_are_logged_once_per_cause():
     assert [r.getMessage() for r in records] == ["holding: camera 'a': corrupt jpeg", "holding: camera 'a': wrong size",
                                                  "resolved: camera 'a': wrong size"]
     assert len(changes) == 3 and faults.events["camera 'a'"] == 2 and not faults
+
+
+def test_a_flapping_source_logs_and_announces_a_few_changes_then_a_summary():
+    """A gripper and an arm driver alternating on /joint_states made the node log 1203 warnings
+    in 12 s and publish /diagnostics at ~100 Hz: each message changed the reason."""
+    records, changes, now = [], [], [0.0]
+    logger = logging.getLogger("test_flapping")
+    logger.addHandler(type("Collect", (logging.Handler,), {"emit": lambda self, r: records.append(r)})())
+    logger.setLevel(logging.INFO)
+    faults = Faults(logger, on_change=lambda: changes.append(1), clock=lambda: now[0])
+    for k in range(200):                   # 100 Hz for 2 s, alternating causes
+        now[0] = k / 100
+        faults.set("joint_states", "lacks joints ['panda_gripper']" if k % 2 else "lacks joints ['panda_joint1']")
+        faults.flush()
+    assert len(records) == LOG_BURST and len(changes) == LOG_BURST
+    now[0] = 12.0                          # the burst's window passed: where it stands, once
+    faults.flush()
+    assert records[-1].getMessage() == (f"holding: joint_states: lacks joints ['panda_gripper'] "
+                                        f"(after {200 - LOG_BURST} changes not logged one by one)")
+    faults.flush()
+    assert len(records) == LOG_BURST + 1
+    assert faults.active()["joint_states"] == "lacks joints ['panda_gripper']"   # /diagnostics has the latest
+    faults.clear("joint_states")
+    assert records[-1].getMessage() == "resolved: joint_states: lacks joints ['panda_gripper']"
+    assert len(records) == len(changes) == LOG_BURST + 2
+
+
+def test_a_plan_that_runs_out_names_its_cause():
+    """During a camera dropout the node said "inference slower than replan_threshold ticks allow"
+    while inference took 14 ms."""
+    import rclpy
+    from ros_helpers import ros_env
+
+    from vla_node.ros.node import Request, VLANode
+    ros_env()
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = VLANode(context=context)
+    try:
+        dropout = Wait("camera 'wrist' has no frame within sync_slop_s of camera 'exo'", sync=True)
+        node._wait, node._in_flight, node._tick = dropout, None, 30
+        assert node._underrun_cause() == f"no observation could be sent: {dropout.reason}"
+        node._in_flight = Request(1, 26, 1, None, 0.0, 0.0, late_ticks=4, late_because=dropout.reason)
+        assert node._underrun_cause() == f"its observation was sent 4 ticks late: {dropout.reason}"
+        node._in_flight = Request(1, 21, 1, None, 0.0, 0.0)
+        assert node._underrun_cause() == ("inference slower than replan_threshold ticks allow (in flight for 9 "
+                                          "ticks)")
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)

@@ -106,11 +106,12 @@ def test_recorded_episode_reads_back_as_the_node_sees_it(env, tmp_path):
         first_reference = read[REFERENCE_TOPIC][0]
         np.testing.assert_allclose(trajectory_positions(first_reference), commands[:4], rtol=1e-6)
 
-        layout = WindowLayout(("top", "angle"), frames=2, stride=3)
+        layout = WindowLayout(("top", "angle"), frames=2)
         stream = ObservationStream(bag, resolve_inputs(bag, layout.cameras, [camera_topic(c) for c in layout.cameras]),
-                                   layout, state_dim=14)
+                                   layout, history_offset_s=6 * CONTROL_PERIOD_NS / 1e9, joint_names=JOINT_NAMES,
+                                   wait_for_history=True)
         frames = list(stream)
-    # 13 frames of the first camera, the first 3 without their history frame.
+    # 13 frames of the first camera (every 2 ticks), the first 3 without their history frame 6 ticks back.
     assert len(frames) == 10 and stream.stats.frames_without_history == 3
     replayed = expert_episode(env, 5, ticks=24)
     for frame in frames:

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 from diagnostic_msgs.msg import KeyValue
+
+# A source logs (and announces) at most this many changes ...
+LOG_BURST = 10
+LOG_WINDOW_S = 10.0   # ... in this many seconds; flush() sums up the rest once the window allows
 
 
 class Faults:
@@ -14,37 +19,81 @@ class Faults:
 
     A new or changed cause is logged once as a warning and announced once through `on_change`
     (the node publishes /diagnostics right away); its end is logged once. Repeating the same
-    cause, e.g. every frame of a broken camera, logs nothing more. Thread-safe: compressed
-    frames are decoded off the executor thread.
+    cause, e.g. every frame of a broken camera, logs nothing more. A source that flaps (causes
+    alternating message by message, or set and cleared in turn) logs LOG_BURST changes per
+    LOG_WINDOW_S and flush() sums up the others, so neither the log nor /diagnostics follows
+    the message rate. Thread-safe: compressed frames are decoded off the executor thread.
     """
 
-    def __init__(self, logger, on_change: Callable[[], None]):
+    def __init__(self, logger, on_change: Callable[[], None], clock: Callable[[], float] = time.monotonic):
         self._logger = logger
         self._on_change = on_change
+        self._clock = clock
         self._active: dict[str, str] = {}
         self._lock = threading.Lock()
-        self.events: Counter = Counter()   # how often each source started a fault
+        self.events: Counter = Counter()   # how often each source started or changed a fault
+        self._logged: dict[str, deque] = {}   # source -> clock() of its recent log lines
+        self._quiet: Counter = Counter()      # source -> changes not logged since its last line
+        self._last: dict[str, str] = {}       # source -> its latest cause, active or not
 
     def set(self, source: str, reason: str) -> None:
         with self._lock:
             if self._active.get(source) == reason:
                 return
-            self._active[source] = reason
+            self._active[source] = self._last[source] = reason
             self.events[source] += 1
-        self._logger.warning(f"holding: {source}: {reason}")
-        self._on_change()
+            note = self._may_log(source)
+        if note is not None:
+            self._logger.warning(f"holding: {source}: {reason}{note}")
+            self._on_change()
 
     def clear(self, source: str) -> None:
         with self._lock:
             reason = self._active.pop(source, None)
-        if reason is not None:
-            self._logger.info(f"resolved: {source}: {reason}")
+            note = self._may_log(source) if reason is not None else None
+        if note is not None:
+            self._logger.info(f"resolved: {source}: {reason}{note}")
+            self._on_change()
+
+    def _may_log(self, source: str) -> Optional[str]:
+        """With the lock held: None if this change of `source` is only counted, else what to
+        add to its log line."""
+        times = self._logged.setdefault(source, deque())
+        now = self._clock()
+        while times and now - times[0] > LOG_WINDOW_S:
+            times.popleft()
+        if len(times) < LOG_BURST:
+            times.append(now)
+            quiet = self._quiet.pop(source, 0)
+            return f" (after {quiet} changes not logged one by one)" if quiet else ""
+        self._quiet[source] += 1
+        return None
+
+    def flush(self) -> None:
+        """Log where each flapping source stands now, with how many changes went unlogged, once
+        its window allows a line again (the node calls this every second)."""
+        lines = []
+        with self._lock:
+            for source in list(self._quiet):
+                times, now = self._logged[source], self._clock()
+                while times and now - times[0] > LOG_WINDOW_S:
+                    times.popleft()
+                if len(times) >= LOG_BURST:
+                    continue
+                times.append(now)
+                state = "holding" if source in self._active else "resolved"
+                quiet = self._quiet.pop(source)
+                lines.append(f"{state}: {source}: {self._last[source]} (after {quiet} changes not logged one by one)")
+        for line in lines:
+            self._logger.warning(line)
+        if lines:
             self._on_change()
 
     def reset(self) -> None:
         """Forget every cause without a word: the inputs they came from are gone (cleanup)."""
         with self._lock:
             self._active.clear()
+            self._quiet.clear()
 
     def active(self) -> dict[str, str]:
         with self._lock:

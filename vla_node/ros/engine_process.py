@@ -5,7 +5,8 @@ delays a control timer in the same process by 2-4 ms (p99) on a 2-core machine; 
 niced process leaves the node's interpreter to the control loop (BENCHMARKS.md, "ROS node").
 
 Frames travel through shared memory (an anonymous memfd both processes map): the node writes
-each camera frame into a slot once and the engine reads it in place. Requests and results are
+each camera frame into a slot once and the engine reads it in place. The buffer is made after the
+engine is ready, because its size follows the checkpoint's history offset (EngineInfo). Requests and results are
 small pickled tuples on a pipe. Only one request is in flight at a time, so nothing queues.
 The worker exits when its pipe closes or its parent dies, and cleanup joins it, so closing the
 engine really frees its memory (device memory included).
@@ -36,6 +37,7 @@ class EngineInfo:
     action_dim: int
     state_dim: int
     description: str
+    history_offset_s: float    # between consecutive frame times of a window, from the checkpoint
 
 
 @dataclass
@@ -54,19 +56,12 @@ class Result:
 
 
 class EngineProcess:
-    def __init__(self, options: dict, frame_bytes: int):
+    def __init__(self, options: dict):
         """options: mode, preset, checkpoint, device, dtype, seed, flow_steps,
-        max_instruction_tokens, camera_height, camera_width, cameras, frames, stride,
-        action_cache, threads, nice, ring_shape."""
+        max_instruction_tokens, camera_height, camera_width, cameras, frames, action_cache,
+        threads, nice."""
         self.options = options
-        fd = os.memfd_create("vla_node_frames")
-        try:
-            os.ftruncate(fd, frame_bytes)
-            self.frames = mmap.mmap(fd, frame_bytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
+        self.frames: Optional[mmap.mmap] = None
         self._conn = None
         self._process = None
 
@@ -79,9 +74,6 @@ class EngineProcess:
                                     daemon=True)
         self._process.start()
         child.close()
-        reduction.send_handle(self._conn, self._fd, self._process.pid)
-        os.close(self._fd)   # the worker holds its own copy now; the mapping keeps the memory
-        self._fd = None
         deadline = time.monotonic() + timeout_s
         while True:
             if not self._conn.poll(0.5):
@@ -97,6 +89,19 @@ class EngineProcess:
                 raise EngineError(payload)
             elif kind == "ready":
                 return EngineInfo(pid=self._process.pid, **payload)
+
+    def share_frames(self, shape: tuple[int, ...]) -> mmap.mmap:
+        """After start(): the frame buffer (uint8 `shape`), mapped here and in the worker."""
+        nbytes = int(np.prod(shape))
+        fd = os.memfd_create("vla_node_frames")
+        try:
+            os.ftruncate(fd, nbytes)
+            self.frames = mmap.mmap(fd, nbytes)
+            self._conn.send(("frames", tuple(shape)))
+            reduction.send_handle(self._conn, fd, self._process.pid)
+        finally:
+            os.close(fd)   # the worker holds its own copy now; the mapping keeps the memory
+        return self.frames
 
     def _receive(self):
         try:
@@ -140,10 +145,9 @@ class EngineProcess:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        self.frames.close()
+        if self.frames is not None:
+            self.frames.close()
+            self.frames = None
 
 
 # -- the worker process -------------------------------------------------------------------------
@@ -160,10 +164,6 @@ def _die_with_parent() -> None:
 def _worker_main(conn, options: dict) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the node decides
-    fd = reduction.recv_handle(conn)
-    frames = mmap.mmap(fd, 0)
-    os.close(fd)
-    pixels = np.ndarray(options["ring_shape"], dtype=np.uint8, buffer=frames)
     if options["nice"]:
         os.nice(options["nice"])
     try:
@@ -171,6 +171,17 @@ def _worker_main(conn, options: dict) -> None:
     except Exception as e:   # every start-up failure becomes the configure transition's reason
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
+    try:
+        kind, shape = conn.recv()   # ("frames", shape) and the buffer's file descriptor, or "close"
+        fd = reduction.recv_handle(conn) if kind == "frames" else None
+    except (EOFError, OSError):
+        fd = None   # the node is gone
+    if fd is None:
+        engine.close()
+        return
+    frames = mmap.mmap(fd, 0)
+    os.close(fd)
+    pixels = np.ndarray(shape, dtype=np.uint8, buffer=frames)
     try:
         _serve(conn, engine, pixels)
     finally:
@@ -186,7 +197,7 @@ def _load_engine(conn, options: dict):
         torch.set_num_threads(options["threads"])
     from ..runtime import EngineConfig, PolicyEngine, WindowLayout
 
-    layout = WindowLayout(tuple(options["cameras"]), frames=options["frames"], stride=options["stride"])
+    layout = WindowLayout(tuple(options["cameras"]), frames=options["frames"])
     overrides = dict(preset=options["preset"], checkpoint=options["checkpoint"] or None, seed=options["seed"],
                      device=options["device"], dtype=options["dtype"], layout=layout,
                      camera_height=options["camera_height"], camera_width=options["camera_width"],
@@ -198,7 +209,8 @@ def _load_engine(conn, options: dict):
     engine.warmup()
     a = engine.model_cfg.action
     conn.send(("ready", dict(horizon=a.horizon, action_dim=a.action_dim, state_dim=a.state_dim,
-                             description=f"{engine.model_cfg.name} {options['mode']} on {engine.device}")))
+                             description=f"{engine.model_cfg.name} {options['mode']} on {engine.device}",
+                             history_offset_s=engine.history_offset_s)))
     return engine
 
 

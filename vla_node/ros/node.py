@@ -29,23 +29,25 @@ from rclpy.clock import Clock, ClockType, JumpThreshold
 from rclpy.duration import Duration
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.logging import LoggingSeverity
 from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, Float64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory
 
-from ..runtime.state_history import StateHistory
+from ..runtime import images
+from ..runtime.windows import InputError, JointStates, StampStep, Wait, WindowSpec, frames_to_keep
 from . import messages, params
 from .control import LATENCY_WINDOW, Plan, SafetyFilter
 from .diagnostics import Faults, Rolling, key_values, percentile_pairs
 from .engine_process import EngineError, EngineInfo, EngineProcess, Result
-from .frames import FrameRing, Wait, Window
-from .messages import InputError
+from .frames import FrameRing, Window
 
 STAGES = ("preprocess", "vision", "llm", "action", "total")
-# Faults the engine's next answer can clear: observations keep being sent while they are active.
-RETRY_SOURCES = {"engine", "output", "sync", "clock"}
+# Faults the engine's next answer or the next observation sent clears: observations keep being
+# sent while they are active.
+RETRY_SOURCES = {"engine", "output", "sync", "clock", "timeline"}
 STATS_WINDOW = 1000     # samples in each rolling statistic (20 s of ticks at 50 Hz)
 DIAGNOSTICS_PERIOD_S = 1.0
 
@@ -58,6 +60,8 @@ class Request:
     window: Window
     sent_at: float      # time.perf_counter()
     send_ms: float      # node time spent choosing the window and sending it
+    late_ticks: int = 0         # ticks it was sent after the plan ran low ...
+    late_because: str = ""      # ... and why (the inputs it waited for)
 
 
 class Decoder:
@@ -88,7 +92,7 @@ class Decoder:
                 if self._stop:
                     return
                 camera, msg = self._pending.popitem()
-            fill = messages.compressed_into if isinstance(msg, CompressedImage) else messages.image_into
+            fill = images.compressed_into if isinstance(msg, CompressedImage) else images.image_into
             self._ingest(camera, msg, fill)
 
     def close(self) -> None:
@@ -129,8 +133,9 @@ class VLANode(LifecycleNode):
         self._safety = self._make_safety()
         self._epoch = 0
         self._reset_control()
-        self._joints: Optional[tuple[np.ndarray, int]] = None   # newest (positions, received ns)
-        self._states = StateHistory()                            # recent positions by header stamp
+        self._joints = JointStates(self.settings.joint_names)   # recent samples per joint, by header stamp
+        self._timeline_ended = threading.Event()   # an input's stamps stepped back: the control loop resets
+        self._offset_s = 0.0                       # history offset in effect (set by configure)
         self._next_request_id = 0
         self._schedule_accepted = self.settings.action_cache
 
@@ -162,15 +167,18 @@ class VLANode(LifecycleNode):
         s = self.settings
         self.get_logger().info(f"configuring: {s.model_preset if not s.checkpoint else s.checkpoint} "
                                f"({s.engine_mode}, {s.device}, {s.dtype})")
-        shape = (len(s.camera_names), s.camera_height, s.camera_width, s.history_frames, s.history_stride)
         try:
-            self._engine = EngineProcess(self._engine_options(), FrameRing.nbytes(*shape))
+            self._engine = EngineProcess(self._engine_options())
             self._info = self._engine.start(s.engine_start_timeout_s, self.get_logger().info)
             self._check_model(self._info)
+            # The frame buffer holds the history span, whose length in time the checkpoint decides.
+            self._offset_s = s.history_offset_s or self._info.history_offset_s
+            slots = frames_to_keep(s.history_frames, self._offset_s, s.max_camera_rate_hz) + s.history_frames
+            shape = FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width, slots)
+            self._ring = FrameRing(list(s.camera_names), s.camera_height, s.camera_width, self._window_spec(), slots,
+                                   self._engine.share_frames(shape))
         except (EngineError, ValueError, OSError) as e:
             return self._fail_configure(str(e))
-        self._ring = FrameRing(list(s.camera_names), s.camera_height, s.camera_width, s.history_frames,
-                               s.history_stride, self._engine.frames)
         self._command_pub = self.create_lifecycle_publisher(Float64MultiArray, "~/command", 10)
         self._trajectory_pub = self.create_lifecycle_publisher(JointTrajectory, "~/joint_trajectory", 10)
         if s.publish_joint_command:
@@ -178,7 +186,9 @@ class VLANode(LifecycleNode):
         self._subscribe()
         self._configure_error = ""
         self._state = "inactive"
-        self.get_logger().info(f"configured: {self._info.description}, engine process {self._info.pid}")
+        source = "history_offset_s" if s.history_offset_s else "the checkpoint's"
+        self.get_logger().info(f"configured: {self._info.description}, engine process {self._info.pid}; frames "
+                               f"{self._offset_s:.3f} s apart ({source})")
         return super().on_configure(state)
 
     def _fail_configure(self, reason: str) -> TransitionCallbackReturn:
@@ -267,7 +277,7 @@ class VLANode(LifecycleNode):
             self._engine.close()
             self._engine = None
         self._info = None
-        self._forget_joints()
+        self._joints = JointStates(self.settings.joint_names)   # nothing heard yet
         self.faults.reset()
 
     def _reset_control(self) -> None:
@@ -282,6 +292,7 @@ class VLANode(LifecycleNode):
         self._latency_ticks = Rolling(LATENCY_WINDOW)
         self._wait: Optional[Wait] = None
         self._sync_wait_since: Optional[int] = None
+        self._late_since: Optional[int] = None     # tick since which an observation is due but waits
         self._last_window_seq: Optional[int] = None
         if self._ring is not None:
             self._ring.unpin()
@@ -292,10 +303,12 @@ class VLANode(LifecycleNode):
                     dtype=s.dtype, seed=s.seed, flow_steps=s.flow_steps,
                     max_instruction_tokens=s.max_instruction_tokens, camera_height=s.camera_height,
                     camera_width=s.camera_width, cameras=list(s.camera_names), frames=s.history_frames,
-                    stride=s.history_stride, action_cache=s.action_cache, streaming_kv=s.streaming_kv, fp8=s.fp8,
-                    threads=s.engine_threads, nice=s.engine_nice,
-                    ring_shape=FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width,
-                                                  s.history_frames, s.history_stride))
+                    action_cache=s.action_cache, streaming_kv=s.streaming_kv, fp8=s.fp8,
+                    threads=s.engine_threads, nice=s.engine_nice)
+
+    def _window_spec(self) -> WindowSpec:
+        s = self.settings
+        return WindowSpec.of(s.history_frames, self._offset_s, s.sync_slop_s, s.state_slop_s, s.wait_for_history)
 
     # -- inputs ---------------------------------------------------------------------------------
     def _subscribe(self) -> None:
@@ -320,8 +333,13 @@ class VLANode(LifecycleNode):
         ring = self._ring
         if ring is None:
             return
+        stamp, now = messages.stamp_ns(msg.header.stamp), self._now_ns()
         try:
-            ring.write(camera, messages.stamp_ns(msg.header.stamp), self._now_ns(), lambda out: fill(msg, out))
+            try:
+                ring.write(camera, stamp, now, lambda out: fill(msg, out))
+            except StampStep as step:   # the first frame of a new timeline: forget the old one, keep this
+                self._end_timeline(step)
+                ring.write(camera, stamp, now, lambda out: fill(msg, out))
         except InputError as e:
             self.faults.set(self._camera_source(camera), str(e))
             return
@@ -329,18 +347,40 @@ class VLANode(LifecycleNode):
         self.faults.clear(self._camera_source(camera))
 
     def _on_joint_state(self, msg: JointState) -> None:
+        """Samples of the configured joints, however the drivers split them into messages; a
+        message naming none of them (another robot part's driver) is not an error."""
+        stamp, now = messages.stamp_ns(msg.header.stamp), self._now_ns()
         try:
-            q = messages.joint_positions(msg, self.settings.joint_names)
+            try:
+                named = self._joints.add(stamp, msg.name, msg.position, now)
+            except StampStep as step:   # the first message of a new timeline: forget the old one, keep this
+                self._end_timeline(step)
+                named = self._joints.add(stamp, msg.name, msg.position, now)
         except InputError as e:
             self.faults.set("joint_states", str(e))
             return
-        self._joints = (q, self._now_ns())
-        self._states.add(messages.stamp_ns(msg.header.stamp), q)
-        self.faults.clear("joint_states")
+        if named:
+            self.faults.clear("joint_states")
 
-    def _forget_joints(self) -> None:
-        self._joints = None
-        self._states.clear()
+    def _end_timeline(self, step: StampStep) -> None:
+        """An input's stamps stepped back (any thread): a recorded simulation reset, an NTP
+        step, a restarted driver. Every stored frame and joint state belongs to the old timeline
+        and is forgotten at once; the control loop drops the plan and the chunk in flight on its
+        next tick. Observations resume with inputs that all arrived after the step."""
+        if self._ring is not None:
+            self._ring.clear()
+        self._joints.clear()
+        self._timeline_ended.set()
+        self.faults.set("timeline", f"{step}: inputs and plan discarded, resuming with inputs stamped after it")
+
+    def _drop_old_timeline(self) -> None:
+        """The control loop's part of _end_timeline and of a clock jump: forget the plan, drop the
+        chunk in flight, and the engine's stream state (a frame of the new timeline may carry a
+        stamp it has cached another picture under)."""
+        if self._engine is not None:
+            self._engine.reset_stream()
+        self._plan.clear()
+        self._epoch += 1
 
     def _on_instruction(self, msg: String) -> None:
         text = msg.data.strip()
@@ -365,14 +405,12 @@ class VLANode(LifecycleNode):
         picture under); the next complete window clears it."""
         if self._ring is not None:
             self._ring.clear()
-        if self._engine is not None:
-            self._engine.reset_stream()
-        self._forget_joints()
+        self._joints.clear()
+        self._drop_old_timeline()
         # A restarted simulation has moved the robot: the hold restarts from its next measured
-        # position, not from the last command of the old timeline.
+        # position, not from the last command of the old timeline. (Stamps stepping back without
+        # a clock jump keep the last command: every command stays within max_step_per_tick.)
         self._last_command = None
-        self._plan.clear()
-        self._epoch += 1
         self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "
                                  f"inputs and plan discarded")
 
@@ -383,18 +421,26 @@ class VLANode(LifecycleNode):
         for camera, received in ages:
             source = self._camera_source(camera)
             self._check_age(f"{source} stale", source, received, now_ns, timeout_ns, active)
-        received = self._joints[1] if self._joints is not None else None
-        self._check_age("joint_states stale", "joint_states", received, now_ns, timeout_ns, active)
+        # Per joint: a gripper published apart from the arm may fall silent alone.
+        received = self._joints.received_ns()
+        silent = [name for name, r in zip(self.settings.joint_names, received)
+                  if now_ns - (r if r is not None else self._activated_ns) > timeout_ns]
+        oldest = None if None in received else min(received)
+        hint = f"; the latest message named only {list(self._joints.unknown)[:8]}" \
+            if self._joints.unknown and len(silent) == len(received) else ""
+        self._check_age("joint_states stale", "joint_states", oldest, now_ns, timeout_ns, active,
+                        f"no joint state for {silent} for more than {self.settings.input_timeout_s:g} s "
+                        f"(input_timeout_s){hint}" if silent else "")
 
     def _check_age(self, source: str, input_source: str, received: Optional[int], now_ns: int, timeout_ns: int,
-                   active: set) -> None:
+                   active: set, reason: str = "") -> None:
         # A broken input already holds with its own reason; silence is reported only for the
         # rest, and only once it lasts longer than the timeout (at start-up too).
         if received is None:
             received = self._activated_ns
         if input_source not in active and now_ns - received > timeout_ns:
-            self.faults.set(source, f"no {input_source} input for more than {self.settings.input_timeout_s:g} s "
-                                    f"(input_timeout_s)")
+            self.faults.set(source, reason or f"no {input_source} input for more than "
+                                              f"{self.settings.input_timeout_s:g} s (input_timeout_s)")
         elif source in active and now_ns - received <= timeout_ns:
             self.faults.clear(source)
 
@@ -405,6 +451,9 @@ class VLANode(LifecycleNode):
         now_ns = self._now_ns()
         if self._tick == 1:
             self._activated_ns = now_ns
+        if self._timeline_ended.is_set():
+            self._timeline_ended.clear()
+            self._drop_old_timeline()
         self._check_input_ages(now_ns)
         blocked = self._blocking_cause()
         if blocked is not None and self._blocked is None:
@@ -435,18 +484,29 @@ class VLANode(LifecycleNode):
         if self._plan.actions is not None:   # there was a plan and it ran out before the next chunk
             self._counts["plan_underruns"] += 1
             self._plan.clear()
-            self.get_logger().warning("plan ran out before the next chunk: inference slower than "
-                                      "replan_threshold ticks allow", throttle_duration_sec=5.0)
+            self.get_logger().warning(f"plan ran out before the next chunk: {self._underrun_cause()}",
+                                      throttle_duration_sec=5.0)
         if self._wait is not None:
             return self._wait.reason
         return "waiting for a chunk"
 
+    def _underrun_cause(self) -> str:
+        """Why the next chunk is not here: the inputs an observation waited for, or inference."""
+        request = self._in_flight
+        if request is None:
+            return f"no observation could be sent: {self._wait.reason}" if self._wait else \
+                "no observation was sent since the last chunk"
+        if request.late_ticks:
+            return f"its observation was sent {request.late_ticks} ticks late: {request.late_because}"
+        return (f"inference slower than replan_threshold ticks allow (in flight for {self._tick - request.tick} "
+                f"ticks)")
+
     def _publish_command(self, target: Optional[np.ndarray]) -> None:
         previous = self._last_command
         if previous is None:
-            if self._joints is None:
-                return     # nothing known about the robot yet: publishing anything would be a guess
-            previous = self._joints[0]
+            previous = self._joints.newest()
+            if previous is None:
+                return     # not every joint known yet: publishing anything would be a guess
         command = self._safety(previous if target is None else target, previous)
         self._last_command = command
         self._command_pub.publish(messages.command_msg(command))
@@ -537,29 +597,31 @@ class VLANode(LifecycleNode):
             return
         if self._plan.remaining(self._tick) > s.replan_threshold:
             return
-        if self.faults.sources() - RETRY_SOURCES or not s.instruction.strip() or self._joints is None:
-            self._sync_wait_since = None
+        if self.faults.sources() - RETRY_SOURCES or not s.instruction.strip():
+            self._sync_wait_since = self._late_since = None
             return
         t0 = time.perf_counter()
-        window = self._ring.take_window(int(s.sync_slop_s * 1e9))
-        state = window if isinstance(window, Wait) else self._observed_state(window.stamp_ns)
-        if isinstance(state, Wait):
-            if not isinstance(window, Wait):
-                self._ring.unpin()
-            self._wait = state
-            self._watch_sync(state, now_ns)
+        window = self._ring.take_window(self._observed_state)
+        if isinstance(window, Wait):
+            self._wait = window
+            if self._late_since is None:
+                self._late_since = self._tick
+            self._watch_sync(window, now_ns)
             return
+        late_ticks = self._tick - self._late_since if self._late_since is not None else 0
+        late_because = self._wait.reason if late_ticks and self._wait is not None else ""
         self._wait = None
-        self._sync_wait_since = None
+        self._sync_wait_since = self._late_since = None
         self.faults.clear("sync")
         self.faults.clear("clock")
+        self.faults.clear("timeline")   # every input of this window arrived after the step
         if self._last_window_seq is not None and window.seq > self._last_window_seq + 1:
             self._counts["observations_dropped"] += window.seq - self._last_window_seq - 1
         self._last_window_seq = window.seq
-        request = Request(self._next_request_id, self._tick, self._epoch, window, 0.0, 0.0)
+        request = Request(self._next_request_id, self._tick, self._epoch, window, 0.0, 0.0, late_ticks, late_because)
         self._next_request_id += 1
         try:
-            self._engine.submit(request.id, window.slots, window.frame_ids, state.astype(np.float32),
+            self._engine.submit(request.id, window.slots, window.frame_ids, window.state.astype(np.float32),
                                 s.instruction.strip(), window.stamp_ns / 1e9)
         except OSError as e:
             self._ring.unpin()
@@ -569,21 +631,20 @@ class VLANode(LifecycleNode):
         request.send_ms = (request.sent_at - t0) * 1e3
         self._in_flight = request
         self._counts["requests"] += 1
+        if self.get_logger().is_enabled_for(LoggingSeverity.DEBUG):   # what the policy is shown, for replays
+            self.get_logger().debug(f"observation {request.id}: frames {window.frame_ids} state "
+                                    f"{window.state.tolist()} stamped {window.state_stamps_ns.tolist()}")
 
-    def _observed_state(self, frame_stamp_ns: int):
-        """The robot state for a window whose newest frame has this stamp, or why there is none
-        (a Wait: out of step, a fault once it lasts longer than input_timeout_s). A joint state
-        has arrived (the caller checks), so the history is not empty."""
+    def _observed_state(self, frame_stamp_ns: int) -> tuple[np.ndarray, np.ndarray] | Wait:
+        """(positions, their stamps) [joints] for a window whose newest frame has this stamp, or
+        why there is none (a Wait: out of step, a fault once it lasts longer than input_timeout_s)."""
         s = self.settings
-        if s.state_sync == "newest":
-            return self._joints[0]
-        offset_ns, state = self._states.nearest(frame_stamp_ns)
-        if abs(offset_ns) <= s.state_slop_s * 1e9:
-            return state
-        # No number that changes from call to call in the text: a fault is logged again when it changes.
-        return Wait(f"no joint state stamped within state_slop_s ({s.state_slop_s * 1e3:g} ms) of the frames, the "
-                    f"nearest is {'before' if offset_ns < 0 else 'after'} them: are the cameras and joint_states "
-                    f"stamped on one clock? (state_sync newest ignores stamps)", sync=True)
+        if s.state_sync == "frame":
+            return self._joints.at(frame_stamp_ns, int(s.state_slop_s * 1e9))
+        newest = self._joints.newest()
+        if newest is None:
+            return Wait("no joint state for every joint of joint_names yet", sync=False, lacks="state")
+        return newest, np.zeros(len(newest), np.int64)
 
     def _watch_sync(self, wait: Wait, now_ns: int) -> None:
         """Inputs out of step are a fault once it lasts longer than input_timeout_s; history
@@ -630,6 +691,8 @@ class VLANode(LifecycleNode):
             self._safety = self._make_safety()
         if "instruction" in names:
             self.faults.clear("instruction")
+        if names & {"sync_slop_s", "state_slop_s", "wait_for_history"} and self._ring is not None:
+            self._ring.spec = self._window_spec()
         if "action_cache" in names and self._engine is not None and new.action_cache != self._schedule_accepted:
             self._engine.set_action_cache(new.action_cache)
 
@@ -655,6 +718,7 @@ class VLANode(LifecycleNode):
 
     def _on_diagnostics_timer(self) -> None:
         """Diagnostics when no control tick sends them (inactive, or a paused simulation)."""
+        self.faults.flush()
         if self._loop_period.newest() is None or time.perf_counter() - self._loop_period.newest() > 0.5:
             self._publish_diagnostics()
 
@@ -731,8 +795,8 @@ class VLANode(LifecycleNode):
         pairs = []
         for name, received in zip(self.settings.camera_names, self._ring.newest_received_ns()):
             pairs.append((f"input_age_s.{name}", (now - received) / 1e9 if received is not None else "never"))
-        pairs.append(("input_age_s.joint_states",
-                      (now - self._joints[1]) / 1e9 if self._joints is not None else "never"))
+        received = self._joints.received_ns()   # the joint heard from longest ago
+        pairs.append(("input_age_s.joint_states", (now - min(received)) / 1e9 if None not in received else "never"))
         return pairs
 
 

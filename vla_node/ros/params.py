@@ -15,9 +15,9 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from ..model.config import PRESETS
 from ..runtime.action_cache import FlowSchedule
 from ..runtime.types import MODES
+from ..runtime.windows import MAX_CAMERA_RATE_HZ, PANDA_JOINTS, STATE_SLOP_S, SYNC_SLOP_S
 
 # Franka Panda (the DROID robot): 7 arm joints (rad) and the gripper opening in [0, 1].
-PANDA_JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
 PANDA_LOWER = [-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0]
 PANDA_UPPER = [2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0]
 # Per 20 ms tick: ~2.5 rad/s for the arm joints, the full gripper range in 0.1 s.
@@ -92,10 +92,16 @@ SPECS: dict[str, Spec] = {
     "camera_width": Spec(640, "camera image width in pixels", read_only=True, range=(1, 8192)),
     "history_frames": Spec(2, "frames per camera in one observation: the newest and history_frames - 1 older",
                            read_only=True, range=(1, 16)),
-    "history_stride": Spec(8, "camera frames between consecutive history frames (t - k * stride)",
-                           read_only=True, range=(1, 256)),
-    "joint_names": Spec(PANDA_JOINTS, "joints of the state and the action, in model order; joint states are "
-                                      "reordered to this", read_only=True),
+    "history_offset_s": Spec(0.0, "seconds between the frame times of one observation (t, t - offset, ...), "
+                                  "whatever the camera rate; 0: the checkpoint's (its obs_step_delta at its "
+                                  "training control rate; 8/15 s for random weights)", read_only=True,
+                             range=(0.0, 60.0)),
+    "max_camera_rate_hz": Spec(MAX_CAMERA_RATE_HZ, "camera frame rate the frame buffer is sized for (the history "
+                                                   "span at this rate); a faster camera's history is thinned evenly",
+                               read_only=True, range=(1.0, 1000.0)),
+    "joint_names": Spec(list(PANDA_JOINTS), "joints of the state and the action, in model order; joint states "
+                                            "are assembled to this by name, from one message or several",
+                        read_only=True),
     "joint_states_topic": Spec("/joint_states", "sensor_msgs/JointState input", read_only=True),
     "instruction_topic": Spec("/instruction", "std_msgs/String input; sets the instruction parameter",
                               read_only=True),
@@ -113,13 +119,17 @@ SPECS: dict[str, Spec] = {
     "blend_steps": Spec(4, "rtc: steps after the frozen ones over which the old plan fades out",
                         range=(0, 1024)),
     "average_weight": Spec(0.5, "average: weight of the new chunk over the overlap", range=(0.0, 1.0)),
-    "sync_slop_s": Spec(0.02, "largest stamp difference between frames of different cameras in one "
-                              "observation", range=(0.0, 10.0)),
-    "state_sync": Spec("frame", "robot state given to the policy: frame (the joint state stamped nearest the "
-                                "observation's newest frame, within state_slop_s) or newest (the newest joint "
-                                "state at inference time, stamps ignored)"),
-    "state_slop_s": Spec(0.05, "state_sync frame: largest stamp difference between that joint state and the frame",
-                         range=(0.0, 10.0)),
+    "wait_for_history": Spec(False, "false: while a history frame does not exist (episode start, a camera gap, "
+                                    "a restarted timeline) send the newest frame times only, as the policy's own "
+                                    "inference wrapper does; true: hold until every history frame exists"),
+    "sync_slop_s": Spec(SYNC_SLOP_S, "largest stamp difference between frames of different cameras in one "
+                                     "observation", range=(0.0, 10.0)),
+    "state_sync": Spec("frame", "robot state given to the policy, assembled per joint by name across joint "
+                                "state messages: frame (each joint's sample stamped nearest the observation's "
+                                "newest frame, within state_slop_s) or newest (each joint's newest sample at "
+                                "inference time, stamps ignored)"),
+    "state_slop_s": Spec(STATE_SLOP_S, "state_sync frame: largest stamp difference between each joint's sample "
+                                       "and the frame", range=(0.0, 10.0)),
     "input_timeout_s": Spec(0.5, "hold when a camera or the joint states are silent for longer",
                             range=(0.001, 60.0)),
     "joint_lower_limits": Spec(PANDA_LOWER, "lower command limit per joint (joint_names order)"),
@@ -157,7 +167,8 @@ class Settings:
     camera_height: int
     camera_width: int
     history_frames: int
-    history_stride: int
+    history_offset_s: float
+    max_camera_rate_hz: float
     joint_names: tuple
     joint_states_topic: str
     instruction_topic: str
@@ -169,6 +180,7 @@ class Settings:
     handover: str
     blend_steps: int
     average_weight: float
+    wait_for_history: bool
     sync_slop_s: float
     state_sync: str
     state_slop_s: float

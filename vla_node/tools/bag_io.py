@@ -16,8 +16,7 @@ import shutil
 import sqlite3
 import struct
 import tempfile
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -25,12 +24,12 @@ import apsw
 import cv2
 import numpy as np
 from rosbags.highlevel import AnyReader, AnyReaderError
-from rosbags.image import ImageError, image_to_cvimage
-from rosbags.rosbag2 import ReaderError, StoragePlugin, Writer
+from rosbags.rosbag2 import CompressionFormat, CompressionMode, ReaderError, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
 
-from ..runtime import Observation, WindowLayout
-from ..runtime.state_history import StateHistory
+from ..runtime import Observation, WindowLayout, images
+from ..runtime.windows import (MAX_CAMERA_RATE_HZ, PANDA_JOINTS, STATE_SLOP_S, SYNC_SLOP_S, InputError, JointStates,
+                               StampStep, Wait, WindowSpec, evict, frames_to_keep, pick_window, window_at)
 
 # Kilted's message definitions; bags that embed their own definitions are read with those.
 TYPESTORE = get_typestore(Stores.ROS2_KILTED)
@@ -48,6 +47,7 @@ CLOCK = "rosgraph_msgs/msg/Clock"
 CAMERA_TOPICS = ("/cameras/exo/image_raw", "/cameras/wrist/image_raw")
 JOINT_STATES_TOPIC = "/joint_states"
 INSTRUCTION_TOPIC = "/instruction"
+CLOCK_TOPIC = "/clock"
 # Reference actions: one JointTrajectory per camera frame, stamped with that frame's stamp,
 # point k = action k of the chunk (a demonstration's next actions, or a recorded node's output).
 REFERENCE_TOPIC = "/reference/joint_trajectory"
@@ -55,11 +55,8 @@ REFERENCE_TOPIC = "/reference/joint_trajectory"
 # stamped with the tick's time; its positions are the target held from that tick to the next.
 DEMO_COMMAND_TOPIC = "/expert/joint_command"
 COMPRESSED_SUFFIX = "/compressed"
-# The node's frame synchronisation (vla_node/ros/frames.py): other cameras' frames within this
-# many seconds of the first camera's, from a few frames kept beyond the history span.
-SYNC_SLOP_S = 0.02
-STATE_SLOP_S = 0.05
-SYNC_MARGIN = 2
+# The node's default joint_names, sync_slop_s, state_slop_s and max_camera_rate_hz (vla_node.runtime.windows).
+JOINT_NAMES = PANDA_JOINTS
 
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 STORAGE_SUFFIXES = {".mcap": "mcap", ".db3": "sqlite3"}
@@ -90,10 +87,16 @@ def header_msg(ns: int, frame_id: str = ""):
 
 
 # -- messages the tools write (rosbags objects, serialised with rosbags) ------------------------
-def image_msg(rgb: np.ndarray, ns: int, frame_id: str = ""):
+def image_msg(rgb: np.ndarray, ns: int, frame_id: str = "", encoding: str = "rgb8"):
+    """An rgb8 or bgr8 sensor_msgs/Image of an HxWx3 RGB array."""
     height, width = rgb.shape[:2]
-    return TYPESTORE.types[IMAGE](header=header_msg(ns, frame_id), height=height, width=width, encoding="rgb8",
-                                  is_bigendian=0, step=width * 3, data=np.ascontiguousarray(rgb).reshape(-1))
+    pixels = {"rgb8": rgb, "bgr8": rgb[..., ::-1]}[encoding]
+    return TYPESTORE.types[IMAGE](header=header_msg(ns, frame_id), height=height, width=width, encoding=encoding,
+                                  is_bigendian=0, step=width * 3, data=np.ascontiguousarray(pixels).reshape(-1))
+
+
+def clock_msg(ns: int):
+    return TYPESTORE.types[CLOCK](clock=time_msg(ns))
 
 
 def compressed_image_msg(rgb: np.ndarray, ns: int, frame_id: str = "", quality: int = 85):
@@ -143,17 +146,12 @@ def canonical_cdr(raw: bytes, msgtype: str) -> bytes:
 
 
 def decode_image(msg, topic: str) -> np.ndarray:
-    """sensor_msgs Image or CompressedImage -> HxWx3 uint8 RGB."""
-    if hasattr(msg, "format"):   # CompressedImage: JPEG / PNG
-        bgr = cv2.imdecode(np.asarray(msg.data, np.uint8), cv2.IMREAD_COLOR)
-        if bgr is None:
-            raise BagError(f"{topic}: cannot decode a compressed image of format {msg.format!r}")
-        return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    """sensor_msgs Image or CompressedImage -> HxWx3 uint8 RGB, converted as the node does
+    (vla_node.runtime.images)."""
     try:
-        rgb = image_to_cvimage(msg, "rgb8")
-    except (ImageError, ValueError, TypeError) as err:
-        raise BagError(f"{topic}: cannot use an image of encoding {msg.encoding!r}: {err}") from None
-    return np.ascontiguousarray(rgb, dtype=np.uint8)
+        return images.decode(msg)
+    except InputError as err:
+        raise BagError(f"{topic}: cannot use this image: {err}") from None
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -162,7 +160,9 @@ class BagWriter:
     file (the bag directory's metadata.yaml is not needed to read it); any other path is a
     rosbag2 directory in `storage` format."""
 
-    def __init__(self, path: str | Path, storage: str = "mcap"):
+    def __init__(self, path: str | Path, storage: str = "mcap", compress: bool = False):
+        """compress: zstd-compressed chunks in an mcap file (bags shipped in the repository);
+        sqlite3 stores messages as they are."""
         self.path = Path(path)
         if self.path.exists():
             raise BagError(f"{self.path} exists already; not overwriting")
@@ -177,6 +177,8 @@ class BagWriter:
         if storage not in STORAGES:
             raise BagError(f"unknown storage {storage!r}; known: {sorted(STORAGES)}")
         self._writer = Writer(directory, version=Writer.VERSION_LATEST, storage_plugin=STORAGES[storage])
+        if compress and storage == "mcap":
+            self._writer.set_compression(CompressionMode.STORAGE, CompressionFormat.ZSTD)
         self._writer.open()
         self._connections = {}
 
@@ -538,136 +540,177 @@ def read_references(bag: Bag, topic: str) -> dict[int, np.ndarray]:
 
 @dataclass
 class BagFrame:
-    """One query: what a node would have seen when the first camera's frame arrived."""
+    """One query: the observation the node would send if it sent one at `log_time_ns`."""
     index: int                  # 0-based count of queries
     observation: Observation
-    log_time_ns: int            # when the first camera's frame was recorded
-    stamp_ns: int               # its header stamp (the observation's stamp)
+    log_time_ns: int            # when the message that completed its window was recorded
+    stamp_ns: int               # the header stamp of its newest frame (the observation's stamp)
+    state_stamps_ns: np.ndarray  # [joints] the header stamp of each joint's sample
+    new_timeline: bool = False  # the first query after stamps stepped back: frame ids may repeat older ones
 
 
 @dataclass
 class StreamStats:
+    """What became of each frame of the first camera that was not queried, and more."""
     first_camera_frames: int = 0
-    frames_without_history: int = 0       # too early for the layout's history frames
+    partial_history: int = 0              # queries with fewer frame times than the layout (history not there yet)
+    frames_without_history: int = 0       # wait_for_history: its history frames were missing
     frames_without_sync: int = 0          # another camera has no frame within sync_slop_s
-    frames_without_state: int = 0         # no joint state within state_slop_s of the frame yet
+    frames_without_state: int = 0         # a joint has no sample within state_slop_s of the frame
     frames_without_instruction: int = 0   # no instruction yet
+    frames_superseded: int = 0            # a newer frame's window completed with it (a late joint state)
+    timeline_restarts: int = 0            # an input's stamps stepped back: every input before was dropped
+    joint_states_refused: int = 0         # malformed joint state messages skipped
+
+
+# Wait.lacks -> the StreamStats field that counts frames skipped for it
+_SKIPPED = {"history": "frames_without_history", "camera": "frames_without_sync", "state": "frames_without_state"}
+
+
+@dataclass
+class _Camera:
+    input: CameraInput
+    stamps: list[int] = field(default_factory=list)        # kept frames, oldest first
+    images: list[np.ndarray] = field(default_factory=list)
 
 
 class ObservationStream:
-    """A bag's messages -> Observations, one per frame of the layout's first camera.
+    """A bag's messages -> Observations, the way the node forms them (vla_node.runtime.windows).
 
-    Causal and synchronised like the node (vla_node/ros/frames.py): at each frame of the first
-    camera, once its history frames (t - k * stride of its own frames) are there, every other
-    camera contributes the frame nearest in stamp to each of them among the frames received so
-    far, within sync_slop_s; then the joint state stamped nearest that frame among those received
-    so far, within state_slop_s (vla_node.runtime.state_history, as the node), and the latest
-    instruction. Frames that cannot
-    make a query yet are skipped and counted in stats."""
+    Messages are taken in recorded order. After each frame and joint state, the newest complete
+    window is formed from the frames and joint states received so far, exactly as the node
+    forms one when its plan runs low; each window with a newer first-camera frame than the last
+    one is a query (with the latest instruction). Frames of the first camera never queried are
+    counted in stats by why; a source whose stamps step back restarts everything, as in the
+    node. Joint states are reordered by name to `joint_names` (other joints are ignored)."""
 
-    def __init__(self, bag: Bag, inputs: BagInputs, layout: WindowLayout, state_dim: int,
-                 joint_names: Optional[Sequence[str]] = None, instruction: Optional[str] = None,
-                 every: int = 1, max_frames: Optional[int] = None, sync_slop_s: float = SYNC_SLOP_S,
-                 state_slop_s: float = STATE_SLOP_S):
+    def __init__(self, bag: Bag, inputs: BagInputs, layout: WindowLayout, history_offset_s: float,
+                 joint_names: Sequence[str] = JOINT_NAMES, instruction: Optional[str] = None, every: int = 1,
+                 max_frames: Optional[int] = None, sync_slop_s: float = SYNC_SLOP_S,
+                 state_slop_s: float = STATE_SLOP_S, wait_for_history: bool = False,
+                 max_camera_rate_hz: float = MAX_CAMERA_RATE_HZ):
         if tuple(c.name for c in inputs.cameras) != tuple(layout.cameras):
             raise BagError(f"bag cameras {[c.name for c in inputs.cameras]} do not match the layout's {layout.cameras}")
         if inputs.instruction is None and instruction is None:
             raise BagError("no instruction: the bag has no instruction topic and none was given")
         self.bag, self.inputs, self.layout = bag, inputs, layout
-        self.state_dim = state_dim
-        self.joint_names = list(joint_names) if joint_names else None
+        self.joint_names = tuple(joint_names)
+        self.spec = WindowSpec.of(layout.frames, history_offset_s, sync_slop_s, state_slop_s, wait_for_history)
+        # As many frames as the node's frame buffer holds.
+        self.capacity = frames_to_keep(layout.frames, history_offset_s, max_camera_rate_hz) + layout.frames
         self.fixed_instruction = instruction
         self.every = max(1, every)
         self.max_frames = max_frames
-        self.slop_ns = int(sync_slop_s * 1e9)
-        self.state_slop_ns = int(state_slop_s * 1e9)
         self.stats = StreamStats()
-
-    def _state(self, msg) -> np.ndarray:
-        positions = np.asarray(msg.position, np.float64)
-        if self.joint_names is not None:
-            index = {n: i for i, n in enumerate(msg.name)}
-            missing = [n for n in self.joint_names if n not in index]
-            if missing:
-                raise BagError(f"{self.inputs.joint_states}: joints {missing} not in the message ({list(msg.name)})")
-            positions = positions[[index[n] for n in self.joint_names]]
-        if positions.shape != (self.state_dim,):
-            raise BagError(f"{self.inputs.joint_states}: {positions.size} joint positions, the model's state has "
-                           f"{self.state_dim} (choose joints with --joint-names)")
-        return positions.astype(np.float32)
-
-    def _window(self, history: dict[str, deque]) -> Optional[list[tuple[CameraInput, tuple[int, np.ndarray]]]]:
-        """(camera, (stamp_ns, rgb)) per slot, oldest frame of every camera first; None if some
-        camera has no frame within the slop of one of the first camera's frames."""
-        cameras, layout = self.inputs.cameras, self.layout
-        first = history[cameras[0].topic]
-        rows = []
-        for k in range(layout.frames):
-            anchor = first[k * layout.stride]   # index 0 of a full deque is t - (frames - 1) * stride
-            row = [(cameras[0], anchor)]
-            for camera in cameras[1:]:
-                frames = history[camera.topic]
-                nearest = min(frames, key=lambda f: abs(f[0] - anchor[0]), default=None)
-                if nearest is None or abs(nearest[0] - anchor[0]) > self.slop_ns:
-                    return None
-                row.append((camera, nearest))
-            rows += row
-        return rows
+        self.last_wait: Optional[Wait] = None   # why the last window attempt failed
 
     def __iter__(self) -> Iterator[BagFrame]:
-        layout, cameras = self.layout, self.inputs.cameras
-        span = (layout.frames - 1) * layout.stride + 1
-        first = cameras[0].topic
-        # Other cameras keep a margin: their frame nearest to the oldest anchor may precede it.
-        history = {c.topic: deque(maxlen=span if c.topic == first else span + SYNC_MARGIN) for c in cameras}
-        states = StateHistory()
+        cameras = [_Camera(c) for c in self.inputs.cameras]
+        by_topic = {c.input.topic: c for c in cameras}
+        names = [c.input.name for c in cameras]
+        joints = JointStates(self.joint_names)
+        slop_ns = self.spec.state_slop_ns
         instruction = self.fixed_instruction
-        queries = 0
-        decoded = set()   # topics with a good message: a bad one after that is damage, not a wrong type
+        queries = candidates = 0
+        done = None        # stamp of the first camera's newest frame settled: queried or skipped
+        decoded = set()    # topics with a good message: a bad one after that is damage, not a wrong type
+        ref = cameras[0]
+
+        def skip_until(r: int) -> None:
+            """Count the first camera's frames after `done` and before frame r as skipped, by why;
+            frame r is settled then."""
+            nonlocal done
+            stamps = [c.stamps for c in cameras]
+            for i in range(r):
+                if done is not None and ref.stamps[i] <= done:
+                    continue
+                rows = window_at(stamps, names, i, self.spec)
+                wait = rows if isinstance(rows, Wait) else joints.at(ref.stamps[i], slop_ns)
+                field_name = _SKIPPED[wait.lacks] if isinstance(wait, Wait) else "frames_superseded"
+                setattr(self.stats, field_name, getattr(self.stats, field_name) + 1)
+            if r < len(ref.stamps):
+                done = ref.stamps[r]
+
+        new_timeline = False
+
+        def restart() -> None:
+            nonlocal done, new_timeline
+            new_timeline = True
+            skip_until(len(ref.stamps))
+            for c in cameras:
+                c.stamps.clear()
+                c.images.clear()
+            joints.clear()
+            done = None
+            self.stats.timeline_restarts += 1
+
         for topic, msgtype, time_ns, raw in self.bag.messages(self.inputs.topics):
             try:
                 msg = self.bag.deserialize(raw, msgtype, topic)
-                image = decode_image(msg, topic) if topic in history else None
+                image = decode_image(msg, topic) if topic in by_topic else None
             except BagError as err:
                 if topic not in decoded:
                     raise
                 self.bag.mark_damaged(str(err))
-                return
+                break
             decoded.add(topic)
-            if topic == self.inputs.joint_states:
-                states.add(stamp_ns(msg.header.stamp), self._state(msg))
-                continue
             if topic == self.inputs.instruction:
                 instruction = msg.data
                 continue
-            history[topic].append((stamp_ns(msg.header.stamp), image))
-            if topic != first:
+            stamp = stamp_ns(msg.header.stamp)
+            try:
+                if topic == self.inputs.joint_states:
+                    try:
+                        joints.add(stamp, msg.name, msg.position, source=topic)
+                    except StampStep:   # the first message of a new timeline: forget the old one, keep this
+                        restart()
+                        joints.add(stamp, msg.name, msg.position, source=topic)
+                else:
+                    camera = by_topic[topic]
+                    if camera.stamps and stamp < camera.stamps[-1]:
+                        restart()
+                    if camera.stamps and stamp == camera.stamps[-1]:
+                        continue   # a repeated frame: the node refuses it too
+                    self._keep(camera, stamp, image)
+                    if camera is ref:
+                        self.stats.first_camera_frames += 1
+            except InputError:
+                self.stats.joint_states_refused += 1
                 continue
-            self.stats.first_camera_frames += 1
-            if len(history[first]) < span:
-                self.stats.frames_without_history += 1
+            picked = pick_window([c.stamps for c in cameras], names, self.spec,
+                                 lambda t: joints.at(t, slop_ns))
+            if isinstance(picked, Wait):
+                self.last_wait = picked
                 continue
-            slots = self._window(history)
-            if slots is None:
-                self.stats.frames_without_sync += 1
+            r, rows, (positions, state_stamps) = picked
+            if done is not None and ref.stamps[r] <= done:
                 continue
-            newest = history[first][-1][0]
-            nearest = states.nearest(newest)
-            if nearest is None or abs(nearest[0]) > self.state_slop_ns:
-                self.stats.frames_without_state += 1
-                continue
-            state = nearest[1]
+            skip_until(r)
             if instruction is None:
                 self.stats.frames_without_instruction += 1
                 continue
-            if (self.stats.first_camera_frames - 1) % self.every:
+            candidates += 1
+            if (candidates - 1) % self.every:
                 continue
-            observation = Observation(images=[rgb for _, (_, rgb) in slots], state=state, instruction=instruction,
-                                      stamp=newest / 1e9, frame_ids=[(c.name, ns) for c, (ns, _) in slots])
-            yield BagFrame(index=queries, observation=observation, log_time_ns=time_ns, stamp_ns=newest)
+            self.stats.partial_history += len(rows) < self.layout.frames
+            slots = [(names[c], cameras[c].stamps[i], cameras[c].images[i]) for row in rows for c, i in enumerate(row)]
+            observation = Observation(images=[img for _, _, img in slots], state=positions.astype(np.float32),
+                                      instruction=instruction, stamp=ref.stamps[r] / 1e9,
+                                      frame_ids=[(name, t) for name, t, _ in slots])
+            yield BagFrame(index=queries, observation=observation, log_time_ns=time_ns, stamp_ns=ref.stamps[r],
+                           state_stamps_ns=state_stamps, new_timeline=new_timeline)
+            new_timeline = False
             queries += 1
             if self.max_frames is not None and queries >= self.max_frames:
                 return
+        skip_until(len(ref.stamps))
+
+    def _keep(self, camera: _Camera, stamp: int, image: np.ndarray) -> None:
+        if len(camera.stamps) >= self.capacity:
+            i = evict(camera.stamps, [False] * len(camera.stamps), self.spec.span_ns)
+            del camera.stamps[i], camera.images[i]
+        camera.stamps.append(stamp)
+        camera.images.append(image)
 
 
 def image_shape(bag: Bag, inputs: BagInputs) -> tuple[int, int]:

@@ -5,7 +5,10 @@ the package, in about a minute.
   2. replays vla_node/data/sample_droid.mcap into it in recorded timing, records everything it
      publishes, and prints chunks, command rate and jitter, latency per stage and holds;
   3. replays the same bag offline through two engine configurations on the same noise: how
-     far their actions are apart, and how fast each is.
+     far their actions are apart, and how fast each is; then vla_node/data/sample_quirks.mcap,
+     the same scene as real robots record it (30 Hz jpeg + bgr8 cameras with jitter, a camera
+     dropout, arm and gripper in separate shuffled joint states, an instruction change, stamps
+     stepping back), through the first configuration: what became of each frame.
 
 Plots, the recording and JSON summaries go to out/demo/. The demo keeps to a ROS domain of its
 own: ROS_DOMAIN_ID if set, else a random one.
@@ -23,7 +26,7 @@ from typing import Callable, Optional
 
 from .live import LiveOptions, print_summary, replay_live
 from .node_process import interrupt, node_argv, ros_environment
-from .sample_bag import SAMPLE_BAG
+from .sample_bag import QUIRKS_BAG, SAMPLE_BAG
 
 Print = Callable[[str], None]
 NODE = "/vla_node"
@@ -43,8 +46,8 @@ class NodeProcess:
     """`vla-node` as a child process (its own session, so Ctrl-C of the demo reaches it only
     through stop()), its output in a log file."""
 
-    def __init__(self, params_file: Path, log_path: Path, overrides: Optional[dict] = None):
-        self.command = node_argv(params_file, {"autostart": True, **(overrides or {})})
+    def __init__(self, params_file: Path, log_path: Path, overrides: Optional[dict] = None, ros_args: tuple = ()):
+        self.command = node_argv(params_file, {"autostart": True, **(overrides or {})}, ros_args)
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")
@@ -75,6 +78,7 @@ class NodeProcess:
 class DemoResult:
     live: dict
     offline: Optional[dict]
+    quirks: Optional[dict]      # the quirky bag offline
     seconds: float
 
 
@@ -98,7 +102,7 @@ def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_
             raise
     print_fn("")
     print_summary(live, print_fn)
-    offline = None
+    offline = quirks = None
     if offline_configs:
         # Imported here: torch's import would compete with the node's start-up for the CPU.
         from ..runtime import LAYOUTS
@@ -107,16 +111,21 @@ def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_
         from .offline import print_summary as print_offline
         print_fn("")
         print_fn(f"[3/3] offline replay of {SAMPLE_BAG.name} through {offline_configs} (same frames, same noise)")
+        common = {"preset": "tiny", "device": "cpu", "layout": LAYOUTS["droid"]}
         query = BagQuery(SAMPLE_BAG, CAMERA_TOPICS, JOINT_STATES_TOPIC, INSTRUCTION_TOPIC, None, REFERENCE_TOPIC)
-        offline = evaluate(query, parse_configs(offline_configs), {"preset": "tiny", "device": "cpu",
-                                                                   "layout": LAYOUTS["droid"]},
-                           out / "offline", progress=lambda m: None)
+        offline = evaluate(query, parse_configs(offline_configs), common, out / "offline", progress=lambda m: None)
         print_offline(offline, print_fn)
+        first = parse_configs(offline_configs)[:1]
+        print_fn("")
+        print_fn(f"      offline replay of {QUIRKS_BAG.name} through {first[0].label}: real-world input")
+        query = BagQuery(QUIRKS_BAG, CAMERA_TOPICS, JOINT_STATES_TOPIC, INSTRUCTION_TOPIC, None, REFERENCE_TOPIC)
+        quirks = evaluate(query, first, common, out / "quirks", progress=lambda m: None)
+        print_offline(quirks, print_fn)
     seconds = time.monotonic() - t0
     print_fn("")
     print_fn(f"done in {seconds:.0f} s. Plots: {out / 'live'} (commands.png, timing.png), "
              f"{out / 'offline'} (actions_*.png, latency.png)" if offline else f"done in {seconds:.0f} s.")
-    return DemoResult(live, offline, seconds)
+    return DemoResult(live, offline, quirks, seconds)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -7,10 +7,12 @@ use_sim_time, publishes /clock from the bag's time; the recorder (this process) 
 and writes. In one process the player's Python work would delay the recorder's callbacks by up
 to the GIL's 5 ms switch interval, which is larger than the command jitter being measured.
 
-Time: with /clock the node's clock is the bag's time and header stamps stay as recorded;
-without it, header stamps are shifted to the wall-clock time of playback, so the node sees
-fresh inputs and a second replay into the same node still has increasing stamps. The recording
-uses the node's time base either way.
+Time: with /clock the node's clock is the bag's time and header stamps stay as recorded: the
+bag's own /clock messages when it has them (a recorded simulation, resets included), else a
+clock made from the bag's log times. Without /clock, header stamps are shifted to the wall-clock
+time of playback, so the node sees fresh inputs and a second replay into the same node still has
+increasing stamps. The recording is on the bag's log-time base with /clock (the node's time,
+unless the bag's own clock steps back), on the node's wall clock without.
 """
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .bag_io import (CLOCK, COMPRESSED_IMAGE, COMPRESSED_SUFFIX, DIAGNOSTIC_ARRAY, FLOAT64_MULTI_ARRAY, IMAGE,
-                     JOINT_STATE, JOINT_TRAJECTORY, STRING, TYPESTORE, Bag, BagError, BagWriter, canonical_cdr,
+from .bag_io import (CLOCK, CLOCK_TOPIC, COMPRESSED_IMAGE, COMPRESSED_SUFFIX, DIAGNOSTIC_ARRAY, FLOAT64_MULTI_ARRAY,
+                     IMAGE, JOINT_STATE, JOINT_TRAJECTORY, STRING, TYPESTORE, Bag, BagError, BagWriter, canonical_cdr,
                      compressed_image_msg, decode_image, image_msg, resolve_inputs, stamp_ns, time_msg)
+from ..runtime.windows import InputError, reorder_joints
 from .node_process import FRAME_TRANSPORT_PROFILE
 
 Progress = Callable[[str], None]
@@ -68,7 +71,8 @@ class PlaybackPlan:
     bag: Path
     routes: tuple[Route, ...]
     rate: float
-    clock_hz: float             # 0: no /clock
+    clock_hz: float             # /clock rate made during pre-roll, and from log times in playback; 0: no /clock
+    bag_clock: bool             # /clock is the bag's own, played as recorded
     restamp: bool               # shift header stamps to the wall-clock time of playback
     instruction: Optional[str]  # published once on instruction_topic instead of the bag's
     instruction_topic: str
@@ -110,9 +114,13 @@ def plan_playback(bag: Bag, params: dict, options: LiveOptions, clock_on: bool) 
     routes.append(Route(inputs.joint_states, JOINT_STATE, params["joint_states_topic"], JOINT_STATE))
     if inputs.instruction:
         routes.append(Route(inputs.instruction, STRING, params["instruction_topic"], STRING, latched=True))
+    bag_clock = clock_on and bag.topics.get(CLOCK_TOPIC) == CLOCK
+    if bag_clock:
+        routes.append(Route(CLOCK_TOPIC, CLOCK, CLOCK_TOPIC, CLOCK))
     clock_hz = options.clock_hz or max(100.0, 4 * params["control_rate_hz"])
     return PlaybackPlan(bag=options.bag, routes=tuple(routes), rate=options.rate,
-                        clock_hz=clock_hz if clock_on else 0.0, restamp=not clock_on,
+                        clock_hz=clock_hz if clock_on else 0.0, bag_clock=bag_clock,
+                        restamp=not clock_on,
                         instruction=options.instruction, instruction_topic=params["instruction_topic"],
                         tail_s=options.tail_s, wait_s=options.wait_s, joint_names=tuple(params["joint_names"]))
 
@@ -120,7 +128,7 @@ def plan_playback(bag: Bag, params: dict, options: LiveOptions, clock_on: bool) 
 # -- the player (child process) ------------------------------------------------------------------
 def convert(route: Route, raw: bytes, shift_ns: Optional[int]) -> bytes:
     """The bag's bytes as the node's input type, header stamp shifted by shift_ns (None: as is)."""
-    if route.bag_type == route.node_type and shift_ns is None or route.node_type == STRING:
+    if route.bag_type == route.node_type and shift_ns is None or route.node_type in (STRING, CLOCK):
         return raw
     msg = TYPESTORE.deserialize_cdr(raw, route.bag_type)
     stamp = stamp_ns(msg.header.stamp) + (shift_ns or 0)
@@ -178,14 +186,32 @@ class Player:
         # What rclpy's TimeSource subscribes with.
         self.clock_pub = (node.create_publisher(ros_type(CLOCK), "/clock",
                                                 QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
-                          if plan.clock_hz else None)
+                          if plan.clock_hz and not plan.bag_clock else None)
+        self.joint_route = next(r for r in plan.routes if r.node_type == JOINT_STATE)
         with Bag(plan.bag) as bag:
             self.bag_start = bag.start_ns
-            joint_route = next(r for r in plan.routes if r.node_type == JOINT_STATE)
-            self.first_joint_state = next(raw for _, _, _, raw in bag.messages([joint_route.bag_topic]))
-        self.joint_route = joint_route
+            self.first_joint_states = self._first_joint_states(bag)
+            first_clock = next((raw for _, _, _, raw in bag.messages([CLOCK_TOPIC])), None) if plan.bag_clock else None
+        # Pre-roll /clock runs up to where playback's clock starts: the bag's own first value, or its start.
+        self.clock_start = stamp_ns(TYPESTORE.deserialize_cdr(first_clock, CLOCK).clock) if first_clock else \
+            self.bag_start
+        self.preroll_clock_pub = self.publishers[CLOCK_TOPIC] if plan.bag_clock else self.clock_pub
         self.preroll_perf = time.perf_counter()
         self.start_perf: Optional[float] = None
+
+    def _first_joint_states(self, bag: Bag, scan: int = 1000) -> list[bytes]:
+        """The bag's first joint state messages, as many as name every joint the node uses (the
+        arm and the gripper may come in separate messages)."""
+        found, missing = [], set(self.plan.joint_names)
+        for _, _, _, raw in bag.messages([self.joint_route.bag_topic]):
+            names = set(TYPESTORE.deserialize_cdr(raw, JOINT_STATE).name)
+            if names & missing or not found:
+                found.append(raw)
+                missing -= names
+            scan -= 1
+            if not missing or not scan:
+                break
+        return found
 
     def wait_for_subscribers(self) -> list[str]:
         """Topics the node has not subscribed to within wait_s (none, normally)."""
@@ -198,16 +224,18 @@ class Player:
         return sorted(t for t, p in waiting.items() if p.get_subscription_count() == 0)
 
     def clock_ns(self, perf: float) -> int:
-        """The node's clock with /clock: up to the bag's start during pre-roll, the bag's time after."""
+        """The node's clock with /clock: up to playback's first clock value during pre-roll, the
+        bag's time after (when the clock is made from log times)."""
         if self.start_perf is None or perf < self.start_perf:
             rise = (perf - self.preroll_perf - self.PREROLL_CLOCK_S) * self.plan.rate
-            return self.bag_start + min(0, int(rise * 1e9))
+            return self.clock_start + min(0, int(rise * 1e9))
         return self.bag_start + int((perf - self.start_perf) * self.plan.rate * 1e9)
 
     def preroll(self, conn) -> int:
         """Our publishers matching the node's subscriptions does not mean the node matched ours
-        yet: until the parent has seen the node react (it commands once it has a joint state),
-        publish the bag's first joint state. Returns the go's start time (wall ns)."""
+        yet: until the parent has seen the node react (it commands once it has every joint),
+        publish the bag's first joint states (their recorded stamps with /clock). Returns the
+        go's start time (wall ns)."""
         self.preroll_perf = time.perf_counter()
         next_tick = self.preroll_perf
         start_wall_ns = None
@@ -219,13 +247,13 @@ class Player:
                 self.start_perf = time.perf_counter() + (start_wall_ns - time.time_ns()) / 1e9
             now = time.perf_counter()
             if now >= next_tick:
-                stamp = self.clock_ns(now) if self.clock_pub else time.time_ns()
-                if self.clock_pub:
-                    self.clock_pub.publish(ros_type(CLOCK)(clock=_ros_time(stamp)))
-                first = TYPESTORE.deserialize_cdr(self.first_joint_state, JOINT_STATE)
-                self.publishers[self.joint_route.bag_topic].publish(
-                    convert(self.joint_route, self.first_joint_state, stamp - stamp_ns(first.header.stamp)))
-                next_tick = now + (1.0 / self.plan.clock_hz if self.clock_pub else self.PREROLL_PERIOD_S)
+                if self.preroll_clock_pub is not None:
+                    self.preroll_clock_pub.publish(ros_type(CLOCK)(clock=_ros_time(self.clock_ns(now))))
+                for raw in self.first_joint_states:
+                    stamp = stamp_ns(TYPESTORE.deserialize_cdr(raw, JOINT_STATE).header.stamp)
+                    shift = None if self.plan.clock_hz else time.time_ns() - stamp
+                    self.publishers[self.joint_route.bag_topic].publish(convert(self.joint_route, raw, shift))
+                next_tick = now + (1.0 / self.plan.clock_hz if self.preroll_clock_pub else self.PREROLL_PERIOD_S)
             wake = min(next_tick, self.start_perf) if self.start_perf is not None else next_tick
             time.sleep(max(0.0, min(wake - time.perf_counter(), 0.01)))
         return start_wall_ns
@@ -238,6 +266,7 @@ class Player:
         late_ms = []
         last_input_wall_ns = None
         joint_times, joint_positions = [], []
+        latest = np.full(len(plan.joint_names), np.nan)   # each joint's latest position, however split
 
         def tick_clock_until(due: float) -> None:
             """Sleep until `due` (perf_counter s), publishing /clock on its period meanwhile."""
@@ -267,15 +296,19 @@ class Player:
                 self.publishers[topic].publish(data)
                 late_ms.append((time.perf_counter() - due) * 1e3)
                 published[route.node_topic] += 1
-                if route.node_type != STRING:
+                if route.node_type not in (STRING, CLOCK):
                     last_input_wall_ns = time.time_ns()
                 if route.node_type == JOINT_STATE:
-                    # On the node's clock: the bag's time with /clock, the playback's time without.
+                    # On the recording's time base: the bag's with /clock, the playback's without.
                     msg = TYPESTORE.deserialize_cdr(raw, JOINT_STATE)
-                    index = {name: i for i, name in enumerate(msg.name)}
-                    if all(name in index for name in plan.joint_names):
-                        joint_times.append((time_ns - bag_start) / 1e9 / (1.0 if self.clock_pub else plan.rate))
-                        joint_positions.append([float(msg.position[index[name]]) for name in plan.joint_names])
+                    try:
+                        index, values = reorder_joints(msg.name, msg.position, plan.joint_names)
+                    except InputError:
+                        continue
+                    latest[index] = values
+                    if np.isfinite(latest).all():
+                        joint_times.append((time_ns - bag_start) / 1e9 / (1.0 if plan.clock_hz else plan.rate))
+                        joint_positions.append(latest.tolist())
             damage = bag.damage.to_dict(bag_start) if bag.damage else None
         tick_clock_until(time.perf_counter() + plan.tail_s)
         lateness = np.asarray(late_ms) if late_ms else np.zeros(1)
@@ -709,7 +742,7 @@ def print_summary(summary: dict, print_fn: Progress = print) -> None:
                 if expected is not None else ""))
     if summary["first_chunk_s"] is not None:
         print_fn(f"  first chunk:       {summary['first_chunk_s']:.2f} s after playback start "
-                 f"(history frames, then one inference)")
+                 f"(the first frames, then one inference)")
     print_fn(f"  command rate:      {summary['command_rate_hz']:.2f} Hz over {summary['commands']} commands "
              f"(configured {summary['control_rate_hz']:g} Hz)")
     print_fn(f"  command jitter:    {fmt(summary['command_jitter_ms'])} (p50 / p99 / max |period - "

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine, WindowLayout
-from .bag_io import (STATE_SLOP_S, SYNC_SLOP_S, Bag, BagError, BagInputs, ObservationStream, StreamStats, image_shape,
+from ..runtime.windows import MAX_CAMERA_RATE_HZ, STATE_SLOP_S, SYNC_SLOP_S
+from .bag_io import (JOINT_NAMES, Bag, BagError, BagInputs, ObservationStream, StreamStats, image_shape,
                      read_references, resolve_inputs)
 from .bench import STAGES, deviation
 
@@ -121,19 +122,29 @@ class BagQuery:
     instruction_topic: Optional[str]        # None: `instruction` is used
     instruction: Optional[str]
     reference_topic: Optional[str]
-    joint_names: Optional[Sequence[str]] = None
+    joint_names: Sequence[str] = JOINT_NAMES     # the model's state, in order; reordered by name from the bag
     every: int = 1
     max_frames: Optional[int] = None
+    # The node's parameters of the same names.
     sync_slop_s: float = SYNC_SLOP_S
     state_slop_s: float = STATE_SLOP_S
+    history_offset_s: float = 0.0               # 0: the engine's checkpoint's
+    wait_for_history: bool = False
+    max_camera_rate_hz: float = MAX_CAMERA_RATE_HZ
 
     def inputs(self, bag: Bag, layout: WindowLayout) -> BagInputs:
         return resolve_inputs(bag, layout.cameras, self.camera_topics, self.joint_states, self.instruction_topic,
                               self.reference_topic)
 
-    def stream(self, bag: Bag, layout: WindowLayout, state_dim: int) -> ObservationStream:
-        return ObservationStream(bag, self.inputs(bag, layout), layout, state_dim, self.joint_names, self.instruction,
-                                 self.every, self.max_frames, self.sync_slop_s, self.state_slop_s)
+    def stream(self, bag: Bag, layout: WindowLayout, state_dim: int, checkpoint_offset_s: float) -> ObservationStream:
+        """The bag's queries for a model with this state size and history offset (unless
+        history_offset_s overrides it)."""
+        if len(self.joint_names) != state_dim:
+            raise BagError(f"{len(self.joint_names)} joints {list(self.joint_names)}, the model's state has "
+                           f"{state_dim} (choose joints with --joint-names)")
+        return ObservationStream(bag, self.inputs(bag, layout), layout, self.history_offset_s or checkpoint_offset_s,
+                                 self.joint_names, self.instruction, self.every, self.max_frames, self.sync_slop_s,
+                                 self.state_slop_s, self.wait_for_history, self.max_camera_rate_hz)
 
 
 @dataclass
@@ -158,9 +169,14 @@ class FrameLog:
 def skipped_text(stats: StreamStats) -> str:
     skipped = {"without history": stats.frames_without_history, "out of sync": stats.frames_without_sync,
                "without joint state": stats.frames_without_state,
-               "without instruction": stats.frames_without_instruction}
+               "without instruction": stats.frames_without_instruction,
+               "superseded by a newer frame": stats.frames_superseded}
+    more = {"queries with partial history": stats.partial_history,
+            "timeline restarts (stamps stepped back)": stats.timeline_restarts,
+            "malformed joint states skipped": stats.joint_states_refused}
     return f"{stats.first_camera_frames} frames of the first camera" + "".join(
-        f", {n} {why} skipped" for why, n in skipped.items() if n)
+        f", {n} {why} skipped" for why, n in skipped.items() if n) + "".join(
+        f"; {n} {what}" for what, n in more.items() if n)
 
 
 def distribution(samples: Sequence[float]) -> dict:
@@ -180,8 +196,10 @@ def run_config(spec: ConfigSpec, config: EngineConfig, query: BagQuery, log: Fra
         actions, normalized, timings = [], [], []
         bag = Bag(query.bag)
         with bag:
-            stream = query.stream(bag, config.layout, engine.model_cfg.action.state_dim)
+            stream = query.stream(bag, engine.layout, engine.model_cfg.action.state_dim, engine.history_offset_s)
             for frame in stream:
+                if frame.new_timeline:   # as the node: a frame id of the new timeline may name an older picture
+                    engine.reset_stream()
                 if baseline:
                     log.noises.append(engine.draw_noise().cpu())
                     log.stamps_ns.append(frame.stamp_ns)
@@ -197,7 +215,8 @@ def run_config(spec: ConfigSpec, config: EngineConfig, query: BagQuery, log: Fra
                     progress(f"[{spec.label}] query {frame.index}: {chunk.timings['total']:.1f} ms")
         if baseline and not timings:
             damage = f"; {bag.damage.describe(bag.start_ns)}" if bag.damage else ""
-            raise BagError(f"no query could be formed from {bag.path}: {skipped_text(stream.stats)}{damage}")
+            last = f"; the last window lacked: {stream.last_wait.reason}" if stream.last_wait else ""
+            raise BagError(f"no query could be formed from {bag.path}: {skipped_text(stream.stats)}{last}{damage}")
         if len(timings) != len(log.noises):
             raise RuntimeError(f"[{spec.label}] {len(timings)} queries, the baseline had {len(log.noises)}: "
                                f"the bag did not read the same way twice")
@@ -350,8 +369,7 @@ def evaluate(query: BagQuery, specs: Sequence[ConfigSpec], common: dict, out_dir
         inputs = query.inputs(probe, layout)
         height, width = image_shape(probe, inputs)
         references = read_references(probe, inputs.reference) if inputs.reference else {}
-        first_state = probe.first_message(inputs.joint_states)
-        joint_labels = list(query.joint_names or (first_state.name if first_state is not None else []))
+        joint_labels = list(query.joint_names)
     configs = [EngineConfig.for_mode(s.mode, **{**common, "camera_height": height, "camera_width": width,
                                                  **s.overrides}) for s in specs]
     log, runs = FrameLog(), []

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..runtime import LAYOUTS, MODES
-from .bag_io import (CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_STATES_TOPIC, REFERENCE_TOPIC, STATE_SLOP_S, SYNC_SLOP_S,
-                     BagError)
+from ..runtime.windows import MAX_CAMERA_RATE_HZ, STATE_SLOP_S, SYNC_SLOP_S
+from .bag_io import CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_NAMES, JOINT_STATES_TOPIC, REFERENCE_TOPIC, BagError
 
 
 def _csv(text: str) -> list[str]:
@@ -58,16 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--reference-topic", default=REFERENCE_TOPIC,
                      help="JointTrajectory reference actions, matched to queries by stamp (used when present)")
-    off.add_argument("--every", type=int, default=1, help="query every Nth frame of the first camera")
+    off.add_argument("--every", type=int, default=1, help="evaluate every Nth query")
     off.add_argument("--max-frames", type=int, default=None, help="stop after this many queries")
     off.add_argument("--sync-slop", type=float, default=SYNC_SLOP_S,
                      help="largest stamp difference between cameras in one query, s (the node's sync_slop_s)")
     off.add_argument("--state-slop", type=float, default=STATE_SLOP_S,
-                     help="largest stamp difference between a query's newest frame and its joint state, s "
+                     help="largest stamp difference between a query's newest frame and each joint's sample, s "
                           "(the node's state_slop_s)")
+    off.add_argument("--history-offset", type=float, default=0.0,
+                     help="seconds between a query's frame times; 0: the checkpoint's (the node's history_offset_s)")
+    off.add_argument("--wait-for-history", action="store_true",
+                     help="no query until every history frame exists (the node's wait_for_history); by default "
+                          "early queries hold the newest frame times only, as the policy's own wrapper does")
+    off.add_argument("--max-camera-rate", type=float, default=MAX_CAMERA_RATE_HZ,
+                     help="camera rate the history buffer is sized for, Hz (the node's max_camera_rate_hz)")
     off.add_argument("--out", type=Path, default=Path("out/replay_offline"), help="report.json and plots go here")
-    off.add_argument("--joint-names", type=_csv, default=None,
-                     help="joint state entries that make the model's state, in order (default: all, as recorded)")
+    off.add_argument("--joint-names", type=_csv, default=list(JOINT_NAMES),
+                     help="joints that make the model's state, in order; joint states are reordered to them by "
+                          "name, from one message or several (default: the node's joint_names, a Panda)")
     add_topic_arguments(off, live=False)
 
     live = sub.add_parser("live", help="publish the bag into a running node and record what it publishes")
@@ -101,7 +109,8 @@ def run_offline(args) -> int:
                      instruction_topic=None if args.instruction else args.instruction_topic,
                      instruction=args.instruction, reference_topic=args.reference_topic,
                      joint_names=args.joint_names, every=args.every, max_frames=args.max_frames,
-                     sync_slop_s=args.sync_slop, state_slop_s=args.state_slop)
+                     sync_slop_s=args.sync_slop, state_slop_s=args.state_slop, history_offset_s=args.history_offset,
+                     wait_for_history=args.wait_for_history, max_camera_rate_hz=args.max_camera_rate)
     report = evaluate(query, specs, common, args.out, progress=lambda m: print(m, flush=True))
     print()
     print_summary(report)

@@ -15,14 +15,13 @@ from typing import Optional
 import cv2
 import numpy as np
 
-from .bag_io import (CAMERA_TOPICS, INSTRUCTION_TOPIC, JOINT_STATE, JOINT_STATES_TOPIC, JOINT_TRAJECTORY,
-                     REFERENCE_TOPIC, STRING, BagWriter, joint_state_msg, joint_trajectory_msg, string_msg)
+from .bag_io import (CAMERA_TOPICS, CLOCK, CLOCK_TOPIC, IMAGE, INSTRUCTION_TOPIC, JOINT_NAMES, JOINT_STATE,
+                     JOINT_STATES_TOPIC, JOINT_TRAJECTORY, REFERENCE_TOPIC, STRING, BagWriter, clock_msg, image_msg,
+                     joint_state_msg, joint_trajectory_msg, string_msg)
 
 # The bag shipped with the package (made by scripts/make_sample_bag.py with the defaults).
 SAMPLE_BAG = Path(__file__).resolve().parents[1] / "data" / "sample_droid.mcap"
 INSTRUCTION = "pick up the red cup and put it in the bowl"
-# The node's default joint_names (a Franka Panda: 7 arm joints and the gripper opening).
-JOINT_NAMES = tuple(f"panda_joint{i}" for i in range(1, 8)) + ("panda_gripper",)
 START_NS = 1_700_000_000 * 1_000_000_000   # a fixed epoch: the bag is reproducible byte for byte
 CAMERA_HZ = 15.0
 JOINT_STATE_HZ = 100.0
@@ -213,9 +212,98 @@ def write_sample_bag(path: str | Path, spec: SampleSpec = SampleSpec(), storage:
     return path
 
 
+# -- the same scene as real robots record it ------------------------------------------------------
+# The second bag shipped with the package (made by scripts/make_sample_bag.py --quirks).
+QUIRKS_BAG = SAMPLE_BAG.with_name("sample_quirks.mcap")
+ARM_JOINTS = JOINT_NAMES[:7]
+GRIPPER = JOINT_NAMES[7]
+# Joints of the arm driver's message, shuffled, with the finger joints the node does not use.
+ARM_MESSAGE_JOINTS = ("panda_joint3", "panda_finger_joint1", "panda_joint1", "panda_joint7", "panda_joint2",
+                      "panda_finger_joint2", "panda_joint5", "panda_joint4", "panda_joint6")
+NEXT_INSTRUCTION = "put the cup back on the table"
+
+
+@dataclass(frozen=True)
+class QuirksSpec:
+    """Input the way real robots produce it: a JPEG exterior camera and a bgr8 wrist camera at 30 Hz
+    with stamp jitter, the wrist exposed 10 ms after the exterior camera, a wrist-camera dropout,
+    joint states shuffled with extra joints and the gripper in its own message (its own driver,
+    rate and stamps), an instruction change, and stamps stepping back (a recorded simulation reset:
+    /clock steps back with them). Stamps are simulated time; log times are the recorder's wall
+    clock, which never steps back."""
+    duration_s: float = 6.0
+    camera_hz: float = 30.0
+    jitter_s: float = 0.003            # each camera stamp within +- this of its nominal time
+    joint_jitter_s: float = 0.0002     # each joint state stamp within +- this of its nominal time
+    wrist_delay_s: float = 0.010
+    dropout_s: tuple = (2.0, 2.8)      # the wrist camera is silent in this span
+    arm_hz: float = 100.0
+    gripper_hz: float = 50.0
+    gripper_delay_s: float = 0.003     # gripper stamps lag the arm's by this much
+    instruction_change_s: float = 3.2
+    steps: tuple = ((4.2, 2.0),)       # (at s, back s): every stamp from then on is that much earlier
+    clock_hz: float = 100.0
+    size: tuple = (120, 160)           # (height, width): small, the bag is shipped
+    seed: int = 0
+
+    def stamp_ns(self, t: float) -> int:
+        """The stamp (simulated time) of something that happened t s into the recording."""
+        return START_NS + int(round((t - sum(back for at, back in self.steps if t >= at)) * 1e9))
+
+
+def write_quirks_bag(path: str | Path, spec: QuirksSpec = QuirksSpec(), storage: str = "mcap") -> Path:
+    """Write the quirky recording to `path`; messages are a pure function of `spec`."""
+    rng = np.random.default_rng(spec.seed)
+    events = []   # (log time ns, order, kind, t)
+    period = 1.0 / spec.camera_hz
+    for i in range(int(spec.duration_s * spec.camera_hz)):
+        for kind, delay in (("exo", 0.0), ("wrist", spec.wrist_delay_s)):
+            t = i * period + delay + rng.uniform(-spec.jitter_s, spec.jitter_s)
+            if kind == "wrist" and spec.dropout_s[0] <= t < spec.dropout_s[1]:
+                continue
+            events.append((t + IMAGE_TRANSPORT_NS / 1e9, 1, kind, t))
+    for kind, hz, delay in (("arm", spec.arm_hz, 0.0), ("gripper", spec.gripper_hz, spec.gripper_delay_s)):
+        for i in range(int(spec.duration_s * hz)):
+            t = i / hz + delay + rng.uniform(-spec.joint_jitter_s, spec.joint_jitter_s)
+            events.append((t + JOINT_STATE_TRANSPORT_NS / 1e9, 0, kind, t))
+    events += [(i / spec.clock_hz, -1, "clock", i / spec.clock_hz)
+               for i in range(int(spec.duration_s * spec.clock_hz))]
+    events += [(0.0, -2, "instruction", INSTRUCTION), (spec.instruction_change_s, -2, "instruction", NEXT_INSTRUCTION)]
+    events.sort(key=lambda e: (e[0], e[1]))
+    height, width = spec.size
+    with BagWriter(path, storage, compress=True) as writer:
+        for log_s, _, kind, t in events:
+            log_ns = START_NS + int(round(log_s * 1e9))
+            if kind == "instruction":
+                writer.write(INSTRUCTION_TOPIC, STRING, log_ns, string_msg(t))
+                continue
+            stamp = spec.stamp_ns(t)
+            if kind == "clock":
+                writer.write(CLOCK_TOPIC, CLOCK, log_ns, clock_msg(stamp))
+            elif kind == "arm":
+                q = dict(zip(JOINT_NAMES, joint_positions(t)))
+                positions = [q.get(name, 0.02) for name in ARM_MESSAGE_JOINTS]   # fingers: 2 cm
+                writer.write(JOINT_STATES_TOPIC, JOINT_STATE, log_ns, joint_state_msg(stamp, ARM_MESSAGE_JOINTS,
+                                                                                      positions))
+            elif kind == "gripper":
+                writer.write(JOINT_STATES_TOPIC, JOINT_STATE, log_ns,
+                             joint_state_msg(stamp, (GRIPPER,), joint_positions(t)[7:]))
+            else:
+                rgb = cv2.resize(RENDERERS[kind](t), (width, height), interpolation=cv2.INTER_AREA)
+                frame_id = f"{kind}_camera_optical_frame"
+                if kind == "exo":
+                    writer.write_image(CAMERA_TOPICS[0], log_ns, rgb, stamp, frame_id, jpeg_quality=85)
+                else:
+                    writer.write(CAMERA_TOPICS[1], IMAGE, log_ns, image_msg(rgb, stamp, frame_id, "bgr8"))
+    return Path(path)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="output: a bag directory, or a single .mcap / .db3 file")
+    parser.add_argument("--quirks", action="store_true",
+                        help="the scene as real robots record it (QuirksSpec: 30 Hz jpeg + bgr8 cameras with jitter, "
+                             "a dropout, split and shuffled joint states, stamps stepping back, /clock)")
     parser.add_argument("--duration", type=float, default=SampleSpec.duration_s, help="seconds (default %(default)s)")
     parser.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap",
                         help="for a bag directory (a file's suffix decides otherwise)")
@@ -223,8 +311,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--no-reference", action="store_true", help=f"leave out {REFERENCE_TOPIC}")
     parser.add_argument("--jpeg-quality", type=int, default=SampleSpec.jpeg_quality)
     args = parser.parse_args(argv)
-    spec = SampleSpec(duration_s=args.duration, compressed=not args.raw, reference=not args.no_reference,
-                      jpeg_quality=args.jpeg_quality)
-    path = write_sample_bag(args.path, spec, args.storage, progress=print)
+    if args.quirks:
+        path = write_quirks_bag(args.path, QuirksSpec(duration_s=args.duration), args.storage)
+    else:
+        spec = SampleSpec(duration_s=args.duration, compressed=not args.raw, reference=not args.no_reference,
+                          jpeg_quality=args.jpeg_quality)
+        path = write_sample_bag(args.path, spec, args.storage, progress=print)
     size = sum(p.stat().st_size for p in ([path] if path.is_file() else path.rglob("*")))
-    print(f"wrote {path} ({size / 1e6:.1f} MB, {spec.duration_s:g} s)")
+    print(f"wrote {path} ({size / 1e6:.1f} MB, {args.duration:g} s)")

@@ -1,0 +1,157 @@
+"""The shipped quirky bag (vla_node/data/sample_quirks.mcap: 30 Hz jpeg + bgr8 cameras 10 ms apart
+with stamp jitter, a 0.8 s wrist dropout, arm and gripper in separate joint state messages with
+shuffled and extra joints, an instruction change, every stamp and /clock stepping back 2 s) replayed
+live into a real node (`vla-node` process, DDS in between), with the node logging every observation
+it sends (--log-level debug), and compared with offline replay of the same bag."""
+import ast
+import os
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from vla_node.runtime import LAYOUTS
+from vla_node.runtime.windows import PANDA_JOINTS
+from vla_node.tools.bag_io import Bag, ObservationStream, resolve_inputs, stamp_ns
+from vla_node.tools.demo import NodeProcess, tiny_config
+from vla_node.tools.live import LiveOptions, replay_live
+from vla_node.tools.node_process import ros_domain, ros_environment
+from vla_node.tools.sample_bag import QUIRKS_BAG, START_NS, QuirksSpec
+
+SPEC = QuirksSpec()           # the recipe of the shipped bag
+STEP_S, BACK_S = SPEC.steps[0]
+SMALL = {"camera_height": SPEC.size[0], "camera_width": SPEC.size[1]}
+OBSERVATION = re.compile(r"observation (\d+): frames (\[.*?\]) state (\[.*?\]) stamped (\[.*?\])$")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_ros_domain():
+    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "FASTDDS_BUILTIN_TRANSPORTS",
+                                            "FASTDDS_DEFAULT_PROFILES_FILE", "ROS_LOG_DIR")}
+    ros_environment(ros_domain(os.getpid() + 1))
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def truth():
+    """(camera or joint, stamp) -> log time (recording time) of every frame and joint sample of
+    the bag, and each joint sample's position."""
+    log, positions = {}, {}
+    with Bag(QUIRKS_BAG) as bag:
+        for topic, msgtype, time_ns, raw in bag.messages(["/joint_states", "/cameras/exo/image_raw/compressed",
+                                                          "/cameras/wrist/image_raw"]):
+            msg = bag.deserialize(raw, msgtype, topic)
+            stamp = stamp_ns(msg.header.stamp)
+            if topic == "/joint_states":
+                for name, position in zip(msg.name, msg.position):
+                    log[name, stamp], positions[name, stamp] = time_ns, position
+            else:
+                log[topic.split("/")[2], stamp] = time_ns
+    return log, positions
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Offline replay's queries by the stamp of their newest frame."""
+    layout = LAYOUTS["droid"]
+    with Bag(QUIRKS_BAG) as bag:
+        return {f.stamp_ns: f for f in ObservationStream(bag, resolve_inputs(bag, layout.cameras), layout, 8 / 15)}
+
+
+@pytest.fixture(scope="module")
+def wall_clock(tmp_path_factory):
+    """The bag replayed into a node on the wall clock: header stamps shifted to playback time."""
+    out = tmp_path_factory.mktemp("quirks_live")
+    with NodeProcess(tiny_config(), out / "node.log", SMALL, ("--log-level", "vla_node:=debug")) as node:
+        live = replay_live(LiveOptions(bag=QUIRKS_BAG, out=out / "live", wait_s=120.0, abort_if=node.exited),
+                           progress=lambda m: None)
+    text = (out / "node.log").read_text()
+    observations = []
+    for line in text.splitlines():
+        match = OBSERVATION.search(line)
+        if match:
+            frames, state, stamps = (ast.literal_eval(match.group(k)) for k in (2, 3, 4))
+            observations.append((frames, np.array(state), np.array(stamps)))
+    return live, text, observations
+
+
+def unshift(observations, offline):
+    """The replay shifted every header stamp by one constant (rate 1): the one that maps the
+    node's newest exterior frames onto the bag's."""
+    shifts = Counter(frames[-2][1] - stamp for frames, _, _ in observations for stamp in offline)
+    shift, hits = shifts.most_common(1)[0]
+    assert hits >= len(observations) // 2
+    return [([(camera, t - shift) for camera, t in frames], state, stamps - shift)
+            for frames, state, stamps in observations]
+
+
+def test_the_node_sends_what_offline_replay_sends(wall_clock, offline, truth):
+    """Same frame stamps and same state for every query both make; the state assembled from the
+    arm's and the gripper's separate messages is the one written to the bag."""
+    live, _, observations = wall_clock
+    log, positions = truth
+    assert len(observations) > 25      # one per replan_threshold ticks (160 ms) while inputs are good
+    compared = 0
+    for frames, state, stamps in unshift(observations, offline):
+        written = [positions[name, int(t)] for name, t in zip(PANDA_JOINTS, stamps)]
+        np.testing.assert_array_equal(state, written)
+        query = offline.get(frames[-2][1])
+        if query is None:
+            continue
+        assert frames == query.observation.frame_ids
+        assert stamps.tolist() == query.state_stamps_ns.tolist()
+        compared += 1
+    assert compared >= len(observations) * 0.8, f"{compared} of {len(observations)} observations offline made too"
+
+
+def test_the_node_never_mixes_timelines(wall_clock, offline, truth):
+    """Every frame and joint sample of an observation was recorded on one side of the step back."""
+    live, text, observations = wall_clock
+    log, _ = truth
+    step_ns = START_NS + int(STEP_S * 1e9)
+    sides = []
+    for frames, _, stamps in unshift(observations, offline):
+        keys = frames + list(zip(PANDA_JOINTS, stamps.tolist()))
+        after = {log[key] >= step_ns for key in keys}
+        assert len(after) == 1, f"an observation mixes the timelines: {keys}"
+        sides.append(after.pop())
+    assert sides.count(False) > 20 and sides.count(True) > 10
+    assert "holding: timeline: " in text and "resolved: timeline: " in text
+    assert live["holds"]["by_cause"].get("timeline", 0) >= 1
+
+
+def test_holds_name_their_cause_and_diagnostics_keep_their_rate(wall_clock):
+    """During the wrist camera's dropout the node holds for the camera (it used to blame
+    inference), and /diagnostics stays near 1 Hz (the split joint states made it ~100 Hz)."""
+    live, text, _ = wall_clock
+    dropout = [c["status"] for c in live["holds"]["changes"] if SPEC.dropout_s[0] < c["t_s"] < SPEC.dropout_s[1] + 0.3]
+    assert any("camera 'wrist'" in status for status in dropout), dropout
+    assert not any("inference" in status for status in dropout), dropout
+    with Bag(live["recording"]) as recording:
+        sent = sum(1 for _ in recording.messages(["/diagnostics"]))
+    assert sent <= 2.0 * (SPEC.duration_s + 2), f"{sent} /diagnostics messages"
+    assert live["chunks"] > 10 and "lacks joints" not in text
+
+
+def test_live_replay_plays_the_bags_clock_into_a_sim_time_node(tmp_path):
+    """`vla-replay live` plays the bag's own /clock to a node on use_sim_time, so a recorded
+    simulation reset is replayed: the node's clock jumps back, it holds, says so, and resumes."""
+    with NodeProcess(tiny_config(), tmp_path / "node.log", {"use_sim_time": True, **SMALL}) as node:
+        live = replay_live(LiveOptions(bag=QUIRKS_BAG, out=tmp_path / "live", wait_s=120.0, abort_if=node.exited),
+                           progress=lambda m: None)
+    assert live["clock"] and live["published"]["/clock"] == SPEC.duration_s * SPEC.clock_hz
+    assert any(f"clock jumped back by {BACK_S - 1 / SPEC.clock_hz:.3f} s" in c["status"]
+               for c in live["holds"]["changes"]), live["holds"]["changes"]
+    with Bag(live["recording"]) as recording:
+        stamps = [(t, stamp_ns(recording.deserialize(raw, msgtype).header.stamp))
+                  for _, msgtype, t, raw in recording.messages(["/vla_node/joint_trajectory"])]
+    reset_ns = START_NS + int(STEP_S * 1e9)
+    # Trajectories are stamped on the bag's clock: before the reset up to it, after it back 2 s.
+    assert all(START_NS <= stamp <= reset_ns + 10**9 for _, stamp in stamps)
+    assert any(t > reset_ns + 10**8 and stamp < reset_ns - 10**9 for t, stamp in stamps)
