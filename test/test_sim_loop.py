@@ -21,16 +21,19 @@ class ExpertReplay:
     newest frame is from tick d holds the expert's commands for ticks d + 1 ... d + 16 (the
     node's convention). What the loop executes is then checkable tick for tick."""
 
+    history_offset_s = 0.16  # the sim preset's: 8 ticks
+
     def __init__(self, seed: int):
         self.commands = expert_trajectory(seed)
-        self.queried_ticks = []
+        self.queried_ticks, self.images = [], []
 
     def reset_stream(self) -> None:
-        self.queried_ticks = []
+        self.queried_ticks, self.images = [], []
 
     def predict(self, obs: Observation) -> ActionChunk:
         tick = round((obs.stamp * 1e9 - EPISODE_START_NS) / CONTROL_PERIOD_NS)
         self.queried_ticks.append(tick)
+        self.images.append(len(obs.images))
         actions = self.commands[np.clip(np.arange(tick + 1, tick + 1 + HORIZON), 0, len(self.commands) - 1)]
         return ActionChunk(actions=actions.astype(np.float32), normalized=actions, stamp=obs.stamp)
 
@@ -63,10 +66,11 @@ def test_chunks_execute_on_the_ticks_they_were_computed_for(env, settings, hando
                       ticks=400, stop_on_success=False)
     result = loop.run(2)
     latency_ticks = max(1, int(np.ceil(latency_s / 0.02 - 1e-9)))
-    span = (settings.history_frames - 1) * settings.history_stride
-    # The first query waits for its history frame; the chunk comes back latency_ticks later.
-    assert policy.queried_ticks[0] == span
-    first_planned = span + latency_ticks + 1
+    # The first query goes out at the first tick with the current frames only (no history yet,
+    # as the official wrapper); the chunk comes back latency_ticks later.
+    assert policy.queried_ticks[0] == 0 and policy.images[0] == len(settings.camera_names)
+    assert max(policy.images) == settings.history_frames * len(settings.camera_names)
+    first_planned = latency_ticks + 1
     sent = np.stack(env.sent)
     # Until then the loop holds the start pose; from then on it sends the expert's commands
     # through the safety filter (which catches the arm up with the expert's, 0.2 rad per tick):

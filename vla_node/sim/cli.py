@@ -23,6 +23,7 @@ from typing import Optional
 from .aloha import DEFAULT_CAMERAS, RenderConfig
 
 DEFAULT_PARAMS = Path(__file__).resolve().parents[2] / "config" / "sim.yaml"
+MAX_SEEDS_PER_EPISODE = 5  # record gives up when the script fails this often (it succeeds on ~all seeds)
 
 
 def _csv(text: str) -> list[str]:
@@ -88,6 +89,10 @@ def run_record(args) -> int:
         # Failed episodes are deleted and replaced by the next seeds: the set is the first
         # `episodes` seeds (from first_seed) on which the script succeeds, however many workers.
         while len(kept) < args.episodes:
+            if next_seed - args.first_seed >= MAX_SEEDS_PER_EPISODE * args.episodes:
+                print(f"vla-sim record: the script succeeded on {len(kept)} of {next_seed - args.first_seed} seeds; "
+                      f"stopping (too short --ticks? the script succeeds around tick 300; or --keep-failures)")
+                return 1
             batch = list(range(next_seed, next_seed + max(workers, args.episodes - len(kept))))
             next_seed = batch[-1] + 1
             for record in pool.imap(_record_seed, [(s, str(out), config) for s in batch]):

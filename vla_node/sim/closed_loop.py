@@ -9,8 +9,9 @@ replan_threshold actions remain. The simulator then holds that command for the t
 Inference latency is sim time: a request sent after tick d returns at tick
 d + max(1, ceil(latency / control period)), where latency is the policy's measured wall time or a
 fixed figure (latency_s), so hand-over modes compare under the latency a robot would see, on any
-machine. The policy sees what the node would: per camera the frames t - k * stride (camera
-frames), and the joint state stamped at the newest frame.
+machine. The policy sees what the node would: the window the node's picker forms
+(vla_node.runtime.windows: frame times history_offset_s apart, only the newest ones while history
+does not exist yet at an episode's start), and the joint state stamped at the newest frame.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import yaml
 
 from ..ros.control import LATENCY_WINDOW, Plan, SafetyFilter
 from ..runtime.types import ActionChunk, Observation, WindowLayout
+from ..runtime.windows import Wait, WindowSpec, frames_to_keep, pick_window
 from .aloha import CONTROL_PERIOD_NS, GRIPPERS, JOINT_NAMES, SimState, TransferCube
 from .video import annotate
 
@@ -33,6 +35,8 @@ ARM_JOINTS = [j for j in range(len(JOINT_NAMES)) if j not in GRIPPERS]
 
 
 class Policy(Protocol):
+    history_offset_s: float   # between the frame times of a window (the checkpoint's)
+
     def predict(self, obs: Observation) -> ActionChunk: ...
     def reset_stream(self) -> None: ...
 
@@ -44,7 +48,8 @@ class ControlSettings:
     camera_height: int
     camera_width: int
     history_frames: int
-    history_stride: int
+    history_offset_s: float             # 0: the policy's (its checkpoint's)
+    wait_for_history: bool
     joint_names: tuple[str, ...]
     instruction: str
     control_rate_hz: float
@@ -84,7 +89,7 @@ class ControlSettings:
 
     @property
     def layout(self) -> WindowLayout:
-        return WindowLayout(tuple(self.camera_names), self.history_frames, self.history_stride)
+        return WindowLayout(tuple(self.camera_names), self.history_frames)
 
     def safety(self) -> SafetyFilter:
         return SafetyFilter(self.joint_lower_limits, self.joint_upper_limits, self.max_step_per_tick)
@@ -142,8 +147,10 @@ class ClosedLoop:
         first camera at every camera tick."""
         s, env = self.settings, self.env
         layout = s.layout
-        span = (layout.frames - 1) * layout.stride + 1
-        frames: deque = deque(maxlen=span)            # (stamp_ns, images, qpos) per camera frame
+        offset_s = s.history_offset_s or self.policy.history_offset_s
+        spec = WindowSpec.of(layout.frames, offset_s, wait_for_history=s.wait_for_history)
+        rate_hz = 1e9 / CONTROL_PERIOD_NS / self.camera_every
+        frames: deque = deque(maxlen=frames_to_keep(layout.frames, offset_s, rate_hz))  # (stamp_ns, images, qpos)
         self.policy.reset_stream()
         plan, latencies = Plan(), deque(maxlen=LATENCY_WINDOW)
         last_command: Optional[np.ndarray] = None
@@ -184,8 +191,8 @@ class ClosedLoop:
                     result.late_chunks += 1
                 in_flight = None
             # dispatch
-            if in_flight is None and plan.remaining(tick) <= s.replan_threshold and len(frames) == span:
-                in_flight = self._query(tick, frames, result)
+            if in_flight is None and plan.remaining(tick) <= s.replan_threshold:
+                in_flight = self._query(tick, frames, spec, result)
             state = env.step(command)
             result.ticks = tick + 1
             result.max_reward = max(result.max_reward, state.reward)
@@ -195,9 +202,16 @@ class ClosedLoop:
                     break
         return result
 
-    def _query(self, tick: int, frames: deque, result: EpisodeResult) -> InFlight:
+    def _query(self, tick: int, frames: deque, spec: WindowSpec, result: EpisodeResult) -> Optional[InFlight]:
+        """Send the node's window of `frames` (every camera renders at each camera tick, so all
+        cameras share the stamps and the state is the one of the newest frame)."""
         layout = self.settings.layout
-        window = [frames[k * layout.stride] for k in range(layout.frames)]   # oldest first
+        stamps = [f[0] for f in frames]
+        picked = pick_window([stamps] * len(layout.cameras), layout.cameras, spec, lambda ns: ns)
+        if isinstance(picked, Wait):
+            return None
+        _, rows, _ = picked
+        window = [frames[row[0]] for row in rows]   # oldest first
         images = [f[1][camera] for f in window for camera in layout.cameras]
         frame_ids = [(camera, f[0]) for f in window for camera in layout.cameras]
         newest_ns, _, state = window[-1]

@@ -41,6 +41,7 @@ from ..runtime.types import WindowLayout
 from .bag_io import DEMO_COMMAND_TOPIC, Bag, ObservationStream, resolve_inputs, stamp_ns
 
 STATE_DIR = "train_state"
+SAVE_MARGIN_S = 30  # the final validation, save and plot
 
 
 @dataclass
@@ -223,8 +224,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--shift-px", type=int, default=6, help="random translation of each image (augmentation)")
     ap.add_argument("--val-episodes", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--val-batches", type=int, default=8, help="batches of --batch windows per validation")
     ap.add_argument("--save-every", type=int, default=2000)
-    ap.add_argument("--time-budget-s", type=float, default=None, help="save and stop before this much wall time")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="wall time of the whole run: after 50 steps the step count is fitted to it (so the "
+                         "learning-rate schedule completes), and the run saves and stops before it ends")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--workers", type=int, default=None, help="processes reading bags (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
@@ -241,9 +245,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     bags = sorted(p for p in Path(args.bags).iterdir() if p.suffix == ".mcap" or (p / "metadata.yaml").is_file())
     if len(bags) <= args.val_episodes:
         ap.error(f"{len(bags)} episode bags in {args.bags}: need more than --val-episodes {args.val_episodes}")
-    jobs = [(str(b), layout, cfg.robot.history_offset_s, tuple(params["joint_names"]), tuple(params["camera_topics"]),
+    # The node's topics are relative (namespaces); a bag records them under the root namespace.
+    topics = tuple("/" + t.lstrip("/") for t in params["camera_topics"])
+    jobs = [(str(b), layout, cfg.robot.history_offset_s, tuple(params["joint_names"]), topics,
              cfg.vision.image_size, cfg.action.horizon, cfg.robot.control_rate_hz) for b in bags]
-    with Pool(args.workers) as pool:
+    with Pool(args.workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         episodes = pool.map(read_episode, jobs)
     train = Dataset(episodes[args.val_episodes:], len(layout.cameras), device)
     val = Dataset(episodes[:args.val_episodes], len(layout.cameras), device)
@@ -274,7 +280,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meta = {"preset": args.preset, "batch": args.batch, "lr": args.lr, "steps": args.steps, "seed": args.seed,
             "bags": len(bags), "train_windows": len(train), "command": "vla-train " + " ".join(argv or [])}
-    t_loop = time.perf_counter()
+    t_loop, start_step = time.perf_counter(), step
     while step < args.steps:
         if args.time_budget_s and time.perf_counter() - t_start > args.time_budget_s:
             print(f"vla-train: time budget reached at step {step}", flush=True)
@@ -292,12 +298,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         step += 1
+        if args.time_budget_s and step == start_step + 50:  # fit the schedule to the time left
+            per_step = (time.perf_counter() - t_loop) / 50
+            left = args.time_budget_s - (time.perf_counter() - t_start) - SAVE_MARGIN_S
+            args.steps = min(args.steps, step + max(0, int(left / per_step)))
+            meta["steps"] = args.steps
+            print(f"vla-train: {per_step:.3f} s/step; {args.steps} steps fit the time budget", flush=True)
         if step % 50 == 0 or step == 1:
-            log.append({"step": step, "loss": float(loss), "lr": optim.param_groups[0]["lr"],
+            log.append({"step": step, "loss": float(loss.detach()), "lr": optim.param_groups[0]["lr"],
                         "elapsed_s": time.perf_counter() - t_loop})
         if step % args.eval_every == 0 or step == args.steps:
-            log.append({"step": step, "val_loss": validation_loss(model, val, prompt_of, autocast, device)})
-            print(f"step {step}: loss {float(loss):.4f} val {log[-1]['val_loss']:.4f} "
+            log.append({"step": step, "val_loss": validation_loss(model, val, prompt_of, autocast, device,
+                                                                  args.batch, args.val_batches)})
+            print(f"step {step}: loss {float(loss.detach()):.4f} val {log[-1]['val_loss']:.4f} "
                   f"({(time.perf_counter() - t_loop) / max(1, step):.3f} s/step)", flush=True)
         if step % args.save_every == 0:
             save_state(out, model, optim, step, log, meta)
@@ -320,12 +333,13 @@ def _bag_instruction(path: Path) -> str:
 
 
 @torch.no_grad()
-def validation_loss(model: VLAPolicy, data: Dataset, prompt_of: dict, autocast, device, batches: int = 8) -> float:
+def validation_loss(model: VLAPolicy, data: Dataset, prompt_of: dict, autocast, device, size: int,
+                    batches: int) -> float:
     """The loss on held-out episodes at fixed windows, noise and flow times (comparable across steps)."""
     gen = torch.Generator().manual_seed(1234)
     losses = []
     for _ in range(batches):
-        k, pixels, s, target, pad = data.batch(32, gen)
+        k, pixels, s, target, pad = data.batch(size, gen)
         noise = torch.randn(target.shape, generator=gen).to(device)
         t = torch.linspace(0.05, 0.95, len(s), device=device)
         with autocast:
