@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call (issue 14): scripted demonstrations on every core, then vla-train on the GPU
-# within a time budget; the checkpoint and the curves come back under $OUT.
-#   carry: .whl (mujoco, gym-aloha, rosbags, ... for Python 3.12) and .gl (EGL loader debs)
-#   EPISODES=100 BUDGET_S=430 bash scripts/gpu_train.sh
+# One device call (issue 14): scripted demonstrations on every core, vla-train on the GPU within a
+# time budget, then the closed-loop evaluation; the checkpoint, curves and report come back under
+# $OUT. carry: .whl (mujoco, gym-aloha, rosbags, ... for Python 3.12), .gl (EGL loader debs), and
+# the INIT checkpoint folder when continuing a run.
+#   EPISODES=100 BUDGET_S=430 [INIT=out/sim_policy] [BATCH=64] [EVAL_S=150] bash scripts/gpu_train.sh
 set -uo pipefail
 t0=$(date +%s)
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -12,13 +13,18 @@ export PYTHONPATH=/tmp/site:$PWD MUJOCO_GL=egl PYTHONUNBUFFERED=1
   export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/train.log"
-python3 -m vla_node.sim record /tmp/demos --episodes "${EPISODES:-100}" --workers 16 2>&1 | tail -3 | tee -a "$OUT/train.log"
+python3 -m vla_node.sim record /tmp/demos --episodes "${EPISODES:-100}" --workers 16 2>&1 | tail -1 | tee -a "$OUT/train.log"
 echo "demos done after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
 python3 -m vla_node.tools.train --bags /tmp/demos --params config/sim.yaml --preset sim --out /tmp/sim_policy \
-  --steps "${STEPS:-40000}" --batch "${BATCH:-64}" --lr 3e-4 --device cuda --workers 16 --seed 0 \
-  --time-budget-s "${BUDGET_S:-430}" 2>&1 | grep -v Warning | tee -a "$OUT/train.log" | tail -25
-for f in model.safetensors config.json tokenizer.json tokenizer_config.json train_log.jsonl train_curves.png; do
-  cp /tmp/sim_policy/$f "$OUT/" 2>/dev/null
-done
+  --steps "${STEPS:-40000}" --batch "${BATCH:-64}" --lr "${LR:-3e-4}" --warmup "${WARMUP:-500}" --device cuda \
+  --workers 16 --seed "${SEED:-0}" ${INIT:+--init "$INIT"} --time-budget-s "${BUDGET_S:-430}" 2>&1 | grep -v Warning \
+  | tee -a "$OUT/train.log" | tail -14
+for f in model.safetensors config.json train_log.jsonl train_curves.png; do cp /tmp/sim_policy/$f "$OUT/" 2>/dev/null; done
 cp /tmp/sim_policy/train_state/state.json "$OUT/train_state.json" 2>/dev/null
+echo "training done after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
+# Closed loop, 50 held-out seeds, one fixed inference latency (parallel workers share the GPU and
+# would otherwise time each other's queries).
+[ "${EVAL_S:-0}" -gt 0 ] && timeout "$EVAL_S" python3 -m vla_node.sim eval --checkpoint /tmp/sim_policy \
+  --configs "${EVAL_CONFIGS:-eager}" --episodes 50 --workers 16 --device cuda --dtype float32 \
+  --latency-ms "${LATENCY_MS:-40}" --json "$OUT/sim_eval.json" 2>&1 | grep -v Warning | grep "success \|rror" | tail -6
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing import Pool
@@ -232,7 +233,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--workers", type=int, default=None, help="processes reading bags (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state (weights, moments, step)")
+    ap.add_argument("--init", default=None, help="start from this checkpoint's weights and statistics (fresh "
+                    "optimizer and schedule): continue a run whose train_state is gone")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)
@@ -264,6 +267,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         lo, hi = x.min(0).values, x.max(0).values
         mid, half = (lo + hi) / 2, ((hi - lo) / 2).clamp_min(1e-3)
         buf.copy_(torch.stack([mid - half, mid + half]))
+    if args.init:
+        model.load_state_dict(load_checkpoint(args.init, device).state_dict())
+        print(f"vla-train: initialised from {args.init}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n and "pos" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n and "pos" not in n)]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -279,7 +285,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     gen = torch.Generator().manual_seed(args.seed * 7919 + step)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meta = {"preset": args.preset, "batch": args.batch, "lr": args.lr, "steps": args.steps, "seed": args.seed,
-            "bags": len(bags), "train_windows": len(train), "command": "vla-train " + " ".join(argv or [])}
+            "bags": len(bags), "train_windows": len(train),
+            "command": "vla-train " + " ".join(sys.argv[1:] if argv is None else argv)}
     t_loop, start_step = time.perf_counter(), step
     while step < args.steps:
         if args.time_budget_s and time.perf_counter() - t_start > args.time_budget_s:
@@ -298,8 +305,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         step += 1
-        if args.time_budget_s and step == start_step + 50:  # fit the schedule to the time left
-            per_step = (time.perf_counter() - t_loop) / 50
+        if step == start_step + 50:
+            t_steady = time.perf_counter()   # after the first steps' compilation and allocator warm-up
+        if args.time_budget_s and step == start_step + 100:  # fit the schedule to the time left
+            per_step = (time.perf_counter() - t_steady) / 50
             left = args.time_budget_s - (time.perf_counter() - t_start) - SAVE_MARGIN_S
             args.steps = min(args.steps, step + max(0, int(left / per_step)))
             meta["steps"] = args.steps
