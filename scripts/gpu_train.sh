@@ -13,7 +13,8 @@ export PYTHONPATH=/tmp/site:$PWD MUJOCO_GL=egl PYTHONUNBUFFERED=1
   export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/train.log"
-python3 -m vla_node.sim record /tmp/demos --episodes "${EPISODES:-100}" --workers 16 2>&1 | tail -1 | tee -a "$OUT/train.log"
+[ -f /tmp/demos/episodes.json ] || \
+  python3 -m vla_node.sim record /tmp/demos --episodes "${EPISODES:-100}" --workers 16 2>&1 | tail -1 | tee -a "$OUT/train.log"
 echo "demos done after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
 python3 -m vla_node.tools.train --bags /tmp/demos --params config/sim.yaml --preset sim --out /tmp/sim_policy \
   --steps "${STEPS:-40000}" --batch "${BATCH:-64}" --lr "${LR:-3e-4}" --warmup "${WARMUP:-500}" --device cuda \

@@ -241,6 +241,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        # The 2x2 pooling attends over 4 keys per window, for batch x images x windows rows: at
+        # batch 256 that is > 65535, where cuDNN's attention fails (seen on the H200, torch 2.11).
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     params = next(iter(yaml.safe_load(Path(args.params).read_text()).values()))["ros__parameters"]
     cfg = get_preset(args.preset)
