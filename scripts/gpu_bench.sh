@@ -13,6 +13,6 @@ timeout "${EXPERT_S:-120}" python3 scripts/bench_expert_gpu.py --out "$OUT" --bu
   | grep -v Warning > "$OUT/expert.log"; tail -16 "$OUT/expert.log"
 echo "expert bench done after $(( $(date +%s) - t0 )) s"
 timeout "${BENCH_S:-210}" python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout 8img --iters 10 \
-  --dev-windows 3 --modes "${MODES8:-eager,graphs,kernels,fast}" --baseline --json "$OUT/bench_4b_8img.json" 2>&1 \
+  --dev-windows 3 --modes "${MODES8:-eager,graphs,triton,fast,fast+expert}" --baseline --json "$OUT/bench_4b_8img.json" 2>&1 \
   | grep -v Warning > "$OUT/bench8.log"; tail -16 "$OUT/bench8.log"
 echo "total $(( $(date +%s) - t0 )) s"

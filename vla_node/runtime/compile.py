@@ -6,12 +6,23 @@ state_dict); `uncompile` returns the modules to eager.
 """
 from __future__ import annotations
 
+import torch._dynamo.config as dynamo_config
 from torch import nn
 
 from ..model.policy import VLAPolicy
 
+# Graphs one region's code may have: one per bucket shape (every layout and, for an episode's
+# start, each of its shorter windows) and per engine of the process with other weights types (an
+# fp8 LLM, say). Dynamo's default, 8, was hit on the H200 by a process holding the test suite's
+# engines (FailOnRecompileLimitHit under fullgraph); a real recompile after warm-up is still counted
+# and reported (StaticRunner.recompiles).
+RECOMPILE_LIMIT = 64
+
 
 def compile_regions(model: VLAPolicy) -> list[nn.Module]:
+    for name in ("recompile_limit", "cache_size_limit"):  # the name differs between torch versions
+        if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+            setattr(dynamo_config, name, RECOMPILE_LIMIT)
     regions: list[nn.Module] = [*model.vision.encoder.blocks, model.vision.pool, model.vision.projector,
                                 *model.llm.layers, *model.expert.blocks]
     for module in regions:

@@ -50,6 +50,8 @@ OPTIONS = {
     "adaptive": {"action_cache": "adaptive:0.05"},
     "steps8": {"flow_steps": 8},
     "steps5": {"flow_steps": 5},
+    "expert": {"fused_expert": True},
+    "expertfp8": {"fused_expert": True, "expert_fp8": True},
 }
 BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "camera_height", "camera_width",
                "flow_steps", "max_instruction_tokens")
