@@ -8,7 +8,7 @@ setup(
     name=PACKAGE,
     version="0.1.0",
     packages=find_packages(exclude=["test", "test.*"]),
-    package_data={"vla_node.model": ["assets/tiny_tokenizer/*"], "vla_node": ["data/*"]},
+    package_data={"vla_node.model": ["assets/tiny_tokenizer/*"], "vla_node": ["data/*", "data/sim_policy/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         (f"share/{PACKAGE}", ["package.xml"]),

@@ -178,6 +178,11 @@ class TransferCube:
         """[7] the cube's position (m) and quaternion (w, x, y, z)."""
         return self.data.qpos[16:23].copy()
 
+    def right_gripper_to_cube_m(self) -> float:
+        """Distance (m) from the right gripper (the arm that picks the cube up) to the cube."""
+        body = self.model.body("vx300s_right/gripper_link").id
+        return float(np.linalg.norm(self.data.xpos[body] - self.data.qpos[16:19]))
+
     def reward(self) -> int:
         d = self.data
         contacts = set(zip(d.contact.geom1[:d.ncon].tolist(), d.contact.geom2[:d.ncon].tolist()))

@@ -59,6 +59,8 @@ class EpisodeReport:
     commands: int = 0               # ticks whose command came from the node
     held_without_command: int = 0   # ticks that waited command_timeout_s in vain
     arm_travel_rad: float = 0.0     # largest change of an arm joint from its start position
+    gripper_to_cube_start_m: float = 0.0   # the right gripper's distance to the cube at the start
+    gripper_to_cube_min_m: float = 0.0     # ... and the closest it came
     wall_s: float = 0.0
     video: Optional[str] = None
     first_command_tick: Optional[int] = None
@@ -161,6 +163,7 @@ class Simulation:
         frames = [] if args.video_dir else None
         state = env.reset(seed)
         start_q = state.qpos.copy()
+        report.gripper_to_cube_start_m = report.gripper_to_cube_min_m = env.right_gripper_to_cube_m()
         last: Optional[np.ndarray] = None
         node.instruction_pub.publish(String(data=self.settings.instruction))
         # The clock jumps back one tick before the episode's first observation: the node forgets
@@ -193,6 +196,7 @@ class Simulation:
             report.max_reward = max(report.max_reward, state.reward)
             arm = [j for j in range(len(JOINT_NAMES)) if j not in GRIPPERS]
             report.arm_travel_rad = max(report.arm_travel_rad, float(np.abs(state.qpos - start_q)[arm].max()))
+            report.gripper_to_cube_min_m = min(report.gripper_to_cube_min_m, env.right_gripper_to_cube_m())
             if state.success and not report.success:
                 report.success, report.first_success_tick = True, state.tick
                 if not args.run_on:

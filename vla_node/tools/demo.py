@@ -1,8 +1,12 @@
-"""vla-demo (`make demo`): the tiny policy as a ROS 2 node on the CPU, fed the bag shipped with
-the package, in about a minute.
+"""vla-demo (`make demo`): a trained policy closing the loop over ROS 2 on the CPU, then the
+tiny policy fed the bags shipped with the package.
 
-  1. starts `vla-node --ros-args --params-file config/tiny.yaml -p autostart:=true`;
-  2. replays vla_node/data/sample_droid.mcap into it in recorded timing, records everything it
+  1. closed loop: `vla-sim run` (gym-aloha transfer-cube: cameras, joint states, /clock) and
+     `vla-node` with the shipped policy (vla_node/data/sim_policy, trained with vla-train on
+     scripted demonstrations), in sim time, one episode: success, command rate, query latency,
+     and a video of the camera with the commanded joints;
+  2. starts `vla-node --ros-args --params-file config/tiny.yaml -p autostart:=true`, replays
+     vla_node/data/sample_droid.mcap into it in recorded timing, records everything it
      publishes, and prints chunks, command rate and jitter, latency per stage and holds;
   3. replays the same bag offline through two engine configurations on the same noise: how
      far their actions are apart, and how fast each is; then vla_node/data/sample_quirks.mcap,
@@ -10,12 +14,13 @@ the package, in about a minute.
      dropout, arm and gripper in separate shuffled joint states, an instruction change, stamps
      stepping back), through the first configuration: what became of each frame.
 
-Plots, the recording and JSON summaries go to out/demo/. The demo keeps to a ROS domain of its
-own: ROS_DOMAIN_ID if set, else a random one.
+Plots, the recording, the video and JSON summaries go to out/demo/. The demo keeps to a ROS
+domain of its own: ROS_DOMAIN_ID if set, else a random one.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -28,18 +33,21 @@ from .live import LiveOptions, print_summary, replay_live
 from .node_process import interrupt, node_argv, ros_environment
 from .sample_bag import QUIRKS_BAG, SAMPLE_BAG
 
+SIM_POLICY = Path(__file__).resolve().parents[1] / "data" / "sim_policy"
+SIM_SEED = 1000  # the first held-out seed (the demonstrations used seeds 0-99)
+
 Print = Callable[[str], None]
 NODE = "/vla_node"
 OFFLINE_CONFIGS = "eager,fused"
 
 
-def tiny_config() -> Path:
-    """config/tiny.yaml of the source tree, else the copy installed under share/vla_node."""
-    for path in (Path(__file__).resolve().parents[2] / "config" / "tiny.yaml",
-                 Path(sys.prefix) / "share" / "vla_node" / "config" / "tiny.yaml"):
+def config_file(name: str) -> Path:
+    """config/<name> of the source tree, else the copy installed under share/vla_node."""
+    for path in (Path(__file__).resolve().parents[2] / "config" / name,
+                 Path(sys.prefix) / "share" / "vla_node" / "config" / name):
         if path.exists():
             return path
-    raise FileNotFoundError("config/tiny.yaml not found in the source tree or under share/vla_node")
+    raise FileNotFoundError(f"config/{name} not found in the source tree or under share/vla_node")
 
 
 class NodeProcess:
@@ -74,25 +82,61 @@ class NodeProcess:
         self.stop()
 
 
+def closed_loop(out: Path, print_fn: Print, episodes: int = 1) -> dict:
+    """The shipped policy in the simulator, over ROS 2 in sim time (vla-sim run + vla-node)."""
+    report = out / "sim.json"
+    overrides = {"use_sim_time": True, "checkpoint": str(SIM_POLICY), "engine_mode": "fused"}
+    with NodeProcess(config_file("sim.yaml"), out / "sim_node.log", overrides) as node:
+        sim = subprocess.run([sys.executable, "-m", "vla_node.sim", "run", "--episodes", str(episodes),
+                              "--first-seed", str(SIM_SEED), "--json", str(report), "--video-dir", str(out)],
+                             capture_output=True, text=True, timeout=900)
+        if sim.returncode != 0 or not report.exists():
+            raise RuntimeError(f"vla-sim run failed: {(sim.stderr or sim.stdout).strip().splitlines()[-1:]}; "
+                               f"the node's last log lines:\n{node.log_tail()}")
+        latency = [line for line in node.log_path.read_text(errors="replace").splitlines() if "latency" in line][-1:]
+    result = json.loads(report.read_text())
+    for ep in result["per_episode"]:
+        sim_s = ep["ticks"] * 0.02
+        print_fn(f"      seed {ep['seed']}: {'SUCCESS' if ep['success'] else 'no success'} (reward {ep['max_reward']}/4) "
+                 f"after {ep['ticks']} ticks = {sim_s:.1f} s sim time in {ep['wall_s']:.0f} s wall; "
+                 f"{ep['commands']} node commands at 50 Hz sim time, {ep['held_without_command']} ticks held")
+        if ep.get("video"):
+            print_fn(f"      video: {ep['video']}")
+    for line in latency:
+        print_fn(f"      node: {line.split(']', 1)[-1].strip()}")
+    return result
+
+
+def tiny_config() -> Path:
+    return config_file("tiny.yaml")
+
+
 @dataclass
 class DemoResult:
+    closed_loop: Optional[dict]
     live: dict
     offline: Optional[dict]
     quirks: Optional[dict]      # the quirky bag offline
     seconds: float
 
 
-def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_fn: Print = print) -> DemoResult:
+def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_fn: Print = print,
+             sim_episodes: int = 1) -> DemoResult:
     t0 = time.monotonic()
     domain = ros_environment()
     if out.exists():
         shutil.rmtree(out)   # the demo's own output folder: each run starts clean
     out.mkdir(parents=True)
-    params_file = tiny_config()
-    print_fn(f"vla-demo: tiny VLA policy as a ROS 2 node on the CPU (ROS domain {domain})")
-    print_fn(f"[1/3] starting vla-node with {params_file} (log: {out / 'node.log'})")
+    print_fn(f"vla-demo: VLA policies as a ROS 2 node on the CPU (ROS domain {domain})")
+    loop = None
+    if sim_episodes:
+        print_fn(f"[1/3] closed loop: vla-sim (gym-aloha transfer-cube) <-> vla-node with the trained policy "
+                 f"{SIM_POLICY.name}, sim time, {sim_episodes} episode(s)")
+        loop = closed_loop(out, print_fn, sim_episodes)
+        print_fn("")
+    params_file = config_file("tiny.yaml")
+    print_fn(f"[2/3] vla-node with {params_file} (log: {out / 'node.log'}): live replay of {SAMPLE_BAG.name}")
     with NodeProcess(params_file, out / "node.log") as node:
-        print_fn(f"[2/3] live replay of {SAMPLE_BAG.name} into {NODE}")
         try:
             live = replay_live(LiveOptions(bag=SAMPLE_BAG, node=NODE, out=out / "live", wait_s=180.0,
                                            abort_if=node.exited),
@@ -125,7 +169,7 @@ def run_demo(out: Path, offline_configs: Optional[str] = OFFLINE_CONFIGS, print_
     print_fn("")
     print_fn(f"done in {seconds:.0f} s. Plots: {out / 'live'} (commands.png, timing.png), "
              f"{out / 'offline'} (actions_*.png, latency.png)" if offline else f"done in {seconds:.0f} s.")
-    return DemoResult(live, offline, quirks, seconds)
+    return DemoResult(loop, live, offline, quirks, seconds)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -134,9 +178,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="output folder (default %(default)s)")
     parser.add_argument("--offline-configs", default=OFFLINE_CONFIGS,
                         help="engine configurations compared offline; empty: skip (default %(default)s)")
+    parser.add_argument("--sim-episodes", type=int, default=1, help="closed-loop episodes (0: skip)")
     args = parser.parse_args(argv)
     try:
-        run_demo(args.out, args.offline_configs or None, print_fn=lambda m: print(m, flush=True))
+        run_demo(args.out, args.offline_configs or None, print_fn=lambda m: print(m, flush=True),
+                 sim_episodes=args.sim_episodes)
     except KeyboardInterrupt:
         print("vla-demo: interrupted", file=sys.stderr)
         return 130
