@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -35,6 +35,7 @@ from builtin_interfaces.msg import Time
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, qos_profile_sensor_data
+from diagnostic_msgs.msg import DiagnosticArray
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Float64MultiArray, String
@@ -64,6 +65,7 @@ class EpisodeReport:
     wall_s: float = 0.0
     video: Optional[str] = None
     first_command_tick: Optional[int] = None
+    node_report: dict = field(default_factory=dict)  # the node's last /diagnostics values (latency, rate)
 
 
 class SimNode(Node):
@@ -76,6 +78,9 @@ class SimNode(Node):
         self.instruction_pub = self.create_publisher(String, "instruction",
                                                      QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL))
         self.create_subscription(Float64MultiArray, command_topic, self._on_command, 10)
+        # The node's own report of its latency and rate, kept for the episode summary.
+        self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
+        self.node_report: dict[str, str] = {}
         self.commands_received = 0
         self.command: Optional[np.ndarray] = None
         self._bad_command_logged = False
@@ -90,6 +95,11 @@ class SimNode(Node):
             return
         self.command = data
         self.commands_received += 1
+
+    def _on_diagnostics(self, msg: DiagnosticArray) -> None:
+        for status in msg.status:
+            if status.name.split(":")[0].strip().endswith("vla_node") and status.values:
+                self.node_report = {kv.key: kv.value for kv in status.values}
 
     def publish_observation(self, state: SimState, images: Optional[dict[str, np.ndarray]]) -> None:
         """Joint state, then the cameras with the first camera last (its frame triggers the
@@ -202,6 +212,7 @@ class Simulation:
                 if not args.run_on:
                     break
         report.wall_s = time.monotonic() - t0
+        report.node_report = dict(node.node_report)
         if frames:
             report.video = str(write_video(Path(args.video_dir) / f"episode_seed{seed}", frames,
                                            1e9 / CONTROL_PERIOD_NS / args.camera_every))

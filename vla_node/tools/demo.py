@@ -93,17 +93,19 @@ def closed_loop(out: Path, print_fn: Print, episodes: int = 1) -> dict:
         if sim.returncode != 0 or not report.exists():
             raise RuntimeError(f"vla-sim run failed: {(sim.stderr or sim.stdout).strip().splitlines()[-1:]}; "
                                f"the node's last log lines:\n{node.log_tail()}")
-        latency = [line for line in node.log_path.read_text(errors="replace").splitlines() if "latency" in line][-1:]
     result = json.loads(report.read_text())
     for ep in result["per_episode"]:
         sim_s = ep["ticks"] * 0.02
         print_fn(f"      seed {ep['seed']}: {'SUCCESS' if ep['success'] else 'no success'} (reward {ep['max_reward']}/4) "
                  f"after {ep['ticks']} ticks = {sim_s:.1f} s sim time in {ep['wall_s']:.0f} s wall; "
                  f"{ep['commands']} node commands at 50 Hz sim time, {ep['held_without_command']} ticks held")
+        node = ep.get("node_report", {})
+        if node:
+            print_fn(f"      node: command period {node.get('command_period_ms_p50', '?')} ms (p50, node clock), "
+                     f"inference {node.get('engine_predict_ms_p50', '?')} / {node.get('engine_predict_ms_p99', '?')} ms, "
+                     f"request -> chunk {node.get('round_trip_ms_p50', '?')} ms (p50 / p99 wall time)")
         if ep.get("video"):
             print_fn(f"      video: {ep['video']}")
-    for line in latency:
-        print_fn(f"      node: {line.split(']', 1)[-1].strip()}")
     return result
 
 
