@@ -17,6 +17,9 @@ setup(
     ],
     # Exact pins live in requirements.txt; a ROS install provides rclpy and the messages.
     install_requires=["numpy", "torch", "safetensors", "tokenizers", "transformers", "pyyaml"],
+    # `colcon test` runs pytest only for a package that names it as its test dependency (else
+    # it falls back to unittest, which finds nothing).
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
     zip_safe=True,
     maintainer="vla_node maintainers",
     maintainer_email="maintainers@vla-node.dev",
@@ -33,6 +36,7 @@ setup(
             "vla-node-bench = vla_node.tools.node_bench:main",
             "vla-convert = vla_node.model.convert:main",
             "vla-sim = vla_node.sim.cli:main",
+            "vla-soak = vla_node.tools.soak:main",
         ],
     },
 )

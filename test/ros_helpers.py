@@ -2,8 +2,9 @@
 that feeds it synthetic camera + joint streams and watches everything it publishes.
 
 Every wait is on a condition (a message, a matched count, a log line) with a timeout, never a
-fixed sleep. Each test session gets its own ROS domain, so parallel runs on one machine do not
-hear each other.
+fixed sleep. Each test module gets its own ROS domain (conftest.py), and each node its own
+namespace, where its inputs are too (the node's input topics are relative): a node hears only
+the harness made for it.
 """
 from __future__ import annotations
 
@@ -23,17 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "config" / "tiny.yaml"
 JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
 HOME = np.array([0.0, -0.5, 0.0, -2.0, 0.0, 1.5, 0.8, 0.5])
-CAMERA_TOPICS = ["/cameras/exo/image_raw", "/cameras/wrist/image_raw"]
+CAMERA_TOPICS = ["cameras/exo/image_raw", "cameras/wrist/image_raw"]   # relative: in the node's namespace
 FRAME_LOOP = 8
 _counter = iter(range(1, 10**6))
 
 
 def ros_env() -> dict:
-    """Environment for this process and the node: one ROS domain per test session (chosen once),
-    Fast DDS with shared memory big enough for raw 640x480 frames (the default
-    transports lose most of them), logs where the caller says."""
+    """Environment for this process and the node: the test module's ROS domain (conftest.py
+    chooses one per module), Fast DDS with shared memory big enough for raw 640x480 frames (the
+    default transports lose most of them), logs under out/ros_log unless ROS_LOG_DIR says."""
     if "VLA_TEST_DOMAIN" not in os.environ:
-        os.environ["VLA_TEST_DOMAIN"] = ros_domain(os.getpid() ^ time.time_ns())
+        os.environ["VLA_TEST_DOMAIN"] = ros_domain()
     ros_environment(os.environ["VLA_TEST_DOMAIN"], ROOT / "out" / "ros_log")
     os.environ["RCUTILS_COLORIZED_OUTPUT"] = "0"
     os.environ["PYTHONUNBUFFERED"] = "1"
@@ -42,11 +43,12 @@ def ros_env() -> dict:
 
 class NodeProcess:
     """`vla-node --ros-args --params-file config/tiny.yaml -p name:=value ...` with its output
-    collected line by line. Each node gets its own namespace, so a test never talks to another
-    test's node."""
+    collected line by line. Each node gets its own namespace (unless one is given), so a test
+    never talks to another test's node."""
 
-    def __init__(self, overrides: Optional[dict] = None, params_file: Path = TINY_YAML, ros_args: tuple = ()):
-        self.namespace = f"/t{os.getpid()}_{next(_counter)}"
+    def __init__(self, overrides: Optional[dict] = None, params_file: Path = TINY_YAML, ros_args: tuple = (),
+                 namespace: Optional[str] = None):
+        self.namespace = namespace or f"/t{os.getpid()}_{next(_counter)}"
         self.name = f"{self.namespace}/vla_node"
         self.command = node_argv(params_file, overrides, ["-r", f"__ns:={self.namespace}", *ros_args])
         self.lines: list[str] = []
@@ -148,15 +150,15 @@ class Harness:
         from std_msgs.msg import Bool, Float64MultiArray, String
         from trajectory_msgs.msg import JointTrajectory
 
-        n = self.node
-        self.camera_pubs = {}
+        n, ns = self.node, self.process.namespace
+        self.camera_pubs = {}     # by the node's (relative) topic name
         for topic in CAMERA_TOPICS:
-            self.camera_pubs[topic] = n.create_publisher(Image, topic, qos_profile_sensor_data)
-            self.camera_pubs[topic + "/compressed"] = n.create_publisher(CompressedImage, topic + "/compressed",
+            self.camera_pubs[topic] = n.create_publisher(Image, f"{ns}/{topic}", qos_profile_sensor_data)
+            self.camera_pubs[topic + "/compressed"] = n.create_publisher(CompressedImage, f"{ns}/{topic}/compressed",
                                                                          qos_profile_sensor_data)
-        self.joint_pub = n.create_publisher(JointState, "/joint_states", qos_profile_sensor_data)
-        self.instruction_pub = n.create_publisher(String, "/instruction", 10)
-        self.estop_pub = n.create_publisher(Bool, "/estop", 10)
+        self.joint_pub = n.create_publisher(JointState, f"{ns}/joint_states", qos_profile_sensor_data)
+        self.instruction_pub = n.create_publisher(String, f"{ns}/instruction", 10)
+        self.estop_pub = n.create_publisher(Bool, f"{ns}/estop", 10)
         self.clock_pub = n.create_publisher(Clock, "/clock", 10)
         self.subs = [
             n.create_subscription(Float64MultiArray, f"{self.target}/command", self._recorder("command"), 50),
@@ -382,6 +384,14 @@ class Robot:
         stamp = self.h.stamp()
         msg = (self.joint_message or self.joint_state)(stamp)
         self.h.joint_pub.publish(msg)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read()
+    except FileNotFoundError:
+        return False
 
 
 def diag_float(d: dict, key: str) -> float:

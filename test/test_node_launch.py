@@ -1,79 +1,169 @@
-"""launch/molmobot.launch.py under launch_pytest: the launch file starts the node with the tiny
-configuration and its lifecycle events bring it to active, where it commands.
+"""launch/molmobot.launch.py under launch_pytest, as a user runs it: with autostart (the default)
+the node configures and activates itself and commands; with autostart:=false every transition is
+left to a lifecycle manager, and the launch file never answers one with its own; two namespaced
+launches serve two robots side by side; a node that refuses its parameters ends the launch.
 
 launch_pytest comes with a ROS 2 install (the package built with colcon, so that launch_ros
-finds `vla_node` in the ament index); where it is not importable this test is skipped.
+finds `vla_node` in the ament index); where it is not importable these tests are skipped.
 """
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 launch_pytest = pytest.importorskip("launch_pytest", reason="launch_pytest is not installed (it comes with a "
                                                             "ROS 2 install; pip cannot provide it)")
 
-from launch import LaunchDescription  # noqa: E402
+from launch import LaunchDescription, LaunchService  # noqa: E402
 from launch.actions import IncludeLaunchDescription  # noqa: E402
 from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
 
 from ros_helpers import HOME, JOINTS, ros_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMESPACE = "launch_test"
+LAUNCH_FILE = ROOT / "launch" / "molmobot.launch.py"
+TINY = ROOT / "config" / "tiny.yaml"
+pytestmark = pytest.mark.timeout(300)
+HOME2 = HOME + np.array([0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, -0.1])
+
+
+def include(namespace: str, **arguments) -> IncludeLaunchDescription:
+    arguments = {"params_file": str(TINY), "namespace": namespace, "model_preset": "tiny", **arguments}
+    return IncludeLaunchDescription(PythonLaunchDescriptionSource(str(LAUNCH_FILE)),
+                                    launch_arguments=arguments.items())
+
+
+class Probe:
+    """A test-side node: publishes a robot's joint states, watches commands, drives lifecycles."""
+
+    def __init__(self):
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node("launch_test_probe", context=self.context)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.commands: dict[str, list] = {}
+        self.spinner = threading.Thread(target=self.executor.spin, daemon=True)
+        self.spinner.start()
+
+    def robot(self, namespace: str, position: np.ndarray) -> None:
+        """Joint states at 50 Hz on the namespace's joint_states; the node's commands recorded."""
+        from rclpy.qos import qos_profile_sensor_data
+        from sensor_msgs.msg import JointState
+        from std_msgs.msg import Float64MultiArray
+
+        received = self.commands.setdefault(namespace, [])
+        self.node.create_subscription(Float64MultiArray, f"/{namespace}/vla_node/command",
+                                      lambda msg: received.append(np.array(msg.data)), 10)
+        joints = self.node.create_publisher(JointState, f"/{namespace}/joint_states", qos_profile_sensor_data)
+        self.node.create_timer(0.02, lambda: joints.publish(JointState(name=JOINTS, position=position.tolist())))
+
+    def call(self, service_type, name: str, request, timeout: float = 120.0):
+        client = self.node.create_client(service_type, name)
+        assert client.wait_for_service(timeout_sec=60.0), f"no service {name}"
+        future = client.call_async(request)
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        assert done.wait(timeout), f"no answer from {name}"
+        return future.result()
+
+    def state(self, namespace: str) -> str:
+        from lifecycle_msgs.srv import GetState
+        return self.call(GetState, f"/{namespace}/vla_node/get_state", GetState.Request()).current_state.label
+
+    def transition(self, namespace: str, label: str) -> bool:
+        from lifecycle_msgs.srv import ChangeState
+        request = ChangeState.Request()
+        request.transition.label = label
+        return self.call(ChangeState, f"/{namespace}/vla_node/change_state", request).success
+
+    def wait_active(self, namespace: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (state := self.state(namespace)) != "active":   # configuring (loading the engine) first
+            assert time.monotonic() < deadline, f"{namespace} is {state}, not active"
+            time.sleep(0.5)
+
+    def wait_commanding(self, namespace: str, position: np.ndarray, timeout: float = 30.0) -> None:
+        """Active and told where the robot is, the node commands (holding there until chunks come)."""
+        deadline = time.monotonic() + timeout
+        while not any(np.allclose(c, position) for c in list(self.commands.get(namespace, []))):
+            assert time.monotonic() < deadline, f"{namespace}: no command at its robot's position"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.executor.shutdown()
+        self.node.destroy_node()
+        self.context.try_shutdown()
+        self.spinner.join(5)
+
+
+@pytest.fixture
+def probe():
+    p = Probe()
+    yield p
+    p.close()
 
 
 @launch_pytest.fixture
-def launch_description():
-    ros_env()   # this test's own ROS domain, for the launched node too
-    return LaunchDescription([
-        IncludeLaunchDescription(
-            PythonLaunchDescriptionSource(str(ROOT / "launch" / "molmobot.launch.py")),
-            launch_arguments={"params_file": str(ROOT / "config" / "tiny.yaml"), "namespace": NAMESPACE,
-                              "model_preset": "tiny", "use_sim_time": "false"}.items()),
-        launch_pytest.actions.ReadyToTest(),
-    ])
+def autostarted():
+    ros_env()   # this test module's ROS domain, for the launched node too
+    return LaunchDescription([include("launch_test"), launch_pytest.actions.ReadyToTest()])
 
 
-@pytest.mark.launch(fixture=launch_description)
-def test_launch_file_configures_and_activates_the_node():
-    import rclpy
-    from lifecycle_msgs.srv import GetState
-    from rclpy.executors import SingleThreadedExecutor
-    from rclpy.qos import qos_profile_sensor_data
-    from sensor_msgs.msg import JointState
-    from std_msgs.msg import Float64MultiArray
+@pytest.mark.launch(fixture=autostarted)
+def test_launch_file_configures_and_activates_the_node(probe):
+    probe.robot("launch_test", HOME)
+    probe.wait_active("launch_test")
+    probe.wait_commanding("launch_test", HOME)
 
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = rclpy.create_node("launch_test_probe", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(node)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
-    commanded = threading.Event()
-    try:
-        node.create_subscription(Float64MultiArray, f"/{NAMESPACE}/vla_node/command",
-                                 lambda msg: commanded.set() if len(msg.data) == len(JOINTS) else None, 10)
-        joints = node.create_publisher(JointState, "/joint_states", qos_profile_sensor_data)
-        node.create_timer(0.02, lambda: joints.publish(JointState(name=JOINTS, position=HOME.tolist())))
-        client = node.create_client(GetState, f"/{NAMESPACE}/vla_node/get_state")
-        assert client.wait_for_service(timeout_sec=60.0)
-        deadline = time.monotonic() + 120.0
-        state = ""
-        while state != "active" and time.monotonic() < deadline:
-            future = client.call_async(GetState.Request())
-            done = threading.Event()
-            future.add_done_callback(lambda _: done.set())
-            assert done.wait(10.0)
-            state = future.result().current_state.label
-            if state != "active":   # configuring (loading the engine) or about to activate
-                commanded.wait(1.0)
-        assert state == "active"
-        # Active and told where the robot is: it commands (holding there until chunks come).
-        assert commanded.wait(30.0)
-    finally:
-        executor.shutdown()
-        node.destroy_node()
-        context.try_shutdown()
-        spinner.join(5)
+
+@launch_pytest.fixture
+def managed():
+    ros_env()
+    return LaunchDescription([include("managed", autostart="false"), launch_pytest.actions.ReadyToTest()])
+
+
+@pytest.mark.launch(fixture=managed)
+def test_with_autostart_false_every_transition_is_the_managers(probe):
+    assert probe.state("managed") == "unconfigured"
+    # What a lifecycle manager does, twice over: each transition succeeds, none is answered by the
+    # launch file (which used to activate after every configure, so the manager's activate failed).
+    for _ in range(2):
+        assert probe.transition("managed", "configure") and probe.state("managed") == "inactive"
+        assert probe.transition("managed", "activate") and probe.state("managed") == "active"
+        assert probe.transition("managed", "deactivate") and probe.state("managed") == "inactive"
+        assert probe.transition("managed", "cleanup") and probe.state("managed") == "unconfigured"
+
+
+@launch_pytest.fixture
+def two_robots():
+    ros_env()
+    return LaunchDescription([include("robot1"), include("robot2"), launch_pytest.actions.ReadyToTest()])
+
+
+@pytest.mark.launch(fixture=two_robots)
+def test_two_namespaced_launches_serve_two_robots(probe):
+    probe.robot("robot1", HOME)
+    probe.robot("robot2", HOME2)
+    for namespace, position in (("robot1", HOME), ("robot2", HOME2)):
+        probe.wait_active(namespace)
+        probe.wait_commanding(namespace, position)
+    # Each node heard its own robot only.
+    assert not any(np.allclose(c, HOME2) for c in probe.commands["robot1"])
+    assert not any(np.allclose(c, HOME) for c in probe.commands["robot2"])
+
+
+def test_a_node_that_refuses_its_parameters_ends_the_launch(tmp_path):
+    ros_env()
+    params = tmp_path / "robot.yaml"
+    params.write_text(TINY.read_text().replace("control_rate_hz: 50.0", "control_rate_hz: 15"))
+    service = LaunchService()
+    service.include_launch_description(LaunchDescription([include("refused", params_file=str(params))]))
+    started = time.monotonic()
+    assert service.run() == 0                          # returns: the launch did not keep running
+    assert time.monotonic() - started < 60

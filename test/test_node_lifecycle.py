@@ -1,20 +1,16 @@
 """The node as a user runs it: `vla-node --ros-args --params-file config/tiny.yaml` in its own
 process, driven through its lifecycle services over DDS, fed synthetic camera + joint streams."""
-import os
 import time
 
 import numpy as np
 import pytest
 
-from ros_helpers import HOME, JOINTS, Harness, NodeProcess, Robot, stamp_ns
+from ros_helpers import HOME, JOINTS, Harness, NodeProcess, Robot, pid_alive, stamp_ns
+from vla_node.tools.node_process import dead_dds_shm, dds_shm_of
 
 pytestmark = pytest.mark.timeout(180)
 
 RATE = 50.0
-
-
-def pid_alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +101,7 @@ def test_configure_again_after_cleanup_and_shutdown(running):
     assert h.transition("shutdown")
     assert h.state() == "finalized"
     assert not pid_alive(pid)
+    node.wait_for_line("shut down from active: engine process ended")
 
 
 def test_failed_load_fails_configure_with_the_reason(tmp_path):
@@ -124,14 +121,17 @@ def test_failed_load_fails_configure_with_the_reason(tmp_path):
         node.stop_cleanly()
 
 
-def test_ctrl_c_ends_the_node_and_its_engine_process():
+def test_ctrl_c_ends_the_node_and_its_engine_process_and_leaves_no_shared_memory():
     node = NodeProcess({"autostart": True})
     h = Harness(node)
     try:
-        d = h.wait_diagnostics(lambda d: "engine_pid" in d, 60, "an engine pid", since=0)
+        Robot(h)
+        d = h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run", since=0)
         pid = int(d["engine_pid"])
         assert pid_alive(pid)
+        mapped = dds_shm_of(node.proc.pid)        # its DDS participant's segment and ports, and others'
     finally:
         h.close()
         node.stop_cleanly()
     assert not pid_alive(pid)
+    assert not dead_dds_shm(mapped), "the node's DDS participant was never destroyed"

@@ -41,7 +41,7 @@ def test_parameters_are_described_with_ranges_and_read_only_flags(node):
     assert descriptors["replan_threshold"].integer_range[0].from_value == 1
     assert descriptors["model_preset"].read_only and descriptors["camera_topics"].read_only
     assert not descriptors["joint_lower_limits"].read_only
-    assert h.get_parameter("camera_topics") == ["/cameras/exo/image_raw", "/cameras/wrist/image_raw"]
+    assert h.get_parameter("camera_topics") == ["cameras/exo/image_raw", "cameras/wrist/image_raw"]   # relative
 
 
 @pytest.mark.parametrize("name, value, reason", [

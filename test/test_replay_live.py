@@ -2,10 +2,8 @@
 
 The demo runs once for the module: it starts the node with config/tiny.yaml, replays the shipped
 bag into it live and compares two engine configurations offline; the tests check what it did.
-Every ROS participant of this module lives in a ROS domain of its own.
+Every ROS participant of this module lives in a ROS domain of its own (conftest.py).
 """
-import os
-
 import numpy as np
 import pytest
 
@@ -13,21 +11,7 @@ from vla_node.tools.bag_io import (COMPRESSED_IMAGE, IMAGE, TYPESTORE, Bag, BagE
                                    decode_image, image_msg)
 from vla_node.tools.demo import NodeProcess, run_demo, tiny_config
 from vla_node.tools.live import LiveError, LiveOptions, Route, convert, replay_live
-from vla_node.tools.node_process import ros_domain, ros_environment
 from vla_node.tools.sample_bag import SAMPLE_BAG, SampleSpec, write_sample_bag
-
-
-@pytest.fixture(scope="module", autouse=True)
-def own_ros_domain():
-    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "FASTDDS_BUILTIN_TRANSPORTS",
-                                            "FASTDDS_DEFAULT_PROFILES_FILE", "ROS_LOG_DIR")}
-    ros_environment(ros_domain(os.getpid()))
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,8 @@ def test_reorder_joints_takes_the_wanted_joints_by_name():
         reorder_joints(["a", "b"], [1.0], ["a"])
     with pytest.raises(InputError, match=r"non-finite joint positions for \['b'\]"):
         reorder_joints(["a", "b"], [1.0, float("inf")], ["a", "b"])
+    with pytest.raises(InputError, match=r"names \['a'\] more than once"):
+        reorder_joints(["a", "b", "a", "x", "x"], [1.0, 2.0, 3.0, 4.0, 5.0], ["a", "b"])
 
 
 def test_split_arm_and_gripper_messages_give_the_state_written():

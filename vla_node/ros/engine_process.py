@@ -53,8 +53,6 @@ class Result:
     memory: Optional[tuple] = None   # (allocated, reserved) device bytes; None on the CPU
 
 
-
-
 class EngineProcess:
     def __init__(self, options: dict):
         """options: mode, preset, checkpoint, device, dtype, seed, flow_steps,
@@ -62,26 +60,40 @@ class EngineProcess:
         threads, nice."""
         self.options = options
         self.frames: Optional[mmap.mmap] = None
+        # Kept open until close(): a worker started again after a crash maps the same frames, so
+        # the node's frame ring lives on across an engine restart.
+        self._frames_fd: Optional[int] = None
+        self._frames_shape: tuple[int, ...] = ()
         self._conn = None
         self._process = None
+        self._deadline = 0.0
+        self._timeout_s = 0.0
 
     def start(self, timeout_s: float, progress: Callable[[str], None]) -> EngineInfo:
         """Spawn the worker and wait until the engine is loaded and warm. Raises EngineError
         with the worker's reason (a bad checkpoint, an unknown mode, ...)."""
+        self.spawn(timeout_s)
+        while (info := self.check_ready(progress)) is None:
+            self._conn.poll(0.5)
+        return info
+
+    def spawn(self, timeout_s: float) -> None:
+        """Start a worker without waiting for it: check_ready() says when it is warm."""
         ctx = mp.get_context("spawn")   # never fork a process that runs DDS threads
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(target=_worker_main, args=(child, self.options), name="vla_node_engine",
                                     daemon=True)
         self._process.start()
         child.close()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self._conn.poll(0.5):
-                if not self._process.is_alive():
-                    raise EngineError(f"engine process exited with code {self._process.exitcode} while starting")
-                if time.monotonic() > deadline:
-                    raise EngineError(f"engine not ready after {timeout_s:.0f} s (engine_start_timeout_s)")
-                continue
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+
+    def check_ready(self, progress: Callable[[str], None]) -> Optional[EngineInfo]:
+        """Without blocking: the engine's description once it is loaded and warm, None while it
+        is starting (its progress messages go to `progress`). Raises EngineError when the worker
+        failed, exited or missed the start timeout."""
+        alive = self._process.is_alive()   # before reading: a worker that reports, then exits, is heard
+        while self._conn.poll():
             kind, payload = self._receive()
             if kind == "progress":
                 progress(payload)
@@ -89,6 +101,11 @@ class EngineProcess:
                 raise EngineError(payload)
             elif kind == "ready":
                 return EngineInfo(pid=self._process.pid, **payload)
+        if not alive:
+            raise EngineError(f"engine process exited with code {self._process.exitcode} while starting")
+        if time.monotonic() > self._deadline:
+            raise EngineError(f"engine not ready after {self._timeout_s:.0f} s (engine_start_timeout_s)")
+        return None
 
     def share_frames(self, shape: tuple[int, ...]) -> mmap.mmap:
         """After start(): the frame buffer (uint8 `shape`), mapped here and in the worker."""
@@ -97,11 +114,17 @@ class EngineProcess:
         try:
             os.ftruncate(fd, nbytes)
             self.frames = mmap.mmap(fd, nbytes)
-            self._conn.send(("frames", tuple(shape)))
-            reduction.send_handle(self._conn, fd, self._process.pid)
-        finally:
-            os.close(fd)   # the worker holds its own copy now; the mapping keeps the memory
+        except BaseException:
+            os.close(fd)
+            raise
+        self._frames_fd, self._frames_shape = fd, tuple(shape)
+        self.send_frames()
         return self.frames
+
+    def send_frames(self) -> None:
+        """Give the worker the frame buffer: after share_frames(), and to a worker started again."""
+        self._conn.send(("frames", self._frames_shape))
+        reduction.send_handle(self._conn, self._frames_fd, self._process.pid)
 
     def _receive(self):
         try:
@@ -128,8 +151,8 @@ class EngineProcess:
         kind, payload = self._receive()
         return Result(kind=kind, **payload)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """End the worker (politely, then by force) and release the shared frames."""
+    def stop_worker(self, timeout_s: float = 10.0) -> None:
+        """End the worker (politely, then by force); the shared frames stay for the next one."""
         if self._process is not None:
             if self._process.is_alive():
                 try:
@@ -145,6 +168,13 @@ class EngineProcess:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the worker and release the shared frames."""
+        self.stop_worker(timeout_s)
+        if self._frames_fd is not None:
+            os.close(self._frames_fd)
+            self._frames_fd = None
         if self.frames is not None:
             self.frames.close()
             self.frames = None

@@ -32,13 +32,14 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.logging import LoggingSeverity
 from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
+from rclpy.subscription import Subscription
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, Float64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory
 
 from ..runtime import images
 from ..runtime.windows import InputError, JointStates, StampStep, Wait, WindowSpec, frames_to_keep
-from . import messages, params
+from . import FRAME_TRANSPORT_PROFILE, messages, params
 from .control import LATENCY_WINDOW, Plan, SafetyFilter
 from .diagnostics import Faults, Rolling, key_values, percentile_pairs
 from .engine_process import EngineError, EngineInfo, EngineProcess, Result
@@ -50,6 +51,11 @@ STAGES = ("preprocess", "vision", "llm", "action", "total")
 RETRY_SOURCES = {"engine", "output", "sync", "clock", "timeline"}
 STATS_WINDOW = 1000     # samples in each rolling statistic (20 s of ticks at 50 Hz)
 DIAGNOSTICS_PERIOD_S = 1.0
+RESTART_POLL_S = 0.1    # how often a restarting engine is checked (on the executor, never blocking)
+NO_CHECKPOINT = ("no checkpoint: set checkpoint to a MolmoBot checkpoint folder (an official one with config.yaml "
+                 "+ model.pt is converted on first use, or convert it with `vla-convert OFFICIAL_DIR OUT_DIR "
+                 "[--tokenizer DIR]`), or random_weights: true for untrained weights (benchmarks and tests only: "
+                 "the robot would move at random)")
 
 
 @dataclass
@@ -64,25 +70,36 @@ class Request:
     late_because: str = ""      # ... and why (the inputs it waited for)
 
 
+@dataclass
+class EngineRestart:
+    """A lost engine being replaced: its worker is respawned at `due` (time.monotonic()), then
+    polled until warm; a failed start is retried engine_restart_s later."""
+    due: float
+    attempt: int = 1
+    spawned: bool = False
+
+
 class Decoder:
     """Converts camera frames off the executor thread, which runs the control loop: a 640x480
     JPEG takes ~2 ms to decode and even a raw frame's copy ~0.2 ms (more under load), and both
     OpenCV and numpy's large copies release the GIL. Only the newest unconverted frame of a
-    camera is kept (stale frames are dropped, never queued)."""
+    camera is kept (stale frames are dropped, never queued), with the time it arrived: a frame
+    converted late must not look fresh. Cameras are served oldest-waiting first, so a busy
+    camera cannot starve another."""
 
     def __init__(self, ingest):
         self._ingest = ingest
-        self._pending: dict[int, Image | CompressedImage] = {}
+        self._pending: dict[int, tuple[Image | CompressedImage, int]] = {}   # camera -> (msg, arrival ns)
         self._wake = threading.Condition()
         self._stop = False
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="vla_node_decoder", daemon=True)
         self._thread.start()
 
-    def push(self, camera: int, msg: Image | CompressedImage) -> None:
+    def push(self, camera: int, msg: Image | CompressedImage, arrived_ns: int) -> None:
         with self._wake:
             self.dropped += camera in self._pending
-            self._pending[camera] = msg
+            self._pending[camera] = (msg, arrived_ns)   # a replaced entry keeps its place in the queue
             self._wake.notify()
 
     def _run(self) -> None:
@@ -91,9 +108,10 @@ class Decoder:
                 self._wake.wait_for(lambda: self._pending or self._stop)
                 if self._stop:
                     return
-                camera, msg = self._pending.popitem()
+                camera = next(iter(self._pending))
+                msg, arrived_ns = self._pending.pop(camera)
             fill = images.compressed_into if isinstance(msg, CompressedImage) else images.image_into
-            self._ingest(camera, msg, fill)
+            self._ingest(camera, msg, arrived_ns, fill)
 
     def close(self) -> None:
         with self._wake:
@@ -105,9 +123,8 @@ class Decoder:
 class VLANode(LifecycleNode):
     def __init__(self, **kwargs):
         super().__init__("vla_node", **kwargs)
-        self.settings = params.declare(self)
-        self.add_on_set_parameters_callback(self._validate_parameters)
-        self.add_post_set_parameters_callback(self._apply_parameters)
+        # Everything _release() touches exists before the parameters are read: a node whose
+        # start-up parameters are refused is still destroyed cleanly (rclpy's shutdown does it).
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         # Fault changes publish diagnostics at once, from the executor (they may start on the
         # decoder thread).
@@ -127,12 +144,22 @@ class VLANode(LifecycleNode):
         self._info: Optional[EngineInfo] = None
         self._ring: Optional[FrameRing] = None
         self._decoder: Optional[Decoder] = None
-        self._inputs = []
+        self._inputs: dict[str, Subscription] = {}   # by fault source: "camera 'exo'", "joint_states", ...
         self._command_pub = self._trajectory_pub = self._joint_command_pub = None
         self._control_timer = None
-        self._safety = self._make_safety()
+        # A lost engine: its worker has ended, but the frame ring still writes into its shared
+        # frames, so they stay mapped until cleanup (or until a restarted worker uses them again).
+        self._lost: Optional[EngineProcess] = None
+        self._restart: Optional[EngineRestart] = None   # while the lost engine is being restarted
+        self._restart_timer = None
+        self._engine_restarts = 0
         self._epoch = 0
         self._reset_control()
+
+        self.settings = params.declare(self)
+        self.add_on_set_parameters_callback(self._validate_parameters)
+        self.add_post_set_parameters_callback(self._apply_parameters)
+        self._safety = self._make_safety()
         self._joints = JointStates(self.settings.joint_names)   # recent samples per joint, by header stamp
         self._timeline_ended = threading.Event()   # an input's stamps stepped back: the control loop resets
         self._offset_s = 0.0                       # history offset in effect (set by configure)
@@ -165,6 +192,9 @@ class VLANode(LifecycleNode):
     # -- lifecycle ------------------------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         s = self.settings
+        if not s.checkpoint and not s.random_weights:
+            return self._fail_configure(NO_CHECKPOINT)
+        self._joints = JointStates(s.joint_names)   # nothing heard yet
         self.get_logger().info(f"configuring: {s.model_preset if not s.checkpoint else s.checkpoint} "
                                f"({s.engine_mode}, {s.device}, {s.dtype})")
         try:
@@ -207,9 +237,11 @@ class VLANode(LifecycleNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._reset_control()
-        self._engine.reset_stream()
+        if self._engine is not None:    # None: lost, and being restarted or waiting for cleanup
+            self._engine.reset_stream()
         self._loop_period.clear()
         self._control_timer = self._make_control_timer()
+        self._hold = self._first_tick_wait()
         self._state = "active"
         # Everything allocated so far lives as long as the node: move it out of the collector's
         # reach, so a full collection never stalls a control tick for milliseconds.
@@ -222,9 +254,17 @@ class VLANode(LifecycleNode):
         # On the steady clock unless simulated: the loop must not follow steps or slewing of
         # the system clock (measured on the 2-core VM: p99 period jitter 0.9-2.4 ms on the
         # steady clock against 2.5-4.2 ms on the system clock, side by side).
-        sim = self.get_parameter("use_sim_time").value
-        clock = self.get_clock() if sim else Clock(clock_type=ClockType.STEADY_TIME)
+        clock = self.get_clock() if self._sim_time() else Clock(clock_type=ClockType.STEADY_TIME)
         return self.create_timer(self.settings.control_period_s, self._on_tick, clock=clock)
+
+    def _sim_time(self) -> bool:
+        return self.get_parameter("use_sim_time").value
+
+    def _first_tick_wait(self) -> str:
+        """The hold until the first control tick: on simulated time, that tick needs /clock."""
+        if self._sim_time() and self.get_clock().now().nanoseconds == 0:
+            return "no /clock: use_sim_time is true and no simulated time has arrived yet"
+        return "starting"
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop_control()
@@ -239,8 +279,10 @@ class VLANode(LifecycleNode):
         return super().on_cleanup(state)
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        had_engine = self._engine is not None or self._lost is not None
         self._release()
         self._state = "finalized"
+        self.get_logger().info(f"shut down from {state.label}{': engine process ended' if had_engine else ''}")
         return super().on_shutdown(state)
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -262,9 +304,9 @@ class VLANode(LifecycleNode):
     def _release(self) -> None:
         """Undo configure, whatever part of it happened."""
         self._stop_control()
-        for sub in self._inputs:
+        for sub in self._inputs.values():
             self.destroy_subscription(sub)
-        self._inputs = []
+        self._inputs = {}
         for pub in (self._command_pub, self._trajectory_pub, self._joint_command_pub):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
@@ -273,11 +315,12 @@ class VLANode(LifecycleNode):
             self._decoder.close()
             self._decoder = None
         self._ring = None
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        self._end_restart()
+        for engine in (self._engine, self._lost):   # after the ring: nothing writes the frames any more
+            if engine is not None:
+                engine.close()
+        self._engine = self._lost = None
         self._info = None
-        self._joints = JointStates(self.settings.joint_names)   # nothing heard yet
         self.faults.reset()
 
     def _reset_control(self) -> None:
@@ -316,30 +359,29 @@ class VLANode(LifecycleNode):
         self._decoder = Decoder(self._ingest)
         for i, topic in enumerate(s.camera_topics):
             kind = CompressedImage if topic.rstrip("/").endswith("/compressed") else Image
-            self._inputs.append(self.create_subscription(kind, topic, lambda m, i=i: self._decoder.push(i, m),
-                                                         qos_profile_sensor_data))
-        self._inputs += [
-            self.create_subscription(JointState, s.joint_states_topic, self._on_joint_state, qos_profile_sensor_data),
-            self.create_subscription(String, s.instruction_topic, self._on_instruction, 10),
-            self.create_subscription(Bool, s.estop_topic, self._on_estop, 10),
-        ]
+            self._inputs[self._camera_source(i)] = self.create_subscription(
+                kind, topic, lambda m, i=i: self._decoder.push(i, m, self._now_ns()), qos_profile_sensor_data)
+        self._inputs["joint_states"] = self.create_subscription(JointState, s.joint_states_topic,
+                                                                self._on_joint_state, qos_profile_sensor_data)
+        self._inputs["instruction"] = self.create_subscription(String, s.instruction_topic, self._on_instruction, 10)
+        self._inputs["estop"] = self.create_subscription(Bool, s.estop_topic, self._on_estop, 10)
 
     def _camera_source(self, camera: int) -> str:
         return f"camera {self.settings.camera_names[camera]!r}"
 
-    def _ingest(self, camera: int, msg, fill) -> None:
+    def _ingest(self, camera: int, msg, arrived_ns: int, fill) -> None:
         """Store one camera frame (on the decoder thread)."""
         t0 = time.perf_counter()
         ring = self._ring
         if ring is None:
             return
-        stamp, now = messages.stamp_ns(msg.header.stamp), self._now_ns()
+        stamp = messages.stamp_ns(msg.header.stamp)
         try:
             try:
-                ring.write(camera, stamp, now, lambda out: fill(msg, out))
+                ring.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
             except StampStep as step:   # the first frame of a new timeline: forget the old one, keep this
                 self._end_timeline(step)
-                ring.write(camera, stamp, now, lambda out: fill(msg, out))
+                ring.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
         except InputError as e:
             self.faults.set(self._camera_source(camera), str(e))
             return
@@ -385,7 +427,7 @@ class VLANode(LifecycleNode):
     def _on_instruction(self, msg: String) -> None:
         text = msg.data.strip()
         if not text:
-            self.faults.set("instruction", f"empty instruction on {self.settings.instruction_topic}; "
+            self.faults.set("instruction", f"empty instruction on {self._inputs['instruction'].topic_name}; "
                                            f"holding until a non-empty one arrives")
             return
         result = self.set_parameters([Parameter("instruction", Parameter.Type.STRING, text)])[0]
@@ -394,7 +436,7 @@ class VLANode(LifecycleNode):
 
     def _on_estop(self, msg: Bool) -> None:
         if msg.data:
-            self.faults.set("estop", f"e-stop engaged on {self.settings.estop_topic}")
+            self.faults.set("estop", f"e-stop engaged on {self._inputs['estop'].topic_name}")
         else:
             self.faults.clear("estop")
 
@@ -439,10 +481,22 @@ class VLANode(LifecycleNode):
         if received is None:
             received = self._activated_ns
         if input_source not in active and now_ns - received > timeout_ns:
-            self.faults.set(source, reason or f"no {input_source} input for more than "
-                                              f"{self.settings.input_timeout_s:g} s (input_timeout_s)")
+            self.faults.set(source, (reason or f"no {input_source} input for more than "
+                                               f"{self.settings.input_timeout_s:g} s (input_timeout_s)")
+                            + self._silence_hint(input_source))
         elif source in active and now_ns - received <= timeout_ns:
             self.faults.clear(source)
+
+    def _silence_hint(self, input_source: str) -> str:
+        """Why a silent input may be silent, from what DDS knows of its publishers."""
+        sub = self._inputs[input_source]
+        if sub.get_publisher_count() == 0:
+            return f"; nothing publishes on {sub.topic_name}"
+        hint = f"; {sub.topic_name} has a publisher, but no message arrives"
+        if sub.msg_type is Image:
+            hint += (": Fast DDS's default transports drop raw frames this large, start the camera publisher with "
+                     f"FASTDDS_DEFAULT_PROFILES_FILE={FRAME_TRANSPORT_PROFILE} or use a .../compressed topic")
+        return hint
 
     # -- the control loop -----------------------------------------------------------------------
     def _on_tick(self) -> None:
@@ -658,12 +712,60 @@ class VLANode(LifecycleNode):
             self.faults.set("sync", wait.reason)
 
     def _lost_engine(self, reason: str) -> None:
-        self.faults.set("engine", reason)
+        self.faults.set("engine", f"engine lost: {reason}")
         self._in_flight = None
         self._ring.unpin()
-        self._engine.close()
-        self._engine = None
-        self.get_logger().error(f"engine lost: {reason}; cleanup and configure restart it")
+        self._engine.stop_worker()   # not close(): the frame ring keeps writing into its shared frames
+        self._lost, self._engine = self._engine, None
+        restart_s = self.settings.engine_restart_s
+        if not restart_s:
+            self.get_logger().error(f"engine lost: {reason}; cleanup and configure restart it (or set "
+                                    "engine_restart_s)")
+            return
+        self._restart = EngineRestart(due=time.monotonic() + restart_s)
+        self._restart_timer = self.create_timer(RESTART_POLL_S, self._step_restart,
+                                                clock=Clock(clock_type=ClockType.STEADY_TIME))
+        self.get_logger().error(f"engine lost: {reason}; restarting it in {restart_s:g} s (engine_restart_s)")
+
+    def _step_restart(self) -> None:
+        """Respawn the lost engine when due, then poll it until warm (never blocking the executor),
+        then hand it the frame buffer the node kept writing. Resumes like a fresh activation: the
+        next window goes out once the inputs are fresh."""
+        r, s = self._restart, self.settings
+        retry_s = max(s.engine_restart_s, RESTART_POLL_S)   # also if it was set to 0 meanwhile
+        if not r.spawned:
+            if time.monotonic() < r.due:
+                return
+            self.get_logger().info(f"restarting the engine (attempt {r.attempt})")
+            self._lost.options["action_cache"] = self._schedule_accepted
+            self._lost.spawn(s.engine_start_timeout_s)
+            r.spawned = True
+        try:
+            info = self._lost.check_ready(self.get_logger().info)
+            if info is not None:
+                self._lost.send_frames()
+        except (EngineError, OSError) as e:
+            self._lost.stop_worker()
+            self.faults.set("engine", f"engine restart failed: {e}; retrying every {retry_s:g} s")
+            r.attempt, r.due, r.spawned = r.attempt + 1, time.monotonic() + retry_s, False
+            return
+        if info is None:
+            return
+        self._engine, self._info, self._lost = self._lost, info, None
+        self._end_restart()
+        self._engine_restarts += 1
+        self._epoch += 1     # nothing sent to the old worker is waited for
+        self.get_logger().info(f"engine restarted: {info.description}, engine process {info.pid}")
+        self.faults.clear("engine")
+        if self.settings.action_cache != self._schedule_accepted:
+            self._engine.set_action_cache(self.settings.action_cache)
+
+    def _end_restart(self) -> None:
+        """Stop restarting: done, or cleanup (which then ends a worker still starting)."""
+        if self._restart_timer is not None:
+            self.destroy_timer(self._restart_timer)
+            self._restart_timer = None
+        self._restart = None
 
     # -- parameters -----------------------------------------------------------------------------
     def _validate_parameters(self, changes: list[Parameter]) -> SetParametersResult:
@@ -750,8 +852,12 @@ class VLANode(LifecycleNode):
         if self._configure_error:
             values.append(("configure_error", self._configure_error))
         if self._info is not None:
-            values += [("engine", self._info.description), ("engine_pid", self._info.pid),
+            values += [("engine", self._info.description),
+                       ("engine_pid", self._info.pid if self._engine is not None else "none (lost)"),
                        ("horizon", self._info.horizon)]
+        if self._restart is not None:
+            values.append(("engine_restart", f"attempt {self._restart.attempt}"))
+        values.append(("engine_restarts", self._engine_restarts))
         values += [("control_rate_hz", s.control_rate_hz), ("ticks", self._tick)]
         values += self._loop_pairs()
         for stage in STAGES:
@@ -781,7 +887,7 @@ class VLANode(LifecycleNode):
             return [("command_period_ms", "no data")]
         periods = np.diff(self._loop_period.values()) * 1e3
         pairs = [("command_period_ms_p50", float(np.percentile(periods, 50)))]
-        if not self.get_parameter("use_sim_time").value:
+        if not self._sim_time():
             jitter = np.abs(periods - self.settings.control_period_s * 1e3)
             q = np.percentile(jitter, [50, 99])
             pairs += [("command_jitter_ms_p50", float(q[0])), ("command_jitter_ms_p99", float(q[1])),
@@ -802,7 +908,7 @@ class VLANode(LifecycleNode):
 
 def main(args=None) -> int:
     rclpy.init(args=args)
-    node = None
+    node = executor = None
     try:
         node = VLANode()
         executor = SingleThreadedExecutor()
@@ -810,7 +916,7 @@ def main(args=None) -> int:
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
-    except (params.SettingsError, rclpy.exceptions.InvalidParameterValueException) as e:
+    except params.SettingsError as e:
         print(f"vla_node: invalid parameters: {e}", file=sys.stderr)
         return 1
     except Exception:
@@ -826,6 +932,12 @@ def main(args=None) -> int:
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
+        # Activation froze every object alive then (gc.freeze): unless they are collected now,
+        # the ROS context among them is never destroyed, and neither is its DDS participant,
+        # which then leaves its shared memory behind in /dev/shm.
+        node = executor = None
+        gc.unfreeze()
+        gc.collect()
     return 0
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
+from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 
 from ..model.config import PRESETS
 from ..runtime.action_cache import FlowSchedule
@@ -39,6 +40,14 @@ class Spec:
     read_only: bool = False
     range: Optional[tuple] = None   # inclusive (low, high) for int and double parameters
 
+    def kind_in_words(self) -> str:
+        value = self.default
+        if isinstance(value, list):
+            return "a list of " + {int: "integers", float: "doubles", str: "strings"}[type(value[0])]
+        # A whole number for a double is the usual slip: YAML and -p read 15 as an integer.
+        return {bool: "true or false", int: "an integer", str: "a string",
+                float: "a double, written with a decimal point (15.0, not 15)"}[type(value)]
+
     def descriptor(self, name: str) -> ParameterDescriptor:
         value = self.default
         kind = _ARRAY_TYPES[type(value[0])] if isinstance(value, list) else _TYPES[type(value)]
@@ -60,8 +69,10 @@ SPECS: dict[str, Spec] = {
     # -- engine (a change needs a reload: read-only) ----------------------------------------
     "model_preset": Spec("tiny", "model preset used when no checkpoint is given (vla_node.model.PRESETS)",
                          read_only=True),
-    "checkpoint": Spec("", "checkpoint folder (config.json + model.safetensors + tokenizer); empty: random "
-                           "weights of model_preset", read_only=True),
+    "checkpoint": Spec("", "checkpoint folder (config.json + model.safetensors + tokenizer); empty: none, "
+                           "configure fails unless random_weights is true", read_only=True),
+    "random_weights": Spec(False, "with no checkpoint: random weights of model_preset (benchmarks, tests; a robot "
+                                  "would move at random). Ignored when checkpoint is set", read_only=True),
     "engine_mode": Spec("eager", f"engine speed mode, each adding one lossless feature: {', '.join(MODES)}",
                         read_only=True),
     "device": Spec("cpu", "torch device of the engine, e.g. cpu or cuda:0", read_only=True),
@@ -75,6 +86,9 @@ SPECS: dict[str, Spec] = {
                         read_only=True, range=(0, 19)),
     "engine_start_timeout_s": Spec(600.0, "longest wait for the engine to load and warm up during configure",
                                    read_only=True, range=(1.0, 7200.0)),
+    "engine_restart_s": Spec(0.0, "when the engine process dies: hold, wait this long, start a new one and resume "
+                                  "once it is warm (retried at this period); 0: off, cleanup + configure restart it",
+                             range=(0.0, 3600.0)),
     "streaming_kv": Spec(False, "opt-in: reuse surviving frames' LLM keys/values when the window slides by one "
                                 "frame time (changes the actions; needs engine_mode fast)", read_only=True),
     "fp8": Spec("off", "opt-in: e4m3 LLM linears, off | rowwise | tensorwise (changes the actions; CUDA)",
@@ -84,7 +98,8 @@ SPECS: dict[str, Spec] = {
                              "changeable at run time"),
     # -- inputs (read-only: they shape the observation and the subscriptions) --------------
     "camera_names": Spec(["exo", "wrist"], "camera names in the model's layout order", read_only=True),
-    "camera_topics": Spec(["/cameras/exo/image_raw", "/cameras/wrist/image_raw"],
+    # Input topics are relative: a node in namespace /robot1 listens to /robot1/joint_states, ...
+    "camera_topics": Spec(["cameras/exo/image_raw", "cameras/wrist/image_raw"],
                           "one topic per camera, in camera_names order; a name ending in /compressed is a "
                           "sensor_msgs/CompressedImage (jpeg or png), otherwise sensor_msgs/Image",
                           read_only=True),
@@ -102,10 +117,10 @@ SPECS: dict[str, Spec] = {
     "joint_names": Spec(list(PANDA_JOINTS), "joints of the state and the action, in model order; joint states "
                                             "are assembled to this by name, from one message or several",
                         read_only=True),
-    "joint_states_topic": Spec("/joint_states", "sensor_msgs/JointState input", read_only=True),
-    "instruction_topic": Spec("/instruction", "std_msgs/String input; sets the instruction parameter",
+    "joint_states_topic": Spec("joint_states", "sensor_msgs/JointState input", read_only=True),
+    "instruction_topic": Spec("instruction", "std_msgs/String input; sets the instruction parameter",
                               read_only=True),
-    "estop_topic": Spec("/estop", "std_msgs/Bool input; true holds position until false", read_only=True),
+    "estop_topic": Spec("estop", "std_msgs/Bool input; true holds position until false", read_only=True),
     "publish_joint_command": Spec(False, "also publish each command as sensor_msgs/JointState on "
                                          "~/joint_command", read_only=True),
     # -- run time ---------------------------------------------------------------------------
@@ -150,6 +165,7 @@ class Settings:
     autostart: bool
     model_preset: str
     checkpoint: str
+    random_weights: bool
     engine_mode: str
     device: str
     dtype: str
@@ -159,6 +175,7 @@ class Settings:
     engine_threads: int
     engine_nice: int
     engine_start_timeout_s: float
+    engine_restart_s: float
     streaming_kv: bool
     fp8: str
     action_cache: str
@@ -266,9 +283,15 @@ def _validate_engine_options(v: Mapping[str, Any]) -> None:
 
 
 def declare(node) -> Settings:
-    """Declare every parameter with its descriptor and return the validated start-up values."""
+    """Declare every parameter with its descriptor and return the validated start-up values.
+    A start-up value (params file, -p) that rclpy refuses raises SettingsError with a sentence."""
     for name, spec in SPECS.items():
-        node.declare_parameter(name, spec.default, spec.descriptor(name))
+        try:
+            node.declare_parameter(name, spec.default, spec.descriptor(name))
+        except InvalidParameterTypeException:
+            raise SettingsError(f"{name} must be {spec.kind_in_words()}") from None
+        except InvalidParameterValueException:
+            raise SettingsError(f"{name} must be within [{spec.range[0]}, {spec.range[1]}]") from None
     return validate(current_values(node))
 
 

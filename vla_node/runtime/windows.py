@@ -230,6 +230,9 @@ def reorder_joints(names: Sequence[str], positions: Sequence[float], wanted: Seq
     if len(positions) != len(names):
         raise InputError(f"joint state has {len(names)} names but {len(positions)} positions")
     where = {name: i for i, name in enumerate(wanted)}
+    named = [n for n in names if n in where]
+    if len(set(named)) < len(named):   # which of its positions is the joint's? Neither can be trusted.
+        raise InputError(f"joint state names {sorted({n for n in named if named.count(n) > 1})} more than once")
     picked = [(where[n], i) for i, n in enumerate(names) if n in where]
     index = np.array([w for w, _ in picked], np.int64)
     values = np.array([positions[i] for _, i in picked], np.float64)

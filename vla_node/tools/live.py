@@ -101,19 +101,34 @@ class LiveOptions:
     abort_if: Optional[Callable[[], Optional[str]]] = None
 
 
-def plan_playback(bag: Bag, params: dict, options: LiveOptions, clock_on: bool) -> PlaybackPlan:
-    """Match the bag's topics to the node's inputs; clear errors when the bag cannot feed them."""
-    node_cameras = list(params["camera_topics"])
-    inputs = resolve_inputs(bag, params["camera_names"], options.camera_topics or node_cameras,
-                            options.joint_states or params["joint_states_topic"],
-                            None if options.instruction else options.instruction_topic or params["instruction_topic"],
+def plan_playback(bag: Bag, params: dict, options: LiveOptions, clock_on: bool, fqn: str) -> PlaybackPlan:
+    """Match the bag's topics to the inputs of the node `fqn`; clear errors when the bag cannot
+    feed them. The node's relative topic names are its namespace's; in the bag they are looked
+    up as a robot without a namespace records them (/joint_states, ...) unless options name them."""
+    from rclpy.expand_topic_name import expand_topic_name
+
+    name, namespace = _split_name(fqn)
+
+    def node_topic(topic: str) -> str:
+        return expand_topic_name(topic, name, namespace)
+
+    def bag_topic(topic: str) -> str:
+        return expand_topic_name(topic, name, "/")
+
+    inputs = resolve_inputs(bag, params["camera_names"],
+                            options.camera_topics or [bag_topic(t) for t in params["camera_topics"]],
+                            options.joint_states or bag_topic(params["joint_states_topic"]),
+                            None if options.instruction else
+                            options.instruction_topic or bag_topic(params["instruction_topic"]),
                             reference=None)
-    routes = [Route(c.topic, c.msgtype, node_topic,
-                    COMPRESSED_IMAGE if node_topic.rstrip("/").endswith(COMPRESSED_SUFFIX) else IMAGE)
-              for c, node_topic in zip(inputs.cameras, node_cameras)]
-    routes.append(Route(inputs.joint_states, JOINT_STATE, params["joint_states_topic"], JOINT_STATE))
+    node_cameras = [node_topic(t) for t in params["camera_topics"]]
+    routes = [Route(c.topic, c.msgtype, camera,
+                    COMPRESSED_IMAGE if camera.rstrip("/").endswith(COMPRESSED_SUFFIX) else IMAGE)
+              for c, camera in zip(inputs.cameras, node_cameras)]
+    routes.append(Route(inputs.joint_states, JOINT_STATE, node_topic(params["joint_states_topic"]), JOINT_STATE))
+    instruction_topic = node_topic(params["instruction_topic"])
     if inputs.instruction:
-        routes.append(Route(inputs.instruction, STRING, params["instruction_topic"], STRING, latched=True))
+        routes.append(Route(inputs.instruction, STRING, instruction_topic, STRING, latched=True))
     bag_clock = clock_on and bag.topics.get(CLOCK_TOPIC) == CLOCK
     if bag_clock:
         routes.append(Route(CLOCK_TOPIC, CLOCK, CLOCK_TOPIC, CLOCK))
@@ -121,7 +136,7 @@ def plan_playback(bag: Bag, params: dict, options: LiveOptions, clock_on: bool) 
     return PlaybackPlan(bag=options.bag, routes=tuple(routes), rate=options.rate,
                         clock_hz=clock_hz if clock_on else 0.0, bag_clock=bag_clock,
                         restamp=not clock_on,
-                        instruction=options.instruction, instruction_topic=params["instruction_topic"],
+                        instruction=options.instruction, instruction_topic=instruction_topic,
                         tail_s=options.tail_s, wait_s=options.wait_s, joint_names=tuple(params["joint_names"]))
 
 
@@ -440,13 +455,19 @@ def _node_parameters(node, wait: Waiter, fqn: str) -> dict:
 
 def _node_topics(node, wait: Waiter, fqn: str) -> dict[str, str]:
     """Topics the node publishes, once its command and trajectory publishers are visible."""
+    from rclpy.node import NodeNameNonExistentError
+
     name, namespace = _split_name(fqn)
     needed = {f"{fqn}/command", f"{fqn}/joint_trajectory"}
     topics: dict[str, str] = {}
 
     def found() -> bool:
         topics.clear()
-        topics.update({t: types[0] for t, types in node.get_publisher_names_and_types_by_node(name, namespace)})
+        try:
+            published = node.get_publisher_names_and_types_by_node(name, namespace)
+        except NodeNameNonExistentError:
+            return False   # its services answered, but the graph here has not caught up yet
+        topics.update({t: types[0] for t, types in published})
         return needed <= set(topics)
 
     if not wait.until(found):
@@ -500,7 +521,7 @@ def replay_live(options: LiveOptions, progress: Progress = print) -> dict:
         if params["use_sim_time"] and not clock:
             raise LiveError(f"{fqn} uses sim time: it needs /clock (leave --clock auto or on)")
         with Bag(options.bag) as bag:
-            plan = plan_playback(bag, params, options, clock)
+            plan = plan_playback(bag, params, options, clock, fqn)
             bag_start_ns, duration_s = bag.start_ns, bag.duration_s
         large_frames = "FASTDDS_DEFAULT_PROFILES_FILE" in os.environ or \
             os.environ.get("FASTDDS_BUILTIN_TRANSPORTS") == "LARGE_DATA"

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -154,9 +155,11 @@ def where_to_infer(rate_hz: float, seconds: float, threads: int, nice: int, doma
 
 # -- 2. the node -------------------------------------------------------------------------------------
 class Feeder:
-    """Two 640x480 rgb8 cameras and joint states into the node; its commands and diagnostics out."""
+    """Two 640x480 rgb8 cameras and joint states into the node; its commands and diagnostics out.
+    `joints(t)`: the joint positions at time.monotonic() t (default: HOME, standing still)."""
 
-    def __init__(self, namespace: str, camera_hz: float, joint_hz: float, height: int, width: int):
+    def __init__(self, namespace: str, camera_hz: float, joint_hz: float, height: int, width: int,
+                 joints: Optional[Callable[[float], list]] = None):
         import rclpy
         from diagnostic_msgs.msg import DiagnosticArray
         from rclpy.executors import SingleThreadedExecutor
@@ -178,9 +181,10 @@ class Feeder:
             msg = Image(height=height, width=width, encoding="rgb8", step=width * 3)
             msg.data = frames[k]
             self.images.append(msg)
-        cams = [self.node.create_publisher(Image, f"/cameras/{c}/image_raw", qos_profile_sensor_data)
+        # The node's input topics are relative: in its namespace.
+        cams = [self.node.create_publisher(Image, f"{namespace}/cameras/{c}/image_raw", qos_profile_sensor_data)
                 for c in ("exo", "wrist")]
-        joints = self.node.create_publisher(JointState, "/joint_states", qos_profile_sensor_data)
+        joint_pub = self.node.create_publisher(JointState, f"{namespace}/joint_states", qos_profile_sensor_data)
         self.count = 0
 
         def publish_frames():
@@ -192,9 +196,9 @@ class Feeder:
                 pub.publish(msg)
 
         def publish_joints():
-            msg = JointState(name=JOINTS, position=HOME)
+            msg = JointState(name=JOINTS, position=joints(time.monotonic()) if joints else HOME)
             msg.header.stamp = self.node.get_clock().now().to_msg()
-            joints.publish(msg)
+            joint_pub.publish(msg)
 
         self.node.create_timer(1.0 / camera_hz, publish_frames)
         self.node.create_timer(1.0 / joint_hz, publish_joints)

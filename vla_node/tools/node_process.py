@@ -1,7 +1,8 @@
-"""Starting and stopping `vla-node` as a child process: shared by the demo, the replay tests and
-the node tests."""
+"""Starting and stopping `vla-node` as a child process, and finding what such processes leave
+behind: shared by the demo, the replay tests, the node tests and the benchmarks."""
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import signal
@@ -9,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from ..ros import FRAME_TRANSPORT_PROFILE
 
 
 def node_command() -> list[str]:
@@ -42,8 +45,6 @@ def ros_domain(seed: int | None = None) -> str:
     return str(random.Random(seed).randint(30, 101))
 
 
-FRAME_TRANSPORT_PROFILE = Path(__file__).resolve().parents[1] / "data" / "fastdds_large_frames.xml"
-
 
 def ros_environment(domain: str | None = None, log_dir: Path = Path("out") / "ros_log") -> str:
     """For this process and the children it starts: ROS domain `domain` (None: the one set, else
@@ -76,3 +77,68 @@ def interrupt(proc: subprocess.Popen, timeout_s: float = 20.0) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode
+
+
+# -- what child processes leave behind ------------------------------------------------------------
+SHM = Path("/dev/shm")
+
+
+def dds_shm_files() -> set[str]:
+    """Fast DDS shared-memory files now in /dev/shm: segments and ports, with their lock files."""
+    return {p.name for p in SHM.glob("*fastdds*")} if SHM.is_dir() else set()
+
+
+def dds_shm_of(pid: int) -> set[str]:
+    """The Fast DDS shared-memory files a live process maps: its own segment and ports, and the
+    segments of the participants it receives from."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {line.rsplit("/", 1)[1] for line in maps.splitlines() if f"{SHM}/" in line and "fastdds" in line}
+
+
+def dead_dds_shm(names: set[str]) -> list[str]:
+    """Those of `names` (Fast DDS shared-memory segments and ports) whose owner has exited: their
+    lock file is no longer locked, the rule `fastdds shm clean` follows. A participant that is
+    destroyed removes its files; a process that exits without destroying it (killed, or its
+    context never finalized) leaves them."""
+    return sorted(n for n in names if not n.endswith(("_el", "_sl")) and not n.startswith("sem.")
+                  and any((SHM / f"{n}{lock}").exists() and not _locked(SHM / f"{n}{lock}") for lock in ("_el", "_sl")))
+
+
+def remove_dead_dds_shm(names: set[str]) -> list[str]:
+    """Remove the files of those of `names` whose owner has exited (dead_dds_shm): each one's
+    segment, lock and mutex files. Returns the names removed."""
+    bases = {n[:-3] if n.endswith(("_el", "_sl")) else n.removeprefix("sem.").removesuffix("_mutex") for n in names}
+    removed = []
+    for base in dead_dds_shm(bases):
+        for name in (base, f"{base}_el", f"{base}_sl", f"sem.{base}_mutex"):
+            try:
+                (SHM / name).unlink()
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _locked(path: Path) -> bool:
+    try:
+        with open(path, "ab") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)   # released on close
+        return False
+    except OSError:
+        return True
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Live processes (other than this one) whose environment sets name=value: the children,
+    grandchildren and orphans of whoever set it, wherever they were reparented."""
+    entry = f"{name}={value}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if entry in (proc / "environ").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue   # exited meanwhile, or not ours to read
+    return pids
