@@ -57,7 +57,9 @@ def test_active_node_commands_at_the_configured_rate_and_publishes_trajectories(
 
     for traj in h.messages("trajectory", since):
         assert list(traj.joint_names) == JOINTS
-        assert 8 <= len(traj.points) <= 16               # what is left of a 16-action chunk
+        # What is left of a 16-action chunk once it arrives: 8 or more unless inference took longer
+        # than 8 ticks, which a loaded machine does not promise.
+        assert 1 <= len(traj.points) <= 16
         steps = [p.time_from_start.sec * 10**9 + p.time_from_start.nanosec for p in traj.points]
         assert steps == [i * 20_000_000 for i in range(len(steps))]
         assert all(len(p.positions) == len(JOINTS) for p in traj.points)

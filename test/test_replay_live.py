@@ -32,10 +32,11 @@ def test_live_replay_yields_the_expected_chunks_at_the_configured_rate(demo):
                                  "/joint_states": joint_states, "/instruction": 1}
     assert live["bag_damage"] is None and not live["clock"]
     # One chunk per replan_threshold (8) ticks at 50 Hz from the first chunk until the inputs go
-    # stale: ~37 over the 6 s bag. A late inference on a busy machine may cost one or two.
+    # stale: ~37 over the 6 s bag. On a busy machine a late inference may cost one or two, and
+    # inputs taken in late (queued in the node) may keep it running a chunk or two longer.
     expected = live["expected_chunks"]
     assert expected >= 30
-    assert expected - max(2, expected // 10) <= live["chunks"] <= expected + 1
+    assert abs(live["chunks"] - expected) <= max(2, expected // 10)
     assert abs(live["command_rate_hz"] - 50.0) <= 0.05 * 50.0
     assert live["latency_ms"]["total"]["p50"] > 0
     # The node heard the bag from its first frame: as the policy's own wrapper it does not wait for

@@ -104,6 +104,10 @@ def test_the_node_sends_what_offline_replay_sends(wall_clock, offline, truth):
         query = offline.get(frames[-2][1])
         if query is None:
             continue
+        if len(frames) < len(query.observation.frame_ids):
+            # The node never had the history frame (lost on the way, or dropped unconverted on a
+            # saturated machine): it sent the episode-start window, as it must without one.
+            continue
         assert frames == query.observation.frame_ids
         assert stamps.tolist() == query.state_stamps_ns.tolist()
         compared += 1
