@@ -139,7 +139,9 @@ def test_holds_name_their_cause_and_diagnostics_keep_their_rate(wall_clock):
     assert not any("inference" in status for status in dropout), dropout
     with Bag(live["recording"]) as recording:
         sent = sum(1 for _ in recording.messages(["/diagnostics"]))
-    assert sent <= 2.0 * (SPEC.duration_s + 2), f"{sent} /diagnostics messages"
+    # Near 1 Hz: each hold that starts or ends is published at once too, and on a saturated
+    # machine holds come and go more often; ~100 Hz would be hundreds.
+    assert sent <= 3.0 * (SPEC.duration_s + 2), f"{sent} /diagnostics messages"
     assert live["chunks"] > 10 and "lacks joints" not in text
 
 
