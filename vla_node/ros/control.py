@@ -6,6 +6,7 @@ is meant for tick d + 1 + i; when it arrives after tick r, ticks up to r have al
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -69,6 +70,52 @@ class Plan:
         self.start = int(ticks[0])
         self.actions = new
         return True
+
+
+@dataclass(frozen=True)
+class PostProcess:
+    """The official deployment's action post-processing, from the checkpoint's RobotConfig
+    (MolmoBot's real-robot configs): gripper channels binarised at a threshold; relative arm
+    actions added to the measured joints; and the arm's move from the measured joints scaled
+    down as a whole (its direction kept) so that no joint moves more than max_joint_delta. Off
+    (all empty) for checkpoints that record none. The node's SafetyFilter runs after it."""
+    gripper_dims: tuple[int, ...] = ()
+    gripper_threshold: Optional[float] = None
+    gripper_values: tuple[float, float] = (0.0, 1.0)
+    relative_dims: int = 0
+    max_joint_delta: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, robot: dict, delta_scale: float = 1.0) -> "PostProcess":
+        relative = robot.get("relative_dims", 0) if robot.get("action_type") == "relative" else 0
+        return cls(tuple(robot.get("gripper_dims", ())), robot.get("gripper_threshold"),
+                   tuple(robot.get("gripper_values", (0.0, 1.0))), relative,
+                   tuple(delta_scale * d for d in robot.get("max_joint_delta", ())))
+
+    def chunk(self, actions: np.ndarray) -> np.ndarray:
+        """A chunk [H, A] as it arrives: the gripper channels binarised (`value > threshold`)."""
+        if self.gripper_threshold is None or not self.gripper_dims:
+            return actions
+        out = actions.copy()
+        low, high = self.gripper_values
+        dims = list(self.gripper_dims)
+        out[:, dims] = np.where(out[:, dims] > self.gripper_threshold, high, low)
+        return out
+
+    def command(self, target: np.ndarray, measured: Optional[np.ndarray]) -> np.ndarray:
+        """One tick's action [A] against the measured joints [state_dim] (joint_names order)."""
+        if measured is None or not (self.relative_dims or self.max_joint_delta):
+            return target
+        out = target.astype(np.float64, copy=True)
+        if self.relative_dims:
+            out[:self.relative_dims] += measured[:self.relative_dims]
+        n = len(self.max_joint_delta)
+        if n:
+            delta = out[:n] - measured[:n]
+            worst = float(np.max(np.abs(delta) / np.asarray(self.max_joint_delta)))
+            if worst > 1:
+                out[:n] = measured[:n] + delta / worst
+        return out
 
 
 class SafetyFilter:

@@ -13,6 +13,8 @@ engine really frees its memory (device memory included).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import ctypes
 import mmap
 import multiprocessing as mp
@@ -38,6 +40,7 @@ class EngineInfo:
     state_dim: int
     description: str
     history_offset_s: float    # between consecutive frame times of a window, from the checkpoint
+    robot: dict                # the checkpoint's RobotConfig: its deployment's action post-processing
 
 
 @dataclass
@@ -240,7 +243,8 @@ def _load_engine(conn, options: dict):
     a = engine.model_cfg.action
     conn.send(("ready", dict(horizon=a.horizon, action_dim=a.action_dim, state_dim=a.state_dim,
                              description=f"{engine.model_cfg.name} {options['mode']} on {engine.device}",
-                             history_offset_s=engine.history_offset_s)))
+                             history_offset_s=engine.history_offset_s,
+                             robot=dataclasses.asdict(engine.model_cfg.robot))))
     return engine
 
 

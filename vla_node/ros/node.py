@@ -40,7 +40,7 @@ from trajectory_msgs.msg import JointTrajectory
 from ..runtime import images
 from ..runtime.windows import InputError, JointStates, StampStep, Wait, WindowSpec, frames_to_keep
 from . import FRAME_TRANSPORT_PROFILE, messages, params
-from .control import LATENCY_WINDOW, Plan, SafetyFilter
+from .control import LATENCY_WINDOW, Plan, PostProcess, SafetyFilter
 from .diagnostics import Faults, Rolling, key_values, percentile_pairs
 from .engine_process import EngineError, EngineInfo, EngineProcess, Result
 from .frames import FrameRing, Window
@@ -160,6 +160,7 @@ class VLANode(LifecycleNode):
         self.add_on_set_parameters_callback(self._validate_parameters)
         self.add_post_set_parameters_callback(self._apply_parameters)
         self._safety = self._make_safety()
+        self._post = PostProcess()      # the checkpoint's deployment post-processing, set on configure
         self._joints = JointStates(self.settings.joint_names)   # recent samples per joint, by header stamp
         self._timeline_ended = threading.Event()   # an input's stamps stepped back: the control loop resets
         self._offset_s = 0.0                       # history offset in effect (set by configure)
@@ -216,6 +217,7 @@ class VLANode(LifecycleNode):
         self._subscribe()
         self._configure_error = ""
         self._state = "inactive"
+        self._post = self._make_post()
         source = "history_offset_s" if s.history_offset_s else "the checkpoint's"
         self.get_logger().info(f"configured: {self._info.description}, engine process {self._info.pid}; frames "
                                f"{self._offset_s:.3f} s apart ({source})")
@@ -561,6 +563,8 @@ class VLANode(LifecycleNode):
             previous = self._joints.newest()
             if previous is None:
                 return     # not every joint known yet: publishing anything would be a guess
+        if target is not None:
+            target = self._post.command(target, self._joints.newest())
         command = self._safety(previous if target is None else target, previous)
         self._last_command = command
         self._command_pub.publish(messages.command_msg(command))
@@ -603,8 +607,8 @@ class VLANode(LifecycleNode):
         self._latency_ticks.add(self._tick - request.tick)
         freeze = int(self._latency_ticks.values().max())
         s = self.settings
-        taken = self._plan.hand_over(result.actions, request.tick + 1, self._tick, s.handover, freeze,
-                                     s.blend_steps, s.average_weight)
+        taken = self._plan.hand_over(self._post.chunk(result.actions), request.tick + 1, self._tick, s.handover,
+                                     freeze, s.blend_steps, s.average_weight)
         self._record_timing(request, result, arrived)   # the control loop has the chunk (or dropped it)
         if not taken:
             self._counts["late_chunks"] += 1
@@ -618,7 +622,9 @@ class VLANode(LifecycleNode):
         self._counts["chunks"] += 1
 
     def _publish_trajectory(self) -> None:
-        commands = self._safety.rollout(self._plan.upcoming(self._tick), self._last_command)
+        measured = self._joints.newest()   # the plan's relative moves, against the joints measured now
+        targets = np.array([self._post.command(a, measured) for a in self._plan.upcoming(self._tick)])
+        commands = self._safety.rollout(targets, self._last_command)
         period_ns = self._control_timer.timer_period_ns
         wait_ns = self._control_timer.time_until_next_call() or 0
         first = self.get_clock().now() + Duration(nanoseconds=wait_ns)
@@ -791,6 +797,8 @@ class VLANode(LifecycleNode):
             self._loop_period.clear()
         if names & {"joint_lower_limits", "joint_upper_limits", "max_step_per_tick"}:
             self._safety = self._make_safety()
+        if names & {"postprocess", "max_joint_delta_scale"}:
+            self._post = self._make_post()
         if "instruction" in names:
             self.faults.clear("instruction")
         if names & {"sync_slop_s", "state_slop_s", "wait_for_history"} and self._ring is not None:
@@ -809,6 +817,12 @@ class VLANode(LifecycleNode):
         self.get_logger().error(f"action_cache {self.settings.action_cache!r} refused by the engine: "
                                 f"{result.reason}; restored {self._schedule_accepted!r}")
         self.set_parameters([Parameter("action_cache", Parameter.Type.STRING, self._schedule_accepted)])
+
+    def _make_post(self) -> PostProcess:
+        s = self.settings
+        if s.postprocess == "none" or self._info is None:
+            return PostProcess()
+        return PostProcess.of(self._info.robot, s.max_joint_delta_scale)
 
     def _make_safety(self) -> SafetyFilter:
         s = self.settings

@@ -25,6 +25,7 @@ PANDA_UPPER = [2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0]
 PANDA_MAX_STEP = [0.05] * 7 + [0.2]
 
 HANDOVER_MODES = ("rtc", "average")
+POSTPROCESS_MODES = ("checkpoint", "none")
 STATE_SYNC_MODES = ("frame", "newest")
 
 _TYPES = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_INTEGER,
@@ -79,7 +80,8 @@ SPECS: dict[str, Spec] = {
     "dtype": Spec("float32", "model dtype: float32 or bfloat16", read_only=True),
     "seed": Spec(0, "seed of random weights and of the flow-matching noise", read_only=True, range=(0, 2**31 - 1)),
     "flow_steps": Spec(0, "flow-matching Euler steps; 0: the model's default", read_only=True, range=(0, 1000)),
-    "max_instruction_tokens": Spec(48, "token budget of the instruction", read_only=True, range=(1, 4096)),
+    "max_instruction_tokens": Spec(96, "token budget of the chat turn holding the instruction (the prompt pads "
+                                       "to it)", read_only=True, range=(1, 4096)),
     "engine_threads": Spec(1, "torch CPU threads of the engine process; 0: torch's default. One thread leaves "
                               "a core to the control loop on small machines", read_only=True, range=(0, 1024)),
     "engine_nice": Spec(10, "niceness added to the engine process, so the control loop wins the CPU",
@@ -129,6 +131,12 @@ SPECS: dict[str, Spec] = {
     "control_rate_hz": Spec(50.0, "rate of ~/command; one chunk action per tick", range=(1.0, 1000.0)),
     "replan_threshold": Spec(8, "start the next inference when this many planned actions remain "
                                 "(at most the model's horizon)", range=(1, 1024)),
+    "postprocess": Spec("checkpoint", "action post-processing: checkpoint (its official deployment's, e.g. "
+                                      "MolmoBot-DROID: gripper binarised at 128 to 0/255, arm moves from the measured "
+                                      "joints scaled down so none exceeds 0.2 rad per tick) or none (raw actions); the "
+                                      "safety limits apply after either"),
+    "max_joint_delta_scale": Spec(1.0, "postprocess=checkpoint: factor on the checkpoint's largest move per joint and "
+                                       "tick from the measured joints", range=(0.01, 100.0)),
     "handover": Spec("rtc", "chunk hand-over: rtc (keep the actions that run during the inference latency, "
                             "blend the rest) or average (weighted average over the overlap)"),
     "blend_steps": Spec(4, "rtc: steps after the frozen ones over which the old plan fades out",
@@ -194,6 +202,8 @@ class Settings:
     instruction: str
     control_rate_hz: float
     replan_threshold: int
+    postprocess: str
+    max_joint_delta_scale: float
     handover: str
     blend_steps: int
     average_weight: float
@@ -243,6 +253,8 @@ def validate(values: Mapping[str, Any], horizon: Optional[int] = None) -> Settin
         raise SettingsError(f"joint_lower_limits must be below joint_upper_limits; not for {bad}")
     if any(x <= 0 for x in v["max_step_per_tick"]):
         raise SettingsError("max_step_per_tick must be > 0 for every joint")
+    if v["postprocess"] not in POSTPROCESS_MODES:
+        raise SettingsError(f"postprocess must be one of {list(POSTPROCESS_MODES)}, got {v['postprocess']!r}")
     if v["handover"] not in HANDOVER_MODES:
         raise SettingsError(f"handover must be one of {list(HANDOVER_MODES)}, got {v['handover']!r}")
     if v["state_sync"] not in STATE_SYNC_MODES:
