@@ -2,8 +2,9 @@
 # One device call (issue 14): scripted demonstrations on every core, vla-train on the GPU within a
 # time budget, then the closed-loop evaluation; the checkpoint, curves and report come back under
 # $OUT. carry: .whl (mujoco, gym-aloha, rosbags, ... for Python 3.12), .gl (EGL loader debs), and
-# the INIT checkpoint folder when continuing a run.
-#   EPISODES=100 BUDGET_S=430 [INIT=out/sim_policy] [BATCH=64] [EVAL_S=150] bash scripts/gpu_train.sh
+# the INIT checkpoint folder when continuing a run from its weights. RESUME=1 continues from
+# /tmp/sim_policy/train_state, which a machine still warm from the last call holds (with /tmp/demos).
+#   EPISODES=100 BUDGET_S=430 [INIT=out/sim_policy | RESUME=1] [BATCH=64] [EVAL_S=150] bash scripts/gpu_train.sh
 set -uo pipefail
 t0=$(date +%s)
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -18,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/tra
 echo "demos done after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
 python3 -m vla_node.tools.train --bags /tmp/demos --params config/sim.yaml --preset sim --out /tmp/sim_policy \
   --steps "${STEPS:-40000}" --batch "${BATCH:-64}" --lr "${LR:-3e-4}" --warmup "${WARMUP:-500}" --device cuda \
-  --workers 16 --seed "${SEED:-0}" ${INIT:+--init "$INIT"} --time-budget-s "${BUDGET_S:-430}" 2>&1 | grep -v Warning \
+  --workers 16 --seed "${SEED:-0}" ${INIT:+--init "$INIT"} ${RESUME:+--resume} --time-budget-s "${BUDGET_S:-430}" 2>&1 | grep -v Warning \
   | tee -a "$OUT/train.log" | tail -14
 for f in model.safetensors config.json train_log.jsonl train_curves.png; do cp /tmp/sim_policy/$f "$OUT/" 2>/dev/null; done
 cp /tmp/sim_policy/train_state/state.json "$OUT/train_state.json" 2>/dev/null
