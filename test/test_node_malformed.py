@@ -162,7 +162,7 @@ CASES = [
          joint_stream(joints(JOINTS, HOME_LIST[:7]))),
     Case("empty instruction", "instruction", "empty instruction on {ns}/instruction",
          publish("instruction_pub", String(data="   "), String(data="pick up the red cup and put it in the bowl"))),
-    Case("instruction over the token budget", "engine", "the budget is 48", long_instruction),
+    Case("instruction over the token budget", "engine", "(max_instruction_tokens)", long_instruction),
     Case("e-stop", "estop", "e-stop engaged on {ns}/estop", publish("estop_pub", Bool(data=True), Bool(data=False))),
 ]
 
