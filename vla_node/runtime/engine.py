@@ -74,7 +74,6 @@ class PolicyEngine:
                 self.model_cfg.robot.obs_step_delta))
         self.flow_steps = config.flow_steps or self.model_cfg.action.flow_steps
         self.schedule = FlowSchedule.parse(config.action_cache, self.flow_steps)
-        self._check_schedule(self.schedule)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stats = EngineStats()
         if config.fused:
@@ -154,17 +153,12 @@ class PolicyEngine:
         raise ValueError and change nothing. Re-captures the flow loop's CUDA graphs (no recompile)."""
         steps = steps or self.flow_steps
         spec = self.config.action_cache if action_cache is None else action_cache
+        config = self.config.replace(flow_steps=steps, action_cache=spec)   # EngineConfig's rules
         schedule = FlowSchedule.parse(spec, steps)
-        self._check_schedule(schedule)
-        self.flow_steps, self.schedule = steps, schedule
-        self.config = self.config.replace(flow_steps=steps, action_cache=spec)
+        self.flow_steps, self.schedule, self.config = steps, schedule, config
         if self.static is not None:
             self.static.reschedule(steps, schedule)
             self.stats.graph_captures = self.static.graph_captures
-
-    def _check_schedule(self, schedule: FlowSchedule) -> None:
-        if schedule.adaptive_threshold is not None and not self.config.static_shapes:
-            raise ValueError("the adaptive action cache needs static_shapes (its per-step buffers)")
 
     def weight_bytes(self) -> int:
         """Bytes of weights the model holds (fp8 weights count at one byte; with expert_fp8 the

@@ -8,6 +8,9 @@ from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
+from ..model.config import get_preset
+from .action_cache import is_adaptive
+
 
 @dataclass(frozen=True)
 class WindowLayout:
@@ -89,6 +92,12 @@ GPU_FEATURES = ("flex_attention", "cuda_graphs", "triton_attention", "fused_expe
 # query) lose to the compiled blocks with the triton attention (22 ms); BENCHMARKS.md has both.
 
 
+def _modes_with(*features: str) -> str:
+    """The rungs of the ladder that have `features`: the last ones, since each adds to the one before."""
+    modes = [m for m, has in MODES.items() if set(features) <= set(has)]
+    return modes[0] if len(modes) == 1 else f"{modes[0]} or later"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     preset: str = "tiny"
@@ -121,6 +130,7 @@ class EngineConfig:
     expert_fp8: bool = False              # e4m3 action-expert weights (per output channel) in the fused expert
 
     def __post_init__(self):
+        get_preset(self.preset)     # a known name (its weights are used when there is no checkpoint)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.flow_steps is not None and self.flow_steps < 1:
@@ -128,12 +138,16 @@ class EngineConfig:
         if self.max_instruction_tokens < 1:
             raise ValueError("max_instruction_tokens must be >= 1")
         if self.streaming_kv and not (self.vision_cache and self.ctx_kv_once):
-            raise ValueError("streaming_kv needs vision_cache and ctx_kv_once (only new frames are encoded and prefilled)")
+            raise ValueError(f"streaming_kv needs vision_cache and ctx_kv_once (only new frames are encoded and "
+                             f"prefilled): engine_mode {_modes_with('vision_cache', 'ctx_kv_once')}")
         if self.fp8 not in ("off", "rowwise", "tensorwise"):
             raise ValueError(f"fp8 must be off, rowwise or tensorwise, got {self.fp8!r}")
         for feature in ("cuda_graphs", "compile", "vision_cache", "flex_attention"):
             if getattr(self, feature) and not self.static_shapes:
                 raise ValueError(f"{feature} needs static_shapes")
+        if is_adaptive(self.action_cache) and not self.static_shapes:
+            raise ValueError(f"the adaptive action cache needs static_shapes (its per-step buffers): engine_mode "
+                             f"{_modes_with('static_shapes')}")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
         cams = {l.cameras for l in self.layouts}
