@@ -10,13 +10,31 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
 from ..runtime.windows import Wait
+from .diagnostics import Key
 
 LATENCY_WINDOW = 10     # recent inference latencies (in ticks) whose maximum is the rtc freeze
+# Fault sources the engine's next answer or the next observation sent clears: observations keep
+# being sent while they are active.
+RETRY_SOURCES = {"engine", "output", "sync", "clock", "timeline"}
+
+
+def blocking_cause(faults: set[str], instruction: str) -> Optional[str]:
+    """What stops the plan from running (ChunkScheduler.next_tick): the fault sources, or no
+    instruction; None if nothing does."""
+    if faults:
+        return ", ".join(sorted(faults))
+    return None if instruction.strip() else "no instruction"
+
+
+def may_send(faults: set[str], instruction: str) -> bool:
+    """Whether an observation may go to the engine: an instruction, and only faults that the
+    engine's answer or the observation itself clears (RETRY_SOURCES)."""
+    return not faults - RETRY_SOURCES and bool(instruction.strip())
 
 
 class Plan:
@@ -133,6 +151,10 @@ class SafetyFilter:
         self.upper = np.asarray(upper, dtype=np.float64)
         self.max_step = np.asarray(max_step, dtype=np.float64)
 
+    @classmethod
+    def of(cls, limits: "SafetyLimits") -> "SafetyFilter":
+        return cls(limits.joint_lower_limits, limits.joint_upper_limits, limits.max_step_per_tick)
+
     def __call__(self, target: np.ndarray, previous: Optional[np.ndarray]) -> np.ndarray:
         command = np.clip(target, self.lower, self.upper)
         if previous is not None:
@@ -149,6 +171,14 @@ class SafetyFilter:
                 np.minimum(row, previous + self.max_step, out=row)
             previous = row
         return out
+
+
+class SafetyLimits(Protocol):
+    """The parameters of the safety filter (vla_node.ros.params.Settings; the simulator's
+    ControlSettings), per joint."""
+    joint_lower_limits: Sequence[float]
+    joint_upper_limits: Sequence[float]
+    max_step_per_tick: Sequence[float]
 
 
 class ControlParams(Protocol):
@@ -275,6 +305,14 @@ class ChunkScheduler:
         if request.late_ticks:
             return f"its observation was sent {request.late_ticks} ticks late: {request.late_because}"
         return f"inference slower than replan_threshold ticks allow (in flight for {c.tick - request.tick} ticks)"
+
+    def pairs(self) -> list[tuple[str, object]]:
+        """/diagnostics values: ticks since the reset and the rtc freeze in effect."""
+        c = self.state
+        values: list[tuple[str, object]] = [(Key.TICKS, c.tick)]
+        if c.latency_ticks:
+            values.append((Key.LATENCY_TICKS_MAX, max(c.latency_ticks)))
+        return values
 
     # -- requests -------------------------------------------------------------------------------
     def wants_observation(self) -> bool:

@@ -224,6 +224,18 @@ def summary(state: str, configure_error: str, faults: dict[str, str], hold: Opti
     return OK, "running"
 
 
+def status_pairs(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str],
+                 events: Counter) -> list[tuple[str, object]]:
+    """/diagnostics values of summary()'s inputs; `events`: how often each fault source began
+    (Faults.events)."""
+    values = [(Key.STATE, state), (Key.HOLD, hold or "no"),
+              (Key.FAULTS, "; ".join(f"{k}: {v}" for k, v in sorted(faults.items())) or "none"),
+              (Key.HOLDS_BY_CAUSE, ", ".join(f"{k}={n}" for k, n in sorted(events.items())) or "none")]
+    if configure_error:
+        values.append((Key.CONFIGURE_ERROR, configure_error))
+    return values
+
+
 class NodeTelemetry:
     """The node's statistics: control ticks, per-chunk timings, counters."""
 
@@ -262,7 +274,7 @@ class NodeTelemetry:
 
     def pairs(self, control_period_s: float, sim_time: bool, device: str) -> list[tuple[str, object]]:
         """(key, value) of every statistic and counter; jitter only on the wall clock."""
-        values = [(Key.TICKS, len(self.loop)), *self._loop_pairs(control_period_s, sim_time)]
+        values = self._loop_pairs(control_period_s, sim_time)
         for stage in STAGES:
             values += percentile_pairs(Key.engine_stage(stage), self.stage_ms[stage])
         values += percentile_pairs(Key.ENGINE_PREDICT, self.predict_ms)
@@ -288,7 +300,8 @@ class NodeTelemetry:
         if not sim_time:
             jitter = np.abs(periods - control_period_s * 1e3)
             q = np.percentile(jitter, [50, 99])
-            pairs += [(Key.ms(Key.COMMAND_JITTER, "p50"), float(q[0])), (Key.ms(Key.COMMAND_JITTER, "p99"), float(q[1])),
+            pairs += [(Key.ms(Key.COMMAND_JITTER, "p50"), float(q[0])),
+                      (Key.ms(Key.COMMAND_JITTER, "p99"), float(q[1])),
                       (Key.ms(Key.COMMAND_JITTER, "max"), float(jitter.max()))]
         return pairs
 

@@ -16,9 +16,10 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, String
 
 from ..runtime import images
-from ..runtime.windows import InputError, JointStates, StampStep, Wait
+from ..runtime.windows import InputError, JointStates, StampStep, Wait, WindowSpec, frames_to_keep
 from . import FRAME_TRANSPORT_PROFILE, messages
 from .diagnostics import Key, NodeTelemetry
+from .engine_process import EngineProcess
 from .frames import FrameRing, Window
 
 if TYPE_CHECKING:
@@ -69,11 +70,18 @@ class Decoder:
 class Inputs:
     """The subscriptions of a configured node and what they feed. Faults go to node.faults by
     source ("camera 'exo'", "joint_states", "instruction", "estop", "sync", "timeline" and
-    "<input> stale"); the parameters are read from node.settings when used."""
+    "<input> stale"); the parameters are read from node.settings when used.
 
-    def __init__(self, node: VLANode, ring: FrameRing, telemetry: NodeTelemetry):
-        self._node, self.ring, self._telemetry = node, ring, telemetry
+    The frame ring lives in `engine`'s shared frames; it holds the history span, whose length in
+    time (`offset_s` between frame times) the checkpoint decides."""
+
+    def __init__(self, node: VLANode, engine: EngineProcess, offset_s: float, telemetry: NodeTelemetry):
+        self._node, self._telemetry, self.offset_s = node, telemetry, offset_s
         s = node.settings
+        slots = frames_to_keep(s.history_frames, offset_s, s.max_camera_rate_hz) + s.history_frames
+        shape = FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width, slots)
+        self.ring = FrameRing(list(s.camera_names), s.camera_height, s.camera_width, self.window_spec(), slots,
+                              engine.share_frames(shape))
         self.joints = JointStates(s.joint_names)     # recent samples per joint, by header stamp
         self.timeline_ended = threading.Event()     # an input's stamps stepped back: the control loop resets
         self.decoder = Decoder(self._ingest)
@@ -93,6 +101,13 @@ class Inputs:
         self._since_ns: Optional[int] = None        # the first control tick's time
         self._sync_wait_since: Optional[int] = None
         self._last_window_seq: Optional[int] = None
+        self.ring.unpin()
+
+    def window_spec(self) -> WindowSpec:
+        """Which frames make a window, from the parameters (sync_slop_s, state_slop_s and
+        wait_for_history change at run time: the node sets ring.spec anew)."""
+        s = self._node.settings
+        return WindowSpec.of(s.history_frames, self.offset_s, s.sync_slop_s, s.state_slop_s, s.wait_for_history)
 
     def close(self) -> None:
         for sub in self._subs.values():
@@ -251,9 +266,10 @@ class Inputs:
             return Wait("no joint state for every joint of joint_names yet", sync=False, lacks="state")
         return newest, np.zeros(len(newest), np.int64)
 
-    def age_pairs(self, now_ns: int) -> list[tuple[str, object]]:
-        """Seconds since each camera's and the joint states' newest input."""
-        pairs = []
+    def pairs(self, now_ns: int) -> list[tuple[str, object]]:
+        """/diagnostics values: frames the decoder dropped, and the seconds since each camera's
+        and the joint states' newest input."""
+        pairs: list[tuple[str, object]] = [(Key.FRAMES_DROPPED_UNCONVERTED, self.decoder.dropped)]
         for name, received in zip(self._node.settings.camera_names, self.ring.newest_received_ns()):
             pairs.append((Key.input_age(name), (now_ns - received) / 1e9 if received is not None else "never"))
         received = self.joints.received_ns()   # the joint heard from longest ago

@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType, SetParametersResult
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
+from rclpy.parameter import Parameter
 
 from ..model.config import PRESETS
 from ..runtime.action_cache import FlowSchedule
@@ -300,6 +301,17 @@ def declare(node) -> Settings:
         except InvalidParameterValueException:
             raise SettingsError(f"{name} must be within [{spec.range[0]}, {spec.range[1]}]") from None
     return validate(current_values(node))
+
+
+def check_changes(node, changes: list[Parameter], horizon: Optional[int]) -> SetParametersResult:
+    """The node's answer to a parameter change: validate() on its values with the changes."""
+    values = current_values(node)
+    values.update({p.name: p.value for p in changes if p.name in SPECS})
+    try:
+        validate(values, horizon=horizon)
+    except SettingsError as e:
+        return SetParametersResult(successful=False, reason=str(e))
+    return SetParametersResult(successful=True)
 
 
 def current_values(node) -> dict[str, Any]:

@@ -92,7 +92,7 @@ class ControlSettings:
         return WindowLayout(tuple(self.camera_names), self.history_frames)
 
     def safety(self) -> SafetyFilter:
-        return SafetyFilter(self.joint_lower_limits, self.joint_upper_limits, self.max_step_per_tick)
+        return SafetyFilter.of(self)
 
 
 @dataclass
