@@ -17,8 +17,16 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..model import (PromptBuilder, TINY_TOKENIZER, build_model, get_preset, init_random_, load_checkpoint, load_tokenizer,
-                     resolve_checkpoint)
+from ..model import (
+    TINY_TOKENIZER,
+    PromptBuilder,
+    build_model,
+    get_preset,
+    init_random_,
+    load_checkpoint,
+    load_tokenizer,
+    resolve_checkpoint,
+)
 from ..model.action_expert import euler, flow_times
 from ..model.layers import rope_tables
 from .action_cache import FlowSchedule
@@ -28,7 +36,6 @@ from .parts import EngineParts, Progress
 from .preprocess import check_frames, preprocess_reference
 from .timing import StageTimer
 from .types import DEFAULT_CAMERAS, ActionChunk, EngineConfig, Observation, WindowLayout
-
 
 
 @dataclass
@@ -93,7 +100,8 @@ class PolicyEngine:
         if config.static_shapes:
             from .static import StaticRunner
             self.static = StaticRunner(self.parts, self.flow_steps, self.schedule)
-        self.progress(f"loaded {self.model_cfg.name} on {self.device} ({config.dtype}) in {time.perf_counter() - t0:.1f}s")
+        self.progress(f"loaded {self.model_cfg.name} on {self.device} ({config.dtype}) in "
+                      f"{time.perf_counter() - t0:.1f}s")
 
     # -- public API ---------------------------------------------------------------------------
     @property
@@ -119,7 +127,8 @@ class PolicyEngine:
         t0 = time.perf_counter()
         if self.static is not None:
             self.static.warmup()
-            self.stats.compiled_graphs, self.stats.graph_captures = self.static.compiled_graphs, self.static.graph_captures
+            self.stats.compiled_graphs = self.static.compiled_graphs
+            self.stats.graph_captures = self.static.graph_captures
         else:  # zero noise: warm-up must not advance the engine's noise stream
             a = self.model_cfg.action
             self.predict(self.dummy_observation(), noise=torch.zeros((1, a.horizon, a.action_dim), device=self.device))
@@ -133,7 +142,8 @@ class PolicyEngine:
                 layout: Optional[WindowLayout] = None) -> ActionChunk:
         layout = layout or self.layout
         if layout not in self.config.layouts:
-            raise ValueError(f"layout {layout} is not one of the engine's layouts (EngineConfig.layout / extra_layouts)")
+            raise ValueError(f"layout {layout} is not one of the engine's layouts (EngineConfig.layout / "
+                             "extra_layouts)")
         layout = self.query_layout(obs, layout)
         self.check_observation(obs, layout)
         if noise is None:

@@ -101,7 +101,8 @@ def _modes_with(*features: str) -> str:
 @dataclass(frozen=True)
 class EngineConfig:
     preset: str = "tiny"
-    checkpoint: Optional[str] = None      # folder with config.json + model.safetensors + tokenizer; None: random weights
+    # Folder with config.json + model.safetensors + tokenizer; None: random weights.
+    checkpoint: Optional[str] = None
     seed: int = 0                         # random weights (when no checkpoint) and the noise stream
     device: str = "cpu"
     dtype: str = "float32"                # float32 | bfloat16
@@ -110,7 +111,8 @@ class EngineConfig:
     camera_height: int = 480
     camera_width: int = 640
     flow_steps: Optional[int] = None      # None: the model's default
-    max_instruction_tokens: int = 96      # token budget of the chat turn holding the instruction (static shapes pad to it)
+    # Token budget of the chat turn holding the instruction (static shapes pad to it).
+    max_instruction_tokens: int = 96
     # Lossless features (LOSSLESS_FEATURES), off = the eager reference.
     static_shapes: bool = False
     ctx_kv_once: bool = False
@@ -156,7 +158,8 @@ class EngineConfig:
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
         for feature in ("triton_attention", "fused_expert"):
-            if getattr(self, feature) and not (self.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
+            interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+            if getattr(self, feature) and not (self.device.startswith("cuda") or interpreted):
                 raise ValueError(f"{feature} needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
         if self.fused_expert and not self.ctx_kv_once:
             raise ValueError("fused_expert needs ctx_kv_once (it takes the expert's context K/V once per query)")
