@@ -9,8 +9,8 @@ command and one joint trajectory per action chunk out.
 The control loop runs on the executor at control_rate_hz and never waits for the model: each
 tick publishes one command, takes a finished chunk if the engine has one, and sends the newest
 complete observation when the plan runs low. What to do at each tick is decided by
-control.ChunkScheduler; this class connects it to ROS (inputs.Inputs, the engine process,
-publishers, parameters, lifecycle). Everything unsafe makes it hold position and say why, once,
+control.ChunkScheduler; this class connects it to ROS (inputs.Inputs, engine_link.EngineLink,
+outputs.Outputs, parameters, lifecycle). Everything unsafe makes it hold position and say why, once,
 in the log and on /diagnostics.
 """
 from __future__ import annotations
