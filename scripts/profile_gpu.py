@@ -72,8 +72,10 @@ def main():
         t0 = time.perf_counter()
         auto(h, st.mod_table[0][0][0], k, v, b.ctx_mask)
         res["autotune_compile_s"] = time.perf_counter() - t0
-        res["block_autotune_x36_ms"] = graph_ms(lambda: [auto(h, st.mod_table[0][0][0], k, v, b.ctx_mask) for _ in range(36)])
-        res["block_default_x36_ms"] = graph_ms(lambda: [blocks[0](h, st.mod_table[0][0][0], k, v, b.ctx_mask) for _ in range(36)])
+        res["block_autotune_x36_ms"] = graph_ms(lambda: [auto(h, st.mod_table[0][0][0], k, v, b.ctx_mask)
+                                                         for _ in range(36)])
+        res["block_default_x36_ms"] = graph_ms(lambda: [blocks[0](h, st.mod_table[0][0][0], k, v, b.ctx_mask)
+                                                        for _ in range(36)])
         vit = m.vision.encoder.blocks[0]
         xi = torch.randn(8, 729, 1152, device=dev, dtype=dt)
         res["vit_block_ms"] = graph_ms(lambda: vit(xi))

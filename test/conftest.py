@@ -6,8 +6,13 @@ from multiprocessing import resource_tracker
 import pytest
 import torch
 
-from vla_node.tools.node_process import (dds_shm_files, processes_with_env, remove_dead_dds_shm, ros_domain,
-                                         ros_environment)
+from vla_node.tools.node_process import (
+    dds_shm_files,
+    processes_with_env,
+    remove_dead_dds_shm,
+    ros_domain,
+    ros_environment,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 ROS_VARIABLES = ("ROS_DOMAIN_ID", "FASTDDS_DEFAULT_PROFILES_FILE", "FASTDDS_BUILTIN_TRANSPORTS", "ROS_LOG_DIR",

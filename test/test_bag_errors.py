@@ -8,8 +8,19 @@ import numpy as np
 import pytest
 
 from vla_node.runtime import LAYOUTS
-from vla_node.tools.bag_io import (COMPRESSED_IMAGE, IMAGE, JOINT_STATE, STRING, TYPESTORE, Bag, BagError,
-                                   BagWriter, ObservationStream, header_msg, resolve_inputs)
+from vla_node.tools.bag_io import (
+    COMPRESSED_IMAGE,
+    IMAGE,
+    JOINT_STATE,
+    STRING,
+    TYPESTORE,
+    Bag,
+    BagError,
+    BagWriter,
+    ObservationStream,
+    header_msg,
+    resolve_inputs,
+)
 from vla_node.tools.replay import main as replay
 from vla_node.tools.sample_bag import SAMPLE_BAG, SampleSpec, write_sample_bag
 

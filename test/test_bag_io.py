@@ -6,11 +6,31 @@ import numpy as np
 import pytest
 
 from vla_node.runtime import LAYOUTS
-from vla_node.tools.bag_io import (CLOCK, COMPRESSED_IMAGE, DIAGNOSTIC_ARRAY, FLOAT64_MULTI_ARRAY, IMAGE,
-                                   JOINT_STATE, JOINT_TRAJECTORY, STRING, TYPESTORE, Bag, BagWriter,
-                                   ObservationStream, canonical_cdr, compressed_image_msg, decode_image, image_msg,
-                                   joint_state_msg, joint_trajectory_msg, resolve_inputs, stamp_ns, string_msg,
-                                   time_msg, trajectory_positions)
+from vla_node.tools.bag_io import (
+    CLOCK,
+    COMPRESSED_IMAGE,
+    DIAGNOSTIC_ARRAY,
+    FLOAT64_MULTI_ARRAY,
+    IMAGE,
+    JOINT_STATE,
+    JOINT_TRAJECTORY,
+    STRING,
+    TYPESTORE,
+    Bag,
+    BagWriter,
+    ObservationStream,
+    canonical_cdr,
+    compressed_image_msg,
+    decode_image,
+    image_msg,
+    joint_state_msg,
+    joint_trajectory_msg,
+    resolve_inputs,
+    stamp_ns,
+    string_msg,
+    time_msg,
+    trajectory_positions,
+)
 from vla_node.tools.sample_bag import JOINT_NAMES, SampleSpec, write_sample_bag
 
 T = TYPESTORE.types

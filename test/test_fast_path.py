@@ -181,7 +181,8 @@ def test_flex_prefill_matches_the_dense_mask():
                ([(c, t) for t in (1, 2) for c in layout.cameras], "pick up the red cup"),  # a streaming step
                ([(c, t) for t in (2, 3) for c in layout.cameras], "pick up the <im_patch> cup")]
     for ids, text in windows:
-        obs = Observation(images=[frames[i] for i in ids], state=np.zeros(8, np.float32), instruction=text, frame_ids=ids)
+        obs = Observation(images=[frames[i] for i in ids], state=np.zeros(8, np.float32), instruction=text,
+                          frame_ids=ids)
         noise = torch.randn(1, 16, 8)
         a, b = dense.predict(obs, noise=noise).normalized, flex.predict(obs, noise=noise).normalized
         assert np.abs(a - b).max() < 1e-5, (ids, text)

@@ -19,8 +19,14 @@ import torch.nn.functional as F
 from vla_node.model import build_model, get_preset, init_random_
 from vla_node.model.action_expert import LN_EPS
 from vla_node.runtime.fused_expert import FusedExpert
-from vla_node.runtime.kernels.expert_block import (SplitScratch, Tiling, cross_attention, cross_partials,
-                                                   head_linear, linear)
+from vla_node.runtime.kernels.expert_block import (
+    SplitScratch,
+    Tiling,
+    cross_attention,
+    cross_partials,
+    head_linear,
+    linear,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small tiles so the tiny shapes still take every path: several K steps, split-K, key splits.

@@ -32,19 +32,24 @@ def test_llm_matches_transformers_qwen3(tiny):
     hf_cfg = transformers.Qwen3Config(
         vocab_size=cfg.embedding_rows, hidden_size=cfg.dim, intermediate_size=cfg.mlp, num_hidden_layers=cfg.layers,
         num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False, max_position_embeddings=cfg.max_seq_len)
+        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
+        max_position_embeddings=cfg.max_seq_len)
     hf = transformers.Qwen3Model(hf_cfg).eval()
     ours = tiny.llm
     state = {"embed_tokens.weight": ours.embed.weight, "norm.weight": torch.rand(cfg.dim) + 0.5}
     for i, layer in enumerate(ours.layers):
         p = f"layers.{i}."
         state.update({
-            p + "self_attn.q_proj.weight": layer.attn.qkv.q.weight, p + "self_attn.k_proj.weight": layer.attn.qkv.k.weight,
+            p + "self_attn.q_proj.weight": layer.attn.qkv.q.weight,
+            p + "self_attn.k_proj.weight": layer.attn.qkv.k.weight,
             p + "self_attn.v_proj.weight": layer.attn.qkv.v.weight, p + "self_attn.o_proj.weight": layer.attn.o.weight,
-            p + "self_attn.q_norm.weight": layer.attn.q_norm.weight, p + "self_attn.k_norm.weight": layer.attn.k_norm.weight,
-            p + "mlp.gate_proj.weight": layer.mlp.gate_up.gate.weight, p + "mlp.up_proj.weight": layer.mlp.gate_up.up.weight,
+            p + "self_attn.q_norm.weight": layer.attn.q_norm.weight,
+            p + "self_attn.k_norm.weight": layer.attn.k_norm.weight,
+            p + "mlp.gate_proj.weight": layer.mlp.gate_up.gate.weight,
+            p + "mlp.up_proj.weight": layer.mlp.gate_up.up.weight,
             p + "mlp.down_proj.weight": layer.mlp.down.weight,
-            p + "input_layernorm.weight": layer.attn_norm.weight, p + "post_attention_layernorm.weight": layer.mlp_norm.weight,
+            p + "input_layernorm.weight": layer.attn_norm.weight,
+            p + "post_attention_layernorm.weight": layer.mlp_norm.weight,
         })
     hf.load_state_dict(state, strict=True)
     ids = torch.randint(0, cfg.embedding_rows, (2, 37))

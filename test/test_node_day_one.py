@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from ros_helpers import TINY_YAML, Harness, NodeProcess, Robot, ros_env
+from vla_node.ros.diagnostics import Key
 from vla_node.tools.node_process import node_argv
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,7 +56,7 @@ def test_use_sim_time_without_clock_says_the_active_node_waits_for_clock():
     node = NodeProcess({"autostart": True, "use_sim_time": True})
     h = Harness(node)
     try:
-        d = h.wait_diagnostics(lambda d: d.get("state") == "active", 60, "the node to be active", since=0)
+        d = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "active", 60, "the node to be active", since=0)
         assert d["_message"] == "holding: no /clock: use_sim_time is true and no simulated time has arrived yet"
     finally:
         h.close()
@@ -71,13 +72,13 @@ def test_a_silent_camera_says_whether_anything_publishes_on_its_topic():
         robot = Robot(h)
         robot.cameras_on = [False, False]
         ns = node.namespace
-        d = h.wait_diagnostics(lambda d: "camera 'exo' stale" in d["faults"] and "camera 'wrist' stale" in d["faults"],
-                               30, "both cameras stale", since=0)
+        d = h.wait_diagnostics(lambda d: "camera 'exo' stale" in d[Key.FAULTS]
+                               and "camera 'wrist' stale" in d[Key.FAULTS], 30, "both cameras stale", since=0)
         assert (f"{ns}/cameras/exo/image_raw has a publisher, but no message arrives: Fast DDS's default transports "
                 "drop raw frames this large, start the camera publisher with FASTDDS_DEFAULT_PROFILES_FILE="
-                ) in d["faults"]
+                ) in d[Key.FAULTS]
         assert f"no camera 'wrist' input for more than 0.5 s (input_timeout_s); nothing publishes on " \
-               f"{ns}/cameras/none/image_raw" in d["faults"]
+               f"{ns}/cameras/none/image_raw" in d[Key.FAULTS]
     finally:
         h.close()
         node.stop_cleanly()

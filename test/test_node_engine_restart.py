@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ros_helpers import Harness, NodeProcess, Robot, pid_alive, stamp_ns
+from vla_node.ros.diagnostics import Key
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -19,11 +20,11 @@ LOST = "engine lost: engine process exited (code -9)"
 def kill_the_engine(h) -> tuple[int, dict]:
     """SIGKILL the running node's engine process; returns its pid and the first report of the loss."""
     d = h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run", since=0)
-    pid = int(d["engine_pid"])
+    pid = int(d[Key.ENGINE_PID])
     start = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     lost = h.wait_diagnostics(lambda d: LOST in d["_message"], 30, "the loss on /diagnostics", since=start)
-    assert lost["_level"] == 2 and lost["engine_pid"] == "none (lost)"
+    assert lost["_level"] == 2 and lost[Key.ENGINE_PID] == "none (lost)"
     return pid, lost
 
 
@@ -45,10 +46,10 @@ def test_engine_restart_replaces_a_dead_engine_and_resumes():
         commands = held_since(h, lost, 5)
         assert (commands == commands[0]).all()                       # holding while it has no engine
         node.wait_for_line("restarting the engine (attempt 1)")
-        up = h.wait_diagnostics(lambda d: d["_message"] == "running" and d["engine_pid"].isdigit(), 60,
+        up = h.wait_diagnostics(lambda d: d["_message"] == "running" and d[Key.ENGINE_PID].isdigit(), 60,
                                 "running on a new engine")
-        assert int(up["engine_pid"]) != pid and pid_alive(int(up["engine_pid"])) and not pid_alive(pid)
-        assert up["engine_restarts"] == "1"
+        assert int(up[Key.ENGINE_PID]) != pid and pid_alive(int(up[Key.ENGINE_PID])) and not pid_alive(pid)
+        assert up[Key.ENGINE_RESTARTS] == "1"
         node.wait_for_line(f"engine restarted: tiny eager on cpu, engine process {up['engine_pid']}")
         node.wait_for_line("resolved: engine: engine lost")
         since = time.monotonic()
@@ -66,12 +67,12 @@ def test_without_engine_restart_a_dead_engine_holds_until_cleanup_and_configure(
         _, lost = kill_the_engine(h)
         node.wait_for_line(f"{LOST}; cleanup and configure restart it (or set engine_restart_s)")
         later = h.wait_diagnostics(lambda d: d["_stamp_ns"] > lost["_stamp_ns"] + 2 * 10**9, 10, "reports 2 s later")
-        assert LOST in later["_message"] and later["engine_restarts"] == "0"
+        assert LOST in later["_message"] and later[Key.ENGINE_RESTARTS] == "0"
         assert node.count("restarting the engine") == 0
         for transition in ("deactivate", "cleanup", "configure", "activate"):
             assert h.transition(transition), transition
         up = h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "running after cleanup and configure")
-        assert pid_alive(int(up["engine_pid"]))
+        assert pid_alive(int(up[Key.ENGINE_PID]))
     finally:
         h.close()
         node.stop_cleanly()

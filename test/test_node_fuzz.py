@@ -22,6 +22,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
 from ros_helpers import CAMERA_TOPICS, JOINTS, Harness, NodeProcess, Robot
+from vla_node.ros.diagnostics import Key
 
 FUZZ_EXAMPLES = int(os.environ.get("VLA_FUZZ_EXAMPLES", "30"))
 pytestmark = pytest.mark.timeout(120 + 20 * FUZZ_EXAMPLES)
@@ -166,7 +167,7 @@ def inject(bad: Bad, h: Harness, robot: Robot) -> Callable[[], None]:
 
 def reported(d: dict, bad: Bad) -> Optional[str]:
     """The fault that reports `bad`'s input, if any: its source and reason."""
-    for fault in d["faults"].split("; "):
+    for fault in d[Key.FAULTS].split("; "):
         source, _, reason = fault.partition(": ")
         if source.startswith(bad.sources) and (not bad.specific or not source.endswith("stale")):
             return fault

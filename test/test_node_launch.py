@@ -16,10 +16,10 @@ import pytest
 launch_pytest = pytest.importorskip("launch_pytest", reason="launch_pytest is not installed (it comes with a "
                                                             "ROS 2 install; pip cannot provide it)")
 
-from launch import LaunchDescription, LaunchService  # noqa: E402
 from launch.actions import IncludeLaunchDescription  # noqa: E402
 from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
 
+from launch import LaunchDescription, LaunchService  # noqa: E402
 from ros_helpers import HOME, JOINTS, ros_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

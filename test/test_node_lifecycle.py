@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ros_helpers import HOME, JOINTS, Harness, NodeProcess, Robot, pid_alive, stamp_ns
-from vla_node.tools.node_process import dead_dds_shm, dds_shm_of
+from vla_node.ros.diagnostics import Key
+from vla_node.tools.node_process import dds_shm_of, dead_dds_shm
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,8 +32,8 @@ def test_starts_unconfigured_and_configure_loads_the_engine_in_a_process(running
     assert h.state() == "inactive"
     node.wait_for_line("loaded tiny on cpu")         # the engine's progress, forwarded to the log
     node.wait_for_line("ready in")
-    d = h.wait_diagnostics(lambda d: d.get("state") == "inactive", 10, "inactive diagnostics", since=0)
-    assert pid_alive(int(d["engine_pid"])) and int(d["engine_pid"]) != node.proc.pid
+    d = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 10, "inactive diagnostics", since=0)
+    assert pid_alive(int(d[Key.ENGINE_PID])) and int(d[Key.ENGINE_PID]) != node.proc.pid
     assert not h.messages("command")                 # configured is not commanding
 
 
@@ -80,9 +81,9 @@ def test_commands_start_at_the_measured_position_and_stay_in_limits(running):
 
 def test_deactivate_stops_commands_and_cleanup_ends_the_engine_process(running):
     node, h = running
-    pid = int(h.diagnostics_since(0)[-1]["engine_pid"])
+    pid = int(h.diagnostics_since(0)[-1][Key.ENGINE_PID])
     assert h.transition("deactivate")
-    inactive = h.wait_diagnostics(lambda d: d.get("state") == "inactive", 10, "inactive diagnostics")
+    inactive = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 10, "inactive diagnostics")
     h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")   # time passes, on the node's clock
     # Nothing stamped by the node after it reported inactive (judged by the node's stamps: on a
     # loaded machine earlier commands may still be queued here).
@@ -99,7 +100,7 @@ def test_configure_again_after_cleanup_and_shutdown(running):
     assert h.transition("configure")
     assert h.transition("activate")
     h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run again")
-    pid = int(h.diagnostics_since(0)[-1]["engine_pid"])
+    pid = int(h.diagnostics_since(0)[-1][Key.ENGINE_PID])
     assert h.transition("shutdown")
     assert h.state() == "finalized"
     assert not pid_alive(pid)
@@ -129,7 +130,7 @@ def test_ctrl_c_ends_the_node_and_its_engine_process_and_leaves_no_shared_memory
     try:
         Robot(h)
         d = h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run", since=0)
-        pid = int(d["engine_pid"])
+        pid = int(d[Key.ENGINE_PID])
         assert pid_alive(pid)
         mapped = dds_shm_of(node.proc.pid)        # its DDS participant's segment and ports, and others'
     finally:

@@ -18,7 +18,8 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, String
 
 from ros_helpers import CAMERA_TOPICS, JOINTS, Harness, NodeProcess, Robot, stamp_ns
-from vla_node.ros.diagnostics import LOG_BURST
+from vla_node.ros.diagnostics import LOG_BURST, Key
+from vla_node.ros.params import SPECS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,13 +163,14 @@ CASES = [
          joint_stream(joints(JOINTS, HOME_LIST[:7]))),
     Case("empty instruction", "instruction", "empty instruction on {ns}/instruction",
          publish("instruction_pub", String(data="   "), String(data="pick up the red cup and put it in the bowl"))),
-    Case("instruction over the token budget", "engine", "(max_instruction_tokens)", long_instruction),
+    Case("instruction over the token budget", "engine", f"the budget is {SPECS['max_instruction_tokens'].default}",
+         long_instruction),
     Case("e-stop", "estop", "e-stop engaged on {ns}/estop", publish("estop_pub", Bool(data=True), Bool(data=False))),
 ]
 
 
 def events(d: dict, source: str) -> int:
-    for item in d["holds_by_cause"].split(", "):
+    for item in d[Key.HOLDS_BY_CAUSE].split(", "):
         name, _, count = item.rpartition("=")
         if name == source:
             return int(count)
@@ -205,7 +207,7 @@ def held(node, h, robot, case, text, start, frames, joint_msgs) -> dict:
     """While the bad input lasts: the cause on /diagnostics, the node up, one position held.
     Returns the report."""
     d = h.wait_diagnostics(lambda d: text in d["_message"], 15, f"{case.name} on /diagnostics", since=start)
-    assert d["_level"] == 2 and text in d["faults"]
+    assert d["_level"] == 2 and text in d[Key.FAULTS]
     assert node.proc.poll() is None
     # Holding: every command the node stamped after it reported the cause holds one position.
     # (By the node's stamps, not by arrival here: on a loaded machine commands published before the

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from ros_helpers import HOME, ROOT, Harness, NodeProcess, Robot
+from vla_node.ros.diagnostics import Key
 from vla_node.ros.params import SPECS
 
 INPUT_TOPICS = ("camera_topics", "joint_states_topic", "instruction_topic", "estop_topic")
@@ -37,7 +38,7 @@ def test_two_namespaced_nodes_serve_two_robots_side_by_side():
             first = np.array(h.messages("command")[0].data)
             np.testing.assert_allclose(first, home)
             d = h.wait_diagnostics(lambda d: True, 10, f"a report from {h.target}", since=since)
-            assert d["faults"] == "none" and int(d["chunks"]) >= 3
+            assert d[Key.FAULTS] == "none" and int(d[Key.CHUNKS]) >= 3
     finally:
         for h in harnesses:
             h.close()

@@ -8,6 +8,7 @@ from rcl_interfaces.srv import DescribeParameters
 from std_msgs.msg import String
 
 from ros_helpers import Harness, NodeProcess, Robot, stamp_ns
+from vla_node.ros.diagnostics import Key
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -82,15 +83,15 @@ def test_chunks_that_come_too_late_are_counted_apart_and_publish_nothing(node):
     before = h.diagnostics_since(0)[-1]
     assert h.set_parameter("control_rate_hz", 1000.0).successful
     try:
-        late = h.wait_diagnostics(lambda d: int(d["late_chunks"]) > int(before["late_chunks"]) + 2, 30,
+        late = h.wait_diagnostics(lambda d: int(d[Key.LATE_CHUNKS]) > int(before[Key.LATE_CHUNKS]) + 2, 30,
                                   "late chunks")
-        later = h.wait_diagnostics(lambda d: int(d["late_chunks"]) > int(late["late_chunks"]) + 2, 30,
+        later = h.wait_diagnostics(lambda d: int(d[Key.LATE_CHUNKS]) > int(late[Key.LATE_CHUNKS]) + 2, 30,
                                    "more late chunks")
         # A late chunk leaves no trajectory; a chunk that did make it in published one (stamped
         # with its first point's tick, up to a tick after it was counted).
         between = [t for t in h.messages("trajectory")
                    if late["_stamp_ns"] < stamp_ns(t.header.stamp) <= later["_stamp_ns"]]
-        assert len(between) <= int(later["chunks"]) - int(late["chunks"]) + 1
+        assert len(between) <= int(later[Key.CHUNKS]) - int(late[Key.CHUNKS]) + 1
     finally:
         assert h.set_parameter("control_rate_hz", 50.0).successful
     since = time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
 
-from vla_node.ros.node import Decoder
+from vla_node.ros.inputs import Decoder
 from vla_node.tools.bag_io import Bag
 from vla_node.tools.live import LiveError, LiveOptions, Waiter, _node_topics, plan_playback
 from vla_node.tools.node_process import SHM, processes_with_env, remove_dead_dds_shm

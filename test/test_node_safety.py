@@ -7,6 +7,7 @@ import torch
 
 from ros_helpers import HOME, Harness, NodeProcess, Robot
 from vla_node.model import build_model, get_preset, init_random_, save_checkpoint
+from vla_node.ros.diagnostics import Key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,7 +27,7 @@ def test_non_finite_actions_are_never_published(tmp_path):
                                since=start)
         assert d["_level"] == 2
         # Every chunk is non-finite: requests keep going out, the cause is logged once.
-        h.wait_diagnostics(lambda d: int(d["requests"]) >= 5, 30, "more inference requests")
+        h.wait_diagnostics(lambda d: int(d[Key.REQUESTS]) >= 5, 30, "more inference requests")
         commands = np.array([m.data for m in h.wait_commands(20, since=start)])
         np.testing.assert_array_equal(commands, np.broadcast_to(HOME, commands.shape))   # held where it stood
         assert not h.messages("trajectory")
@@ -50,7 +51,7 @@ def test_joint_states_on_another_clock_hold_with_the_reason_until_state_sync_new
         d = h.wait_diagnostics(lambda d: "state_slop_s" in d["_message"], 30, "the stamp mismatch", since=0)
         assert d["_level"] >= 1 and "the nearest is before them" in d["_message"]
         h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")
-        assert int(h.diagnostics_since(0)[-1]["requests"]) == 0 and not h.messages("trajectory")
+        assert int(h.diagnostics_since(0)[-1][Key.REQUESTS]) == 0 and not h.messages("trajectory")
         commands = np.array([m.data for m in h.wait_commands(10)])
         np.testing.assert_array_equal(commands, np.broadcast_to(HOME, commands.shape))
         # A user who knows the stamps are wrong can pair with the newest state instead.

@@ -3,11 +3,11 @@ follow simulated time, and a clock that jumps back makes the node hold, say so, 
 Also `autostart`: this node is never sent a lifecycle transition."""
 import time
 
+import numpy as np
 import pytest
 
-import numpy as np
-
 from ros_helpers import HOME, Harness, NodeProcess, Robot
+from vla_node.ros.diagnostics import Key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,8 +43,8 @@ def test_control_loop_runs_on_simulated_time(sim):
     traj = h.wait_until(lambda: h.messages("trajectory", since), 20, "a trajectory")[-1]
     stamp_ns = traj.header.stamp.sec * 10**9 + traj.header.stamp.nanosec
     assert abs(stamp_ns - h.sim_time_ns) < 10**9              # simulated time, not the wall clock
-    d = h.wait_diagnostics(lambda d: "command_period_ms_p50" in d, 10, "loop statistics")
-    assert "command_jitter_ms_p99" not in d                   # wall-clock jitter means nothing here
+    d = h.wait_diagnostics(lambda d: Key.ms(Key.COMMAND_PERIOD, "p50") in d, 10, "loop statistics")
+    assert Key.ms(Key.COMMAND_JITTER, "p99") not in d     # wall-clock jitter means nothing here
 
 
 def test_clock_jump_back_holds_reports_once_and_recovers(sim):

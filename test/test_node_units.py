@@ -181,14 +181,15 @@ def test_defaults_are_valid_and_every_parameter_has_a_descriptor():
     (dict(camera_names=["a", "a"]), "unique"),
     (dict(control_rate_hz=0.5), "outside"),
     (dict(instruction="x" * (params.MAX_INSTRUCTION_CHARS + 1)), "characters"),
-    (dict(engine_mode="turbo"), "engine_mode must be one of"),
-    (dict(model_preset="gpt5"), "model_preset must be one of"),
+    (dict(engine_mode="turbo"), "unknown mode 'turbo'"),
+    (dict(model_preset="gpt5"), "unknown model preset 'gpt5'"),
     (dict(dtype="float16"), "dtype must be float32 or bfloat16"),
     (dict(fp8="e5m2"), "fp8 must be off, rowwise or tensorwise"),
-    (dict(streaming_kv=True, engine_mode="graphs"), "streaming_kv needs engine_mode fast"),
+    (dict(streaming_kv=True, engine_mode="graphs"),
+     "streaming_kv needs vision_cache and ctx_kv_once .*: engine_mode fast"),
     (dict(action_cache="5:7"), "can only reuse an earlier step"),
     (dict(action_cache="flashdrive"), "defined for 8 flow steps"),
-    (dict(action_cache="adaptive:0.1"), "adaptive action_cache needs an engine_mode with static shapes"),
+    (dict(action_cache="adaptive:0.1"), "adaptive action cache needs static_shapes .*: engine_mode static or later"),
 ])
 def test_invalid_values_are_rejected_with_a_reason(change, match):
     values = defaults()
@@ -360,28 +361,3 @@ def test_a_flapping_source_logs_and_announces_a_few_changes_then_a_summary():
     faults.clear("joint_states")
     assert records[-1].getMessage() == "resolved: joint_states: lacks joints ['panda_gripper']"
     assert len(records) == len(changes) == LOG_BURST + 2
-
-
-def test_a_plan_that_runs_out_names_its_cause():
-    """During a camera dropout the node said "inference slower than replan_threshold ticks allow"
-    while inference took 14 ms."""
-    import rclpy
-    from ros_helpers import ros_env
-
-    from vla_node.ros.node import Request, VLANode
-    ros_env()
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = VLANode(context=context)
-    try:
-        dropout = Wait("camera 'wrist' has no frame within sync_slop_s of camera 'exo'", sync=True)
-        node._wait, node._in_flight, node._tick = dropout, None, 30
-        assert node._underrun_cause() == f"no observation could be sent: {dropout.reason}"
-        node._in_flight = Request(1, 26, 1, None, 0.0, 0.0, late_ticks=4, late_because=dropout.reason)
-        assert node._underrun_cause() == f"its observation was sent 4 ticks late: {dropout.reason}"
-        node._in_flight = Request(1, 21, 1, None, 0.0, 0.0)
-        assert node._underrun_cause() == ("inference slower than replan_threshold ticks allow (in flight for 9 "
-                                          "ticks)")
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)

@@ -16,8 +16,15 @@ from safetensors.torch import load_file
 
 from vla_node.model import load_checkpoint, load_tokenizer
 from vla_node.model.action_expert import ExpertBlock, timestep_features
-from vla_node.model.convert import (CheckpointError, convert, load_official_weights, main as convert_main,
-                                    model_config_from_official, read_official_config, resolve_checkpoint)
+from vla_node.model.convert import (
+    CheckpointError,
+    convert,
+    load_official_weights,
+    model_config_from_official,
+    read_official_config,
+    resolve_checkpoint,
+)
+from vla_node.model.convert import main as convert_main
 from vla_node.model.layers import rope_tables
 from vla_node.model.sequence import PromptBuilder
 from vla_node.model.tokenizer import IMAGE_SPECIAL_TOKENS
@@ -138,7 +145,8 @@ def test_expert_mlp_uses_exact_gelu():
     x = torch.randn(1, 16, cfg.width) * 3
     mod = torch.zeros(1, 9 * cfg.width)
     mod[:, 8 * cfg.width:] = 1  # MLP gate open, attention gates closed
-    out = blk(x, mod, torch.zeros(1, cfg.heads, 1, cfg.width // cfg.heads), torch.zeros(1, cfg.heads, 1, cfg.width // cfg.heads))
+    kv_shape = (1, cfg.heads, 1, cfg.width // cfg.heads)
+    out = blk(x, mod, torch.zeros(kv_shape), torch.zeros(kv_shape))
     h = F.layer_norm(x, (cfg.width,), eps=1e-6)
     assert torch.allclose(out, x + blk.fc2(F.gelu(blk.fc1(h))), atol=1e-5)
     assert not torch.allclose(out, x + blk.fc2(F.gelu(blk.fc1(h), approximate="tanh")), atol=1e-5)
@@ -170,7 +178,8 @@ def test_image_tokens_attend_both_ways_and_labels_follow_the_window(converted):
     assert mask[first_patch, last_patch]  # an early image token sees a later image's token
     assert not mask[0, first_patch] and not mask[prompt.instruction_start, len(prompt) - 1]  # text stays causal
     assert builder.labels(2, 2) == ["Image 0 View 1", "Image 0 View 2", "Image 1 View 1", "Image 1 View 2"]
-    assert builder.labels(2, 1) == ["Image 1 View 1", "Image 1 View 2"]  # an episode's start: current frames keep their labels
+    # An episode's start: the current frames keep their labels.
+    assert builder.labels(2, 1) == ["Image 1 View 1", "Image 1 View 2"]
     assert builder.labels(1, 1) == [""]
 
 
@@ -178,7 +187,8 @@ def test_preprocessing_stretches_bilinear_without_antialias_and_rounds(golden):
     obs, _, outputs = golden
     pixels = preprocess_reference(obs.images, 98)
     u8 = ((pixels + 1) / 2 * 255).round()
-    official = outputs["batch.images"][0].float().view(4, 7, 7, 14, 14, 3).permute(0, 5, 1, 3, 2, 4).reshape(4, 3, 98, 98)
+    official = (outputs["batch.images"][0].float().view(4, 7, 7, 14, 14, 3).permute(0, 5, 1, 3, 2, 4)
+                .reshape(4, 3, 98, 98))
     assert torch.equal(u8, official)
 
 
@@ -268,7 +278,9 @@ def test_engine_pointed_at_an_official_folder_converts_once(tmp_path, monkeypatc
     first = resolve_checkpoint(folder, messages.append)
     second = resolve_checkpoint(folder, messages.append)
     assert first == second and first.parent == tmp_path / "cache" / "converted"
-    assert messages[0].startswith("converting official MolmoBot checkpoint") and messages[-1].startswith("using the conversion")
+    assert messages[0].startswith("converting official MolmoBot checkpoint")
+    assert messages[-1].startswith("using the conversion")
     obs, inputs, outputs = golden
     engine = PolicyEngine(EngineConfig(checkpoint=str(folder), layout=LAYOUT, camera_height=360))
-    assert np.abs(engine.predict(obs, noise=inputs["noise"]).normalized - outputs["actions_normalized"].numpy()).max() <= 1e-5
+    normalized = engine.predict(obs, noise=inputs["noise"]).normalized
+    assert np.abs(normalized - outputs["actions_normalized"].numpy()).max() <= 1e-5

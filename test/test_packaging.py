@@ -17,7 +17,7 @@ def test_setup_py_names_the_test_dependencies_colcon_looks_for():
             "print(repr(dist.extras_require))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     extras = ast.literal_eval(done.stdout.strip().splitlines()[-1])
-    assert {"pytest", "pytest-timeout", "hypothesis"} <= set(extras["test"])
+    assert {"pytest", "pytest-timeout", "hypothesis", "ruff"} <= set(extras["test"])
 
 
 def test_package_xml_lists_the_python_dependencies():

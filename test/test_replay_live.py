@@ -7,8 +7,16 @@ Every ROS participant of this module lives in a ROS domain of its own (conftest.
 import numpy as np
 import pytest
 
-from vla_node.tools.bag_io import (COMPRESSED_IMAGE, IMAGE, TYPESTORE, Bag, BagError, compressed_image_msg,
-                                   decode_image, image_msg)
+from vla_node.tools.bag_io import (
+    COMPRESSED_IMAGE,
+    IMAGE,
+    TYPESTORE,
+    Bag,
+    BagError,
+    compressed_image_msg,
+    decode_image,
+    image_msg,
+)
 from vla_node.tools.demo import NodeProcess, run_demo, tiny_config
 from vla_node.tools.live import LiveError, LiveOptions, Route, convert, replay_live
 from vla_node.tools.sample_bag import SAMPLE_BAG, SampleSpec, write_sample_bag

@@ -4,13 +4,32 @@ import numpy as np
 import pytest
 
 from vla_node.runtime import WindowLayout
-from vla_node.sim.aloha import (CONTROL_PERIOD_NS, EPISODE_START_NS, INSTRUCTION, JOINT_NAMES, MAX_REWARD,
-                                RenderConfig, TransferCube)
+from vla_node.sim.aloha import (
+    CONTROL_PERIOD_NS,
+    EPISODE_START_NS,
+    INSTRUCTION,
+    JOINT_NAMES,
+    MAX_REWARD,
+    RenderConfig,
+    TransferCube,
+)
 from vla_node.sim.expert import expert_episode, expert_trajectory
 from vla_node.sim.record import RecordConfig, camera_topic, record_episode
-from vla_node.tools.bag_io import (COMPRESSED_IMAGE, DEMO_COMMAND_TOPIC, INSTRUCTION_TOPIC, JOINT_STATE,
-                                   JOINT_STATES_TOPIC, JOINT_TRAJECTORY, REFERENCE_TOPIC, STRING, Bag,
-                                   ObservationStream, resolve_inputs, stamp_ns, trajectory_positions)
+from vla_node.tools.bag_io import (
+    COMPRESSED_IMAGE,
+    DEMO_COMMAND_TOPIC,
+    INSTRUCTION_TOPIC,
+    JOINT_STATE,
+    JOINT_STATES_TOPIC,
+    JOINT_TRAJECTORY,
+    REFERENCE_TOPIC,
+    STRING,
+    Bag,
+    ObservationStream,
+    resolve_inputs,
+    stamp_ns,
+    trajectory_positions,
+)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,8 @@ def test_training_run_writes_a_loadable_checkpoint_and_resumes(tmp_path):
     bags, out = tmp_path / "demos", tmp_path / "policy"
     assert sim_main(["record", str(bags), "--episodes", "2", "--workers", "1", "--ticks", "30", "--keep-failures"]) == 0
     common = ["--bags", str(bags), "--params", "config/sim.yaml", "--preset", "sim", "--out", str(out), "--batch", "2",
-              "--val-episodes", "1", "--val-batches", "1", "--eval-every", "2", "--save-every", "2", "--device", "cpu", "--workers", "1"]
+              "--val-episodes", "1", "--val-batches", "1", "--eval-every", "2", "--save-every", "2", "--device", "cpu",
+              "--workers", "1"]
     assert train_main(common + ["--steps", "2"]) == 0
     state = json.loads((out / "train_state" / "state.json").read_text())
     assert state["step"] == 2 and (out / "train_curves.png").is_file()

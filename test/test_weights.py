@@ -5,8 +5,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vla_node.model import (CheckpointError, build_model, create_random_checkpoint, get_preset, init_random_,
-                            load_checkpoint, save_checkpoint)
+from vla_node.model import (
+    CheckpointError,
+    build_model,
+    create_random_checkpoint,
+    get_preset,
+    init_random_,
+    load_checkpoint,
+    save_checkpoint,
+)
 from vla_node.model.weights import WEIGHTS_FILE
 from vla_node.runtime import EngineConfig, PolicyEngine
 

@@ -7,8 +7,19 @@ import pytest
 
 from vla_node.ros.frames import FrameRing, Window
 from vla_node.runtime import LAYOUTS, images
-from vla_node.runtime.windows import (PANDA_JOINTS, InputError, JointStates, StampStep, Wait, WindowSpec, evict,
-                                      frames_to_keep, pick_window, reorder_joints, window_at)
+from vla_node.runtime.windows import (
+    PANDA_JOINTS,
+    InputError,
+    JointStates,
+    StampStep,
+    Wait,
+    WindowSpec,
+    evict,
+    frames_to_keep,
+    pick_window,
+    reorder_joints,
+    window_at,
+)
 from vla_node.tools.bag_io import Bag, ObservationStream, resolve_inputs, stamp_ns
 from vla_node.tools.sample_bag import ARM_MESSAGE_JOINTS, QuirksSpec, write_quirks_bag
 

@@ -4,7 +4,16 @@ Configs import without torch; everything else is imported on first use.
 """
 import importlib
 
-from .config import PRESETS, ActionExpertConfig, LLMConfig, ModelConfig, PromptConfig, RobotConfig, VisionConfig, get_preset
+from .config import (
+    PRESETS,
+    ActionExpertConfig,
+    LLMConfig,
+    ModelConfig,
+    PromptConfig,
+    RobotConfig,
+    VisionConfig,
+    get_preset,
+)
 
 _LAZY = {
     "VLAPolicy": ".policy", "Prompt": ".sequence", "PromptBuilder": ".sequence", "load_tokenizer": ".tokenizer",

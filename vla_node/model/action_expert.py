@@ -30,7 +30,8 @@ def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Sinusoidal features [B, dim] of the flow time t [B] in [0, 1] (unscaled): frequencies
     exp(-ln(1e4) * i / (half - 1)), sines first."""
     half = dim // 2
-    freqs = torch.exp(torch.arange(half, dtype=torch.float32, device=t.device) * (-math.log(10000.0) / max(half - 1, 1)))
+    freqs = torch.exp(torch.arange(half, dtype=torch.float32, device=t.device)
+                      * (-math.log(10000.0) / max(half - 1, 1)))
     args = t.float()[:, None] * freqs[None, :]
     return F.pad(torch.cat([torch.sin(args), torch.cos(args)], dim=-1), (0, dim % 2))
 
@@ -92,7 +93,8 @@ class ActionExpert(nn.Module):
         self.action_in = nn.Linear(a.action_dim, w)
         self.action_pos = nn.Parameter(torch.zeros(a.max_horizon, w))
         self.ctx_proj = nn.Linear(cfg.llm.dim, w, bias=False)
-        self.ctx_norm = nn.LayerNorm(w, eps=CONTEXT_LN_EPS, elementwise_affine=False) if a.context_norm else nn.Identity()
+        self.ctx_norm = (nn.LayerNorm(w, eps=CONTEXT_LN_EPS, elementwise_affine=False) if a.context_norm
+                         else nn.Identity())
         self.state_enc = nn.Linear(w, w)
         self.state_norm = nn.LayerNorm(w, eps=LN_EPS, elementwise_affine=False)
         self.blocks = nn.ModuleList(ExpertBlock(a) for _ in range(cfg.expert_depth))
@@ -110,7 +112,8 @@ class ActionExpert(nn.Module):
         padded = F.pad(state, (0, self.cfg.width - state.shape[-1]))
         return self.state_norm(self.state_enc(padded))[:, None]
 
-    def context_kv(self, llm_hidden: list[torch.Tensor], state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(self, llm_hidden: list[torch.Tensor],
+                   state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-block cross-attention K/V [B, heads, T+1, hd] over each LLM layer's context tokens
         followed by the state token (normalised state [B, state_dim])."""
         state_token = self.state_token(state)
@@ -141,7 +144,8 @@ def flow_times(steps: int) -> list[float]:
     return [i / steps for i in range(steps)]
 
 
-def euler(velocity: VelocityFn, noise: torch.Tensor, steps: int, reuse: Optional[dict[int, int]] = None) -> torch.Tensor:
+def euler(velocity: VelocityFn, noise: torch.Tensor, steps: int,
+          reuse: Optional[dict[int, int]] = None) -> torch.Tensor:
     """Integrate dx/dt = velocity(x, step) from t=0 (noise) to t=1 with `steps` equal steps.
     `reuse` maps a step to an earlier computed step whose velocity it takes instead of calling
     `velocity` (action caching; the runtime validates the schedule)."""

@@ -213,7 +213,8 @@ PRESETS: dict[str, ModelConfig] = {
     # GPU run can hand back, and within the 25 MB the repository ships).
     "sim": ModelConfig(
         name="sim",
-        vision=VisionConfig(image_size=224, patch_size=14, width=128, heads=4, mlp=512, layers=6, feature_layers=(5, 3)),
+        vision=VisionConfig(image_size=224, patch_size=14, width=128, heads=4, mlp=512, layers=6,
+                            feature_layers=(5, 3)),
         llm=LLMConfig(vocab_size=320, extra_vocab=128, dim=256, layers=4, heads=4, kv_heads=2, head_dim=64, mlp=512,
                       max_seq_len=1024),
         action=ActionExpertConfig(width=192, heads=4, mlp=768, action_dim=14, state_dim=14, horizon=32, max_horizon=32,

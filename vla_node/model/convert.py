@@ -145,7 +145,8 @@ def model_config_from_official(m: dict, name: str, norm_repo: str = "synthmanip"
     if len(set(size)) != 1:
         raise Refused(f"config.yaml: non-square ViT input {size} is not supported")
     width, heads = vit["image_emb_dim"], vit["image_num_heads"]
-    if vit.get("image_num_key_value_heads", heads) != heads or vit.get("image_head_dim", width // heads) * heads != width:
+    if (vit.get("image_num_key_value_heads", heads) != heads
+            or vit.get("image_head_dim", width // heads) * heads != width):
         raise Refused("config.yaml: ViT with grouped or non-standard attention heads is not supported")
     layers = vit["image_num_layers"]
     vision = VisionConfig(image_size=size[0], patch_size=vit["image_patch_size"], width=width, heads=heads,
@@ -177,13 +178,15 @@ def model_config_from_official(m: dict, name: str, norm_repo: str = "synthmanip"
              "state": _stats(pre, norm_repo, list(pre.get("state_keys") or ["observation.state"]), state_mode)}
     action_dim, horizon = m["action_dim"], m["action_horizon"]
     if len(stats["action"][0]) != action_dim:
-        raise CheckpointError(f"config.yaml: action statistics have {len(stats['action'][0])} values, action_dim {action_dim}")
+        raise CheckpointError(f"config.yaml: action statistics have {len(stats['action'][0])} values, "
+                              f"action_dim {action_dim}")
     hidden_size = ae["hidden_size"]
     action = ActionExpertConfig(width=hidden_size, heads=ae["num_heads"], mlp=int(hidden_size * ae["mlp_ratio"]),
                                 action_dim=action_dim, state_dim=len(stats["state"][0]), horizon=horizon,
                                 max_horizon=max(ae.get("max_horizon", horizon), horizon),
                                 flow_steps=m.get("flow_matching_num_steps", 10),
-                                time_embed_dim=ae["timestep_embed_dim"], context_norm=ae.get("context_layer_norm", True))
+                                time_embed_dim=ae["timestep_embed_dim"],
+                                context_norm=ae.get("context_layer_norm", True))
     prompt = PromptConfig(max_images=image.get("max_images") or 1, single_frame=image.get("single_frame", True),
                           bidirectional_images=m.get("bi_directional_attn") == "image_tokens",
                           chat_template="<|im_start|>user\n" + _instruction_prefix(fmt)
@@ -239,7 +242,8 @@ def convert_state_dict(official: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     linear("vision.encoder.patch_embed", f"{vit}.patch_embedding")
     for j in range(cfg.vision.layers_run):
         o, t = f"vision.encoder.blocks.{j}", f"{vit}.transformer.resblocks.{j}"
-        for ours, theirs in (("attn.qkv.q", "attention.wq"), ("attn.qkv.k", "attention.wk"), ("attn.qkv.v", "attention.wv"),
+        for ours, theirs in (("attn.qkv.q", "attention.wq"), ("attn.qkv.k", "attention.wk"),
+                             ("attn.qkv.v", "attention.wv"),
                              ("attn.out", "attention.wo"), ("fc1", "feed_forward.w1"), ("fc2", "feed_forward.w2"),
                              ("norm1", "attention_norm"), ("norm2", "ffn_norm")):
             linear(f"{o}.{ours}", f"{t}.{theirs}")
@@ -321,7 +325,8 @@ def _load_sharded(folder: Path) -> dict[str, torch.Tensor]:
         if not index.fqn.startswith("model."):
             continue
         if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{folder}: {index.fqn} is stored transformed {info.transform_descriptors}; not supported")
+            raise CheckpointError(f"{folder}: {index.fqn} is stored transformed {info.transform_descriptors}; "
+                                  "not supported")
         chunks.setdefault(index.fqn, []).append((index.offset, info))
     state = {}
     for fqn, parts in chunks.items():
@@ -344,7 +349,8 @@ def load_official_weights(folder: str | Path) -> dict[str, torch.Tensor]:
         return _load_model_pt(folder / OFFICIAL_WEIGHTS)
     if (folder / OFFICIAL_SHARDED / ".metadata").is_file():
         return _load_sharded(folder / OFFICIAL_SHARDED)
-    raise CheckpointError(f"{folder}: no {OFFICIAL_WEIGHTS} and no {OFFICIAL_SHARDED}/ (an official MolmoBot folder has one)")
+    raise CheckpointError(f"{folder}: no {OFFICIAL_WEIGHTS} and no {OFFICIAL_SHARDED}/ (an official MolmoBot folder "
+                          "has one)")
 
 
 # -- the tokenizer ---------------------------------------------------------------------------------

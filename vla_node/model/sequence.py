@@ -52,7 +52,8 @@ class PromptBuilder:
             return [""]
         if self.cfg.single_frame:
             if frames > 1:
-                raise ValueError("this checkpoint sees single frames (single_frame); a window with history is not supported")
+                raise ValueError("this checkpoint sees single frames (single_frame); a window with history is not "
+                                 "supported")
             return [f"Image {i + 1}" for i in range(n)]
         first = self.cfg.max_images // cameras - frames
         if n > self.cfg.max_images or self.cfg.max_images % cameras or first < 0:

@@ -117,10 +117,12 @@ def load_weights_(model: VLAPolicy, path: str | Path) -> VLAPolicy:
         keys = set(f.keys())
         missing = sorted(set(expected) - keys)
         if missing:
-            raise CheckpointError(f"{path}: missing key {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+            raise CheckpointError(f"{path}: missing key {missing[0]!r}"
+                                  + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
         unexpected = sorted(keys - set(expected))
         if unexpected:
-            raise CheckpointError(f"{path}: unexpected key {unexpected[0]!r}" + (f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+            raise CheckpointError(f"{path}: unexpected key {unexpected[0]!r}"
+                                  + (f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
         for key, target in expected.items():
             shape = tuple(f.get_slice(key).get_shape())
             if shape != tuple(target.shape):
@@ -128,14 +130,17 @@ def load_weights_(model: VLAPolicy, path: str | Path) -> VLAPolicy:
         for key, target in expected.items():
             target.copy_(f.get_tensor(key))
     robot = model.cfg.robot
-    for name, stats, mode in (("action", model.action_stats, robot.action_norm), ("state", model.state_stats, robot.state_norm)):
+    for name, stats, mode in (("action", model.action_stats, robot.action_norm),
+                              ("state", model.state_stats, robot.state_norm)):
         spread = stats[1] if mode == "mean_std" else stats[1] - stats[0]
         if not bool((spread > 0).all()) or not bool(torch.isfinite(stats).all()):
-            raise CheckpointError(f"{path}: {name} statistics ({mode}) need a positive, finite spread in every dimension")
+            raise CheckpointError(f"{path}: {name} statistics ({mode}) need a positive, finite spread in every "
+                                  "dimension")
     return model
 
 
-def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> VLAPolicy:
+def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32) -> VLAPolicy:
     """A project checkpoint folder (or its model.safetensors); see `resolve_checkpoint` for official folders."""
     folder = Path(folder)
     if not folder.exists():

@@ -1,13 +1,14 @@
-"""Hold causes (faults) and rolling statistics for /diagnostics. No ROS publishing here."""
+"""What the node reports on /diagnostics: hold causes (Faults), its statistics (NodeTelemetry)
+and the names of the values (Key), which the bench, the live replay summary and the tests read
+back. No ROS here: the tools import it without rclpy."""
 from __future__ import annotations
 
 import threading
 import time
 from collections import Counter, deque
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import numpy as np
-from diagnostic_msgs.msg import KeyValue
 
 # A source logs (and announces) at most this many changes ...
 LOG_BURST = 10
@@ -135,19 +136,178 @@ class Rolling:
         return np.percentile(values, q) if len(values) else None
 
 
-def key_values(pairs: Iterable[tuple[str, object]]) -> list[KeyValue]:
-    return [KeyValue(key=k, value=_text(v)) for k, v in pairs]
+STAGES = ("preprocess", "vision", "llm", "action", "total")   # the engine's timings, ms each
+# What the node adds to engine.predict() per observation: choosing and sending the window, the
+# hop to the worker, the worker's wrapping around predict(), taking the answer in.
+OVERHEAD_PARTS = ("send", "to_worker", "worker", "take")
+STATS_WINDOW = 1000     # samples in the loop's rolling statistics (20 s of ticks at 50 Hz)
+TIMING_WINDOW = 200     # samples in each per-chunk statistic
 
 
-def _text(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
+class Key:
+    """The /diagnostics key names: the node writes them, `vla-bench node`, `vla-replay live`'s
+    summary, the demo, the soak test and the tests read them from here.
+
+    A statistic in ms is reported as ms(name, q) = "{name}_ms_{q}" for q in p50, p99, max
+    ("{name}_ms": "no data" before its first sample); command_period only as p50.
+    """
+    STATE = "state"
+    HOLD = "hold"
+    FAULTS = "faults"                   # "source: reason; ..." or "none"
+    HOLDS_BY_CAUSE = "holds_by_cause"   # "source=count, ..." or "none": how often each fault began
+    CONFIGURE_ERROR = "configure_error"
+    ENGINE = "engine"
+    ENGINE_PID = "engine_pid"
+    HORIZON = "horizon"
+    ENGINE_RESTART = "engine_restart"   # while one is under way: "attempt n"
+    CONTROL_RATE_HZ = "control_rate_hz"
+    TICKS = "ticks"
+    LATENCY_TICKS_MAX = "latency_ticks_max"
+    FRAMES_DROPPED_UNCONVERTED = "frames_dropped_unconverted"
+    GPU_MEMORY = "gpu_memory"           # "n/a (device cpu)" or, on CUDA, the two below
+    GPU_MEMORY_ALLOCATED_MIB = "gpu_memory_allocated_mib"
+    GPU_MEMORY_RESERVED_MIB = "gpu_memory_reserved_mib"
+    # Counters since start-up.
+    CHUNKS = "chunks"                   # taken into the plan (each published a trajectory)
+    LATE_CHUNKS = "late_chunks"         # arrived after their last action's tick: dropped
+    REQUESTS = "requests"
+    REJECTED = "rejected"               # observations the engine refused
+    DISCARDED = "discarded"             # stale chunks: requested before a hold, reset or new timeline
+    OBSERVATIONS_DROPPED = "observations_dropped"
+    PLAN_UNDERRUNS = "plan_underruns"
+    ENGINE_RESTARTS = "engine_restarts"  # engine processes that replaced a lost one (engine_restart_s)
+    COUNTERS = (CHUNKS, LATE_CHUNKS, REQUESTS, REJECTED, DISCARDED, OBSERVATIONS_DROPPED, PLAN_UNDERRUNS,
+                ENGINE_RESTARTS)
+    # Statistics (ms).
+    COMMAND_PERIOD = "command_period"   # between control ticks (the node's clock)
+    COMMAND_JITTER = "command_jitter"   # |period - control period|; not on simulated time
+    ENGINE_PREDICT = "engine_predict"   # engine.predict() wall time in the engine process
+    ROUND_TRIP = "round_trip"           # request sent -> chunk taken
+    NODE_OVERHEAD = "node_overhead"     # the sum of OVERHEAD_PARTS
+    TRAJECTORY_PUBLISH = "trajectory_publish"
+    FRAME_INGEST = "frame_ingest"       # a camera frame into the frame buffer
+
+    @staticmethod
+    def ms(name: str, q: str) -> str:
+        return f"{name}_ms_{q}"
+
+    @staticmethod
+    def engine_stage(stage: str) -> str:
+        """The statistic of one of STAGES."""
+        return f"engine_{stage}"
+
+    @staticmethod
+    def overhead_part(part: str) -> str:
+        """The statistic of one of OVERHEAD_PARTS."""
+        return f"node_overhead_{part}"
+
+    @staticmethod
+    def input_age(source: str) -> str:
+        """Seconds since a camera's (by name) or the joint states' ("joint_states") newest input."""
+        return f"input_age_s.{source}"
 
 
-def percentile_pairs(name: str, rolling: Rolling, unit: str = "ms") -> list[tuple[str, object]]:
+OK, WARN, ERROR = 0, 1, 2      # diagnostic_msgs/DiagnosticStatus levels
+
+
+def summary(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str]) -> tuple[int, str]:
+    """The node's /diagnostics level and message: a failed configure, the faults, the lifecycle
+    state if not active, the control loop's hold, else "running"."""
+    if configure_error and state == "unconfigured":
+        return ERROR, f"configure failed: {configure_error}"
+    if faults:
+        return ERROR, "holding: " + "; ".join(f"{k}: {v}" for k, v in sorted(faults.items()))
+    if state != "active":
+        return WARN, f"holding: {state}"
+    if hold is not None:
+        return WARN, f"holding: {hold}"
+    return OK, "running"
+
+
+def status_pairs(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str],
+                 events: Counter) -> list[tuple[str, object]]:
+    """/diagnostics values of summary()'s inputs; `events`: how often each fault source began
+    (Faults.events)."""
+    values = [(Key.STATE, state), (Key.HOLD, hold or "no"),
+              (Key.FAULTS, "; ".join(f"{k}: {v}" for k, v in sorted(faults.items())) or "none"),
+              (Key.HOLDS_BY_CAUSE, ", ".join(f"{k}={n}" for k, n in sorted(events.items())) or "none")]
+    if configure_error:
+        values.append((Key.CONFIGURE_ERROR, configure_error))
+    return values
+
+
+class NodeTelemetry:
+    """The node's statistics: control ticks, per-chunk timings, counters."""
+
+    def __init__(self):
+        self.loop = Rolling(STATS_WINDOW)          # control tick start times (time.perf_counter(), s)
+        self.stage_ms = {s: Rolling(TIMING_WINDOW) for s in STAGES}
+        self.predict_ms = Rolling(TIMING_WINDOW)
+        self.round_trip_ms = Rolling(TIMING_WINDOW)
+        self.overhead_ms = Rolling(TIMING_WINDOW)
+        self.overhead_parts_ms = {part: Rolling(TIMING_WINDOW) for part in OVERHEAD_PARTS}
+        self.trajectory_ms = Rolling(TIMING_WINDOW)   # building + publishing ~/joint_trajectory, after the plan
+        self.ingest_ms = Rolling(STATS_WINDOW)
+        self.counts = dict.fromkeys(Key.COUNTERS, 0)
+        self.memory: Optional[tuple] = None      # (allocated, reserved) device bytes of the last chunk
+
+    def tick(self, started: float) -> None:
+        self.loop.add(started)
+
+    def chunk(self, request, result, arrived: float) -> None:
+        """Timings of an answered request (control.Request) whose chunk (engine_process.Result)
+        the control loop has taken or dropped as late; `arrived`: when it was polled."""
+        for stage in STAGES:
+            if stage in result.timings:
+                self.stage_ms[stage].add(result.timings[stage])
+        self.predict_ms.add(result.predict_ms)
+        self.round_trip_ms.add((arrived - request.sent_at) * 1e3)
+        # Not the wait for the next tick, which is scheduling, not work; the trajectory message
+        # is built after and timed apart.
+        parts = dict(send=request.send_ms, to_worker=(result.received_at - request.sent_at) * 1e3,
+                     worker=(result.sent_at - result.received_at) * 1e3 - result.predict_ms,
+                     take=(time.perf_counter() - arrived) * 1e3)
+        for part, ms in parts.items():
+            self.overhead_parts_ms[part].add(ms)
+        self.overhead_ms.add(sum(parts.values()))
+        self.memory = result.memory
+
+    def pairs(self, control_period_s: float, sim_time: bool, device: str) -> list[tuple[str, object]]:
+        """(key, value) of every statistic and counter; jitter only on the wall clock."""
+        values = self._loop_pairs(control_period_s, sim_time)
+        for stage in STAGES:
+            values += percentile_pairs(Key.engine_stage(stage), self.stage_ms[stage])
+        values += percentile_pairs(Key.ENGINE_PREDICT, self.predict_ms)
+        values += percentile_pairs(Key.ROUND_TRIP, self.round_trip_ms)
+        values += percentile_pairs(Key.NODE_OVERHEAD, self.overhead_ms)
+        for part, rolling in self.overhead_parts_ms.items():
+            values += percentile_pairs(Key.overhead_part(part), rolling)
+        values += percentile_pairs(Key.TRAJECTORY_PUBLISH, self.trajectory_ms)
+        values += percentile_pairs(Key.FRAME_INGEST, self.ingest_ms)
+        values += list(self.counts.items())
+        if self.memory is not None:
+            values += [(Key.GPU_MEMORY_ALLOCATED_MIB, self.memory[0] / 2**20),
+                       (Key.GPU_MEMORY_RESERVED_MIB, self.memory[1] / 2**20)]
+        else:
+            values.append((Key.GPU_MEMORY, f"n/a (device {device})"))
+        return values
+
+    def _loop_pairs(self, control_period_s: float, sim_time: bool) -> list:
+        if len(self.loop) < 3:
+            return [(f"{Key.COMMAND_PERIOD}_ms", "no data")]
+        periods = np.diff(self.loop.values()) * 1e3
+        pairs = [(Key.ms(Key.COMMAND_PERIOD, "p50"), float(np.percentile(periods, 50)))]
+        if not sim_time:
+            jitter = np.abs(periods - control_period_s * 1e3)
+            q = np.percentile(jitter, [50, 99])
+            pairs += [(Key.ms(Key.COMMAND_JITTER, "p50"), float(q[0])),
+                      (Key.ms(Key.COMMAND_JITTER, "p99"), float(q[1])),
+                      (Key.ms(Key.COMMAND_JITTER, "max"), float(jitter.max()))]
+        return pairs
+
+
+def percentile_pairs(name: str, rolling: Rolling) -> list[tuple[str, object]]:
     p = rolling.percentiles(50, 99, 100)
     if p is None:
-        return [(f"{name}_{unit}", "no data")]
-    return [(f"{name}_{unit}_p50", float(p[0])), (f"{name}_{unit}_p99", float(p[1])),
-            (f"{name}_{unit}_max", float(p[2]))]
+        return [(f"{name}_ms", "no data")]
+    return [(Key.ms(name, "p50"), float(p[0])), (Key.ms(name, "p99"), float(p[1])), (Key.ms(name, "max"), float(p[2]))]

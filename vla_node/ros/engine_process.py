@@ -6,26 +6,30 @@ niced process leaves the node's interpreter to the control loop (BENCHMARKS.md, 
 
 Frames travel through shared memory (an anonymous memfd both processes map): the node writes
 each camera frame into a slot once and the engine reads it in place. The buffer is made after the
-engine is ready, because its size follows the checkpoint's history offset (EngineInfo). Requests and results are
-small pickled tuples on a pipe. Only one request is in flight at a time, so nothing queues.
+engine is ready, because its size follows the checkpoint's history offset (EngineInfo). The worker
+is built from the node's frozen EngineConfig (validated when the parameters were); requests and
+results are small pickled tuples on a pipe. Only one request is in flight at a time, so nothing
+queues.
 The worker exits when its pipe closes or its parent dies, and cleanup joins it, so closing the
 engine really frees its memory (device memory included).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import ctypes
+import dataclasses
 import mmap
 import multiprocessing as mp
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing import reduction
 from typing import Callable, Optional
 
 import numpy as np
+
+from ..runtime.types import EngineConfig
 
 
 class EngineError(RuntimeError):
@@ -56,12 +60,22 @@ class Result:
     memory: Optional[tuple] = None   # (allocated, reserved) device bytes; None on the CPU
 
 
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How the engine's process runs, beside what it runs (EngineConfig)."""
+    mode: str           # the engine_mode the config was built from (for its description)
+    threads: int        # torch CPU threads; 0: torch's default
+    nice: int           # niceness added to the process
+
+
 class EngineProcess:
-    def __init__(self, options: dict):
-        """options: mode, preset, checkpoint, device, dtype, seed, flow_steps,
-        max_instruction_tokens, camera_height, camera_width, cameras, frames, action_cache,
-        threads, nice."""
-        self.options = options
+    """The engine's worker process, from configure to cleanup: across the loss of a worker (it
+    died or cannot be reached) and its replacement by another one, which maps the same frames."""
+
+    def __init__(self, config: EngineConfig, worker: WorkerOptions):
+        # What a worker is built from; its action_cache is the schedule the engine accepted last.
+        self.config = config
+        self.worker = worker
         self.frames: Optional[mmap.mmap] = None
         # Kept open until close(): a worker started again after a crash maps the same frames, so
         # the node's frame ring lives on across an engine restart.
@@ -71,6 +85,10 @@ class EngineProcess:
         self._process = None
         self._deadline = 0.0
         self._timeout_s = 0.0
+        self._schedules: deque[str] = deque()   # sent to the worker, not answered yet
+        self.lost: Optional[str] = None         # why the last worker was lost; None while one serves
+        self.restart_due: Optional[float] = None   # time.monotonic() of the next start; None: none planned
+        self.restart_attempt = 0
 
     def start(self, timeout_s: float, progress: Callable[[str], None]) -> EngineInfo:
         """Spawn the worker and wait until the engine is loaded and warm. Raises EngineError
@@ -84,8 +102,8 @@ class EngineProcess:
         """Start a worker without waiting for it: check_ready() says when it is warm."""
         ctx = mp.get_context("spawn")   # never fork a process that runs DDS threads
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_worker_main, args=(child, self.options), name="vla_node_engine",
-                                    daemon=True)
+        self._process = ctx.Process(target=_worker_main, args=(child, self.config, self.worker),
+                                    name="vla_node_engine", daemon=True)
         self._process.start()
         child.close()
         self._deadline = time.monotonic() + timeout_s
@@ -144,15 +162,54 @@ class EngineProcess:
         self._conn.send(("reset", None))
 
     def set_action_cache(self, schedule: str) -> None:
-        """Applied between predictions; the answer comes back from poll() as kind "schedule"."""
+        """Applied between predictions; the answer comes back from poll() as kind "schedule"
+        (reason empty: accepted, and config.action_cache is this schedule from then on)."""
         self._conn.send(("schedule", schedule))
+        self._schedules.append(schedule)
 
     def poll(self) -> Optional[Result]:
         """A result if one is waiting, without blocking. Raises EngineError if the worker died."""
         if not self._conn.poll():
             return None
         kind, payload = self._receive()
-        return Result(kind=kind, **payload)
+        result = Result(kind=kind, **payload)
+        if kind == "schedule":
+            schedule = self._schedules.popleft()
+            if not result.reason:
+                self.config = self.config.replace(action_cache=schedule)
+        return result
+
+    # -- losing the worker, and replacing it ---------------------------------------------------
+    def lose(self, reason: str, restart_s: float) -> None:
+        """The worker died or cannot be reached: end it, keeping the shared frames (the frame ring
+        keeps writing into them); with restart_s > 0 a new one is started that long from now."""
+        self.stop_worker()
+        self._schedules.clear()
+        self.lost = reason
+        self.restart_due = time.monotonic() + restart_s if restart_s else None
+        self.restart_attempt = 1 if restart_s else 0
+
+    def step_restart(self, timeout_s: float, retry_s: float, progress: Callable[[str], None]) -> Optional[EngineInfo]:
+        """Replace a lost worker without blocking (call it periodically): respawn it when due, poll
+        it until warm, hand it the frames. Its description once it serves, None until then;
+        EngineError when this attempt failed (the next one starts retry_s later)."""
+        if self._process is None:
+            if time.monotonic() < self.restart_due:
+                return None
+            progress(f"restarting the engine (attempt {self.restart_attempt})")
+            self.spawn(timeout_s)
+        try:
+            info = self.check_ready(progress)
+            if info is not None:
+                self.send_frames()
+        except (EngineError, OSError) as e:
+            self.stop_worker()
+            self.restart_attempt += 1
+            self.restart_due = time.monotonic() + retry_s
+            raise EngineError(str(e)) from None
+        if info is not None:
+            self.lost, self.restart_due = None, None
+        return info
 
     def stop_worker(self, timeout_s: float = 10.0) -> None:
         """End the worker (politely, then by force); the shared frames stay for the next one."""
@@ -194,13 +251,13 @@ def _die_with_parent() -> None:
         pass   # not Linux: the closed pipe still ends the worker after its current prediction
 
 
-def _worker_main(conn, options: dict) -> None:
+def _worker_main(conn, config: EngineConfig, worker: WorkerOptions) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the node decides
-    if options["nice"]:
-        os.nice(options["nice"])
+    if worker.nice:
+        os.nice(worker.nice)
     try:
-        engine = _load_engine(conn, options)
+        engine = _load_engine(conn, config, worker)
     except Exception as e:   # every start-up failure becomes the configure transition's reason
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -223,26 +280,18 @@ def _worker_main(conn, options: dict) -> None:
         frames.close()
 
 
-def _load_engine(conn, options: dict):
+def _load_engine(conn, config: EngineConfig, worker: WorkerOptions):
     import torch
 
-    if options["threads"]:
-        torch.set_num_threads(options["threads"])
-    from ..runtime import EngineConfig, PolicyEngine, WindowLayout
+    if worker.threads:
+        torch.set_num_threads(worker.threads)
+    from ..runtime import PolicyEngine
 
-    layout = WindowLayout(tuple(options["cameras"]), frames=options["frames"])
-    overrides = dict(preset=options["preset"], checkpoint=options["checkpoint"] or None, seed=options["seed"],
-                     device=options["device"], dtype=options["dtype"], layout=layout,
-                     camera_height=options["camera_height"], camera_width=options["camera_width"],
-                     flow_steps=options["flow_steps"] or None,
-                     max_instruction_tokens=options["max_instruction_tokens"], action_cache=options["action_cache"],
-                     streaming_kv=options["streaming_kv"], fp8=options["fp8"])
-    config = EngineConfig.for_mode(options["mode"], **overrides)
     engine = PolicyEngine(config, progress=lambda message: conn.send(("progress", message)))
     engine.warmup()
     a = engine.model_cfg.action
     conn.send(("ready", dict(horizon=a.horizon, action_dim=a.action_dim, state_dim=a.state_dim,
-                             description=f"{engine.model_cfg.name} {options['mode']} on {engine.device}",
+                             description=f"{engine.model_cfg.name} {worker.mode} on {engine.device}",
                              history_offset_s=engine.history_offset_s,
                              robot=dataclasses.asdict(engine.model_cfg.robot))))
     return engine

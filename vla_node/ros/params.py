@@ -3,6 +3,11 @@
 The defaults are the embedded configuration (config/tiny.yaml spells them out). A parameter is
 read-only when changing it needs a reload (the model, the camera set, the joint set); everything
 that only steers the control loop can change at run time.
+
+The engine's options are validated by building the EngineConfig the engine process receives
+(engine_config): its rules are the engine's, stated once in runtime/types.py. A parameter named
+like an EngineConfig field is passed to it as it is, so a new engine option is its EngineConfig
+field and its entry in SPECS.
 """
 from __future__ import annotations
 
@@ -10,12 +15,13 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType, SetParametersResult
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
+from rclpy.parameter import Parameter
 
 from ..model.config import PRESETS
 from ..runtime.action_cache import FlowSchedule
-from ..runtime.types import MODES
+from ..runtime.types import MODES, EngineConfig, WindowLayout
 from ..runtime.windows import MAX_CAMERA_RATE_HZ, PANDA_JOINTS, STATE_SLOP_S, SYNC_SLOP_S
 
 # Franka Panda (the DROID robot): 7 arm joints (rad) and the gripper opening in [0, 1].
@@ -169,24 +175,16 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class Settings:
-    """A validated, immutable snapshot of every parameter."""
+    """A validated, immutable snapshot of every parameter: the engine's options as the
+    EngineConfig the engine process is built from, the node's own one by one."""
+    engine: EngineConfig
     autostart: bool
-    model_preset: str
-    checkpoint: str
     random_weights: bool
     engine_mode: str
-    device: str
-    dtype: str
-    seed: int
-    flow_steps: int
-    max_instruction_tokens: int
     engine_threads: int
     engine_nice: int
     engine_start_timeout_s: float
     engine_restart_s: float
-    streaming_kv: bool
-    fp8: str
-    action_cache: str
     camera_names: tuple
     camera_topics: tuple
     camera_height: int
@@ -229,7 +227,6 @@ def validate(values: Mapping[str, Any], horizon: Optional[int] = None) -> Settin
     for name in ("model_preset", "engine_mode", "device", "dtype"):
         if not v[name].strip():
             raise SettingsError(f"{name} must not be empty")
-    _validate_engine_options(v)
     cameras, topics = v["camera_names"], v["camera_topics"]
     if not cameras or any(not c.strip() for c in cameras) or len(set(cameras)) != len(cameras):
         raise SettingsError(f"camera_names must be non-empty and unique, got {list(cameras)}")
@@ -268,30 +265,29 @@ def validate(values: Mapping[str, Any], horizon: Optional[int] = None) -> Settin
     for name, spec in SPECS.items():
         if spec.range is not None and not spec.range[0] <= v[name] <= spec.range[1]:
             raise SettingsError(f"{name}={v[name]} outside [{spec.range[0]}, {spec.range[1]}]")
-    return Settings(**{f.name: v[f.name] for f in fields(Settings)})
+    return Settings(engine=engine_config(v), **{f.name: v[f.name] for f in fields(Settings) if f.name != "engine"})
 
 
-def _validate_engine_options(v: Mapping[str, Any]) -> None:
-    """What the engine would refuse, decided here so a bad value is refused before it is set."""
-    if v["model_preset"] not in PRESETS:
-        raise SettingsError(f"model_preset must be one of {sorted(PRESETS)}, got {v['model_preset']!r}")
-    mode = v["engine_mode"]
-    if mode not in MODES:
-        raise SettingsError(f"engine_mode must be one of {list(MODES)}, got {mode!r}")
-    if v["dtype"] not in ("float32", "bfloat16"):
-        raise SettingsError(f"dtype must be float32 or bfloat16, got {v['dtype']!r}")
-    if v["fp8"] not in ("off", "rowwise", "tensorwise"):
-        raise SettingsError(f"fp8 must be off, rowwise or tensorwise, got {v['fp8']!r}")
-    if v["streaming_kv"] and not {"vision_cache", "ctx_kv_once"} <= set(MODES[mode]):
-        raise SettingsError(f"streaming_kv needs engine_mode fast (the vision cache), not {mode!r}")
-    # A checkpoint's config.json may set other flow steps; the engine checks again when it loads.
-    steps = v["flow_steps"] or PRESETS[v["model_preset"]].action.flow_steps
+# Parameters that shape the engine under another name or in another form than an EngineConfig
+# field: engine_config() translates them. Every other parameter named like an EngineConfig field
+# is passed to it as it is.
+TRANSLATED = {"model_preset", "engine_mode", "checkpoint", "flow_steps", "camera_names", "history_frames"}
+
+
+def engine_config(v: Mapping[str, Any]) -> EngineConfig:
+    """The engine's configuration, as the engine process will build it: its construction is the
+    validation (EngineConfig's rules), its ValueError the reason a value is refused."""
+    same = {f.name: v[f.name] for f in fields(EngineConfig) if f.name in v and f.name not in TRANSLATED}
     try:
-        schedule = FlowSchedule.parse(v["action_cache"], steps)
+        config = EngineConfig.for_mode(v["engine_mode"], **same, preset=v["model_preset"],
+                                       checkpoint=v["checkpoint"] or None, flow_steps=v["flow_steps"] or None,
+                                       layout=WindowLayout(tuple(v["camera_names"]), frames=v["history_frames"]))
+        # The flow steps a schedule must fit: a checkpoint's config.json may set others, and the
+        # engine checks again when it loads.
+        FlowSchedule.parse(config.action_cache, config.flow_steps or PRESETS[config.preset].action.flow_steps)
     except ValueError as e:
         raise SettingsError(str(e)) from None
-    if schedule.adaptive_threshold is not None and "static_shapes" not in MODES[mode]:
-        raise SettingsError(f"an adaptive action_cache needs an engine_mode with static shapes, not {mode!r}")
+    return config
 
 
 def declare(node) -> Settings:
@@ -305,6 +301,17 @@ def declare(node) -> Settings:
         except InvalidParameterValueException:
             raise SettingsError(f"{name} must be within [{spec.range[0]}, {spec.range[1]}]") from None
     return validate(current_values(node))
+
+
+def check_changes(node, changes: list[Parameter], horizon: Optional[int]) -> SetParametersResult:
+    """The node's answer to a parameter change: validate() on its values with the changes."""
+    values = current_values(node)
+    values.update({p.name: p.value for p in changes if p.name in SPECS})
+    try:
+        validate(values, horizon=horizon)
+    except SettingsError as e:
+        return SetParametersResult(successful=False, reason=str(e))
+    return SetParametersResult(successful=True)
 
 
 def current_values(node) -> dict[str, Any]:

@@ -47,14 +47,14 @@ class FlowSchedule:
 
     @classmethod
     def parse(cls, spec: str, steps: int) -> "FlowSchedule":
-        spec = (spec or "").strip().lower()
+        spec = _normal(spec)
         if spec in ("", "none", "off"):
             return cls(steps)
         if spec == "flashdrive":
             if steps != 8:
                 raise ValueError(f"action cache 'flashdrive' is defined for 8 flow steps, not {steps}")
             return cls(steps, tuple((s, 2) for s in range(3, 7)))
-        if spec.startswith("adaptive:"):
+        if is_adaptive(spec):
             try:
                 threshold = float(spec.split(":", 1)[1])
             except ValueError:
@@ -79,3 +79,12 @@ class FlowSchedule:
     def expert_calls(self) -> Optional[int]:
         """Action-expert forwards per query (None: decided at run time)."""
         return None if self.adaptive_threshold is not None else self.steps - len(self.reuse)
+
+
+def _normal(spec: str) -> str:
+    return (spec or "").strip().lower()
+
+
+def is_adaptive(spec: str) -> bool:
+    """Whether a schedule string asks for the adaptive cache (valid or not, whatever the steps)."""
+    return _normal(spec).startswith("adaptive:")

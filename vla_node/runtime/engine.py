@@ -17,8 +17,16 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..model import (PromptBuilder, TINY_TOKENIZER, build_model, get_preset, init_random_, load_checkpoint, load_tokenizer,
-                     resolve_checkpoint)
+from ..model import (
+    TINY_TOKENIZER,
+    PromptBuilder,
+    build_model,
+    get_preset,
+    init_random_,
+    load_checkpoint,
+    load_tokenizer,
+    resolve_checkpoint,
+)
 from ..model.action_expert import euler, flow_times
 from ..model.layers import rope_tables
 from .action_cache import FlowSchedule
@@ -28,7 +36,6 @@ from .parts import EngineParts, Progress
 from .preprocess import check_frames, preprocess_reference
 from .timing import StageTimer
 from .types import DEFAULT_CAMERAS, ActionChunk, EngineConfig, Observation, WindowLayout
-
 
 
 @dataclass
@@ -74,7 +81,6 @@ class PolicyEngine:
                 self.model_cfg.robot.obs_step_delta))
         self.flow_steps = config.flow_steps or self.model_cfg.action.flow_steps
         self.schedule = FlowSchedule.parse(config.action_cache, self.flow_steps)
-        self._check_schedule(self.schedule)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stats = EngineStats()
         if config.fused:
@@ -94,7 +100,8 @@ class PolicyEngine:
         if config.static_shapes:
             from .static import StaticRunner
             self.static = StaticRunner(self.parts, self.flow_steps, self.schedule)
-        self.progress(f"loaded {self.model_cfg.name} on {self.device} ({config.dtype}) in {time.perf_counter() - t0:.1f}s")
+        self.progress(f"loaded {self.model_cfg.name} on {self.device} ({config.dtype}) in "
+                      f"{time.perf_counter() - t0:.1f}s")
 
     # -- public API ---------------------------------------------------------------------------
     @property
@@ -120,7 +127,8 @@ class PolicyEngine:
         t0 = time.perf_counter()
         if self.static is not None:
             self.static.warmup()
-            self.stats.compiled_graphs, self.stats.graph_captures = self.static.compiled_graphs, self.static.graph_captures
+            self.stats.compiled_graphs = self.static.compiled_graphs
+            self.stats.graph_captures = self.static.graph_captures
         else:  # zero noise: warm-up must not advance the engine's noise stream
             a = self.model_cfg.action
             self.predict(self.dummy_observation(), noise=torch.zeros((1, a.horizon, a.action_dim), device=self.device))
@@ -134,7 +142,8 @@ class PolicyEngine:
                 layout: Optional[WindowLayout] = None) -> ActionChunk:
         layout = layout or self.layout
         if layout not in self.config.layouts:
-            raise ValueError(f"layout {layout} is not one of the engine's layouts (EngineConfig.layout / extra_layouts)")
+            raise ValueError(f"layout {layout} is not one of the engine's layouts (EngineConfig.layout / "
+                             "extra_layouts)")
         layout = self.query_layout(obs, layout)
         self.check_observation(obs, layout)
         if noise is None:
@@ -154,17 +163,12 @@ class PolicyEngine:
         raise ValueError and change nothing. Re-captures the flow loop's CUDA graphs (no recompile)."""
         steps = steps or self.flow_steps
         spec = self.config.action_cache if action_cache is None else action_cache
+        config = self.config.replace(flow_steps=steps, action_cache=spec)   # EngineConfig's rules
         schedule = FlowSchedule.parse(spec, steps)
-        self._check_schedule(schedule)
-        self.flow_steps, self.schedule = steps, schedule
-        self.config = self.config.replace(flow_steps=steps, action_cache=spec)
+        self.flow_steps, self.schedule, self.config = steps, schedule, config
         if self.static is not None:
             self.static.reschedule(steps, schedule)
             self.stats.graph_captures = self.static.graph_captures
-
-    def _check_schedule(self, schedule: FlowSchedule) -> None:
-        if schedule.adaptive_threshold is not None and not self.config.static_shapes:
-            raise ValueError("the adaptive action cache needs static_shapes (its per-step buffers)")
 
     def weight_bytes(self) -> int:
         """Bytes of weights the model holds (fp8 weights count at one byte; with expert_fp8 the

@@ -25,8 +25,16 @@ import triton
 from ..model.action_expert import LN_EPS, ActionExpert, ExpertBlock
 from ..model.layers import FusableProjection
 from .fp8 import quantize
-from .kernels.expert_block import (SplitScratch, Tiling, block_rows, cross_attention, cross_partials, head_linear,
-                                   linear, linear_splits)
+from .kernels.expert_block import (
+    SplitScratch,
+    Tiling,
+    block_rows,
+    cross_attention,
+    cross_partials,
+    head_linear,
+    linear,
+    linear_splits,
+)
 
 
 @dataclass

@@ -61,8 +61,8 @@ class StreamBuffers:
         self.new_patch_positions = bucket.patch_positions[(n - cams) * m.cfg.vision.tokens_per_image:] - self.new_start
         heads, hd = m.cfg.action.heads, m.cfg.action.width // m.cfg.action.heads
         shape = (1, heads, bucket.length + 1, hd)
-        self.kv = [(torch.zeros(shape, dtype=engine.dtype, device=dev), torch.zeros(shape, dtype=engine.dtype, device=dev))
-                   for _ in m.expert.blocks]
+        self.kv = [(torch.zeros(shape, dtype=engine.dtype, device=dev),
+                    torch.zeros(shape, dtype=engine.dtype, device=dev)) for _ in m.expert.blocks]
         self.last_ids: Optional[list[Hashable]] = None
 
     def refresh_mask(self, bucket: Bucket) -> None:

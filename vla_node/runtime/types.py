@@ -8,6 +8,9 @@ from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
+from ..model.config import get_preset
+from .action_cache import is_adaptive
+
 
 @dataclass(frozen=True)
 class WindowLayout:
@@ -89,10 +92,17 @@ GPU_FEATURES = ("flex_attention", "cuda_graphs", "triton_attention", "fused_expe
 # query) lose to the compiled blocks with the triton attention (22 ms); BENCHMARKS.md has both.
 
 
+def _modes_with(*features: str) -> str:
+    """The rungs of the ladder that have `features`: the last ones, since each adds to the one before."""
+    modes = [m for m, has in MODES.items() if set(features) <= set(has)]
+    return modes[0] if len(modes) == 1 else f"{modes[0]} or later"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     preset: str = "tiny"
-    checkpoint: Optional[str] = None      # folder with config.json + model.safetensors + tokenizer; None: random weights
+    # Folder with config.json + model.safetensors + tokenizer; None: random weights.
+    checkpoint: Optional[str] = None
     seed: int = 0                         # random weights (when no checkpoint) and the noise stream
     device: str = "cpu"
     dtype: str = "float32"                # float32 | bfloat16
@@ -101,7 +111,8 @@ class EngineConfig:
     camera_height: int = 480
     camera_width: int = 640
     flow_steps: Optional[int] = None      # None: the model's default
-    max_instruction_tokens: int = 96      # token budget of the chat turn holding the instruction (static shapes pad to it)
+    # Token budget of the chat turn holding the instruction (static shapes pad to it).
+    max_instruction_tokens: int = 96
     # Lossless features (LOSSLESS_FEATURES), off = the eager reference.
     static_shapes: bool = False
     ctx_kv_once: bool = False
@@ -121,6 +132,7 @@ class EngineConfig:
     expert_fp8: bool = False              # e4m3 action-expert weights (per output channel) in the fused expert
 
     def __post_init__(self):
+        get_preset(self.preset)     # a known name (its weights are used when there is no checkpoint)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.flow_steps is not None and self.flow_steps < 1:
@@ -128,12 +140,16 @@ class EngineConfig:
         if self.max_instruction_tokens < 1:
             raise ValueError("max_instruction_tokens must be >= 1")
         if self.streaming_kv and not (self.vision_cache and self.ctx_kv_once):
-            raise ValueError("streaming_kv needs vision_cache and ctx_kv_once (only new frames are encoded and prefilled)")
+            raise ValueError(f"streaming_kv needs vision_cache and ctx_kv_once (only new frames are encoded and "
+                             f"prefilled): engine_mode {_modes_with('vision_cache', 'ctx_kv_once')}")
         if self.fp8 not in ("off", "rowwise", "tensorwise"):
             raise ValueError(f"fp8 must be off, rowwise or tensorwise, got {self.fp8!r}")
         for feature in ("cuda_graphs", "compile", "vision_cache", "flex_attention"):
             if getattr(self, feature) and not self.static_shapes:
                 raise ValueError(f"{feature} needs static_shapes")
+        if is_adaptive(self.action_cache) and not self.static_shapes:
+            raise ValueError(f"the adaptive action cache needs static_shapes (its per-step buffers): engine_mode "
+                             f"{_modes_with('static_shapes')}")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
         cams = {l.cameras for l in self.layouts}
@@ -142,7 +158,8 @@ class EngineConfig:
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
         for feature in ("triton_attention", "fused_expert"):
-            if getattr(self, feature) and not (self.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
+            interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+            if getattr(self, feature) and not (self.device.startswith("cuda") or interpreted):
                 raise ValueError(f"{feature} needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
         if self.fused_expert and not self.ctx_kv_once:
             raise ValueError("fused_expert needs ctx_kv_once (it takes the expert's context K/V once per query)")

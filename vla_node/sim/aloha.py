@@ -39,8 +39,14 @@ load_llvm_users_first()
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 import mujoco  # noqa: E402
-from gym_aloha.constants import (ASSETS_DIR, DT, JOINTS, START_ARM_POSE,  # noqa: E402
-                                 normalize_puppet_gripper_position, unnormalize_puppet_gripper_position)
+from gym_aloha.constants import (  # noqa: E402
+    ASSETS_DIR,
+    DT,
+    JOINTS,
+    START_ARM_POSE,
+    normalize_puppet_gripper_position,
+    unnormalize_puppet_gripper_position,
+)
 from gym_aloha.utils import sample_box_pose  # noqa: E402
 
 JOINT_NAMES = tuple(JOINTS)                      # the 14 names, left arm first

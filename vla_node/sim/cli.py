@@ -68,6 +68,7 @@ def run_expert(args) -> int:
 # -- record -----------------------------------------------------------------------------------
 def _record_seed(job: tuple) -> dict:
     from dataclasses import asdict
+
     from .aloha import TransferCube
     from .record import record_episode
     seed, out_dir, config = job

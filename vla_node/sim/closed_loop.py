@@ -1,7 +1,7 @@
-"""The closed loop without DDS: the simulator, the node's chunk execution (vla_node.ros.control:
-Plan, SafetyFilter) and a policy called directly, in sim time.
+"""The closed loop without DDS: the simulator, the node's chunk scheduler (vla_node.ros.control:
+ChunkScheduler, with its plan and safety filter) and a policy called directly, in sim time.
 
-Each control tick does what the node's control tick does (VLANode._on_tick, _collect, _dispatch):
+Each control tick makes the node's control tick's decisions through the same ChunkScheduler:
 publish the command for this tick (the plan's action, or hold the last command), take a chunk
 whose inference has finished, and send the newest complete observation when at most
 replan_threshold actions remain. The simulator then holds that command for the tick.
@@ -25,7 +25,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 import yaml
 
-from ..ros.control import LATENCY_WINDOW, Plan, SafetyFilter
+from ..ros.control import LATE, TAKEN, ChunkScheduler, Request, SafetyFilter
 from ..runtime.types import ActionChunk, Observation, WindowLayout
 from ..runtime.windows import Wait, WindowSpec, frames_to_keep, pick_window
 from .aloha import CONTROL_PERIOD_NS, GRIPPERS, JOINT_NAMES, SimState, TransferCube
@@ -92,7 +92,7 @@ class ControlSettings:
         return WindowLayout(tuple(self.camera_names), self.history_frames)
 
     def safety(self) -> SafetyFilter:
-        return SafetyFilter(self.joint_lower_limits, self.joint_upper_limits, self.max_step_per_tick)
+        return SafetyFilter.of(self)
 
 
 @dataclass
@@ -120,8 +120,8 @@ class EpisodeResult:
 
 @dataclass
 class InFlight:
-    tick: int                     # the tick after which it was sent: its chunk starts at tick + 1
-    ready_tick: int               # the tick whose collect takes it
+    request: Request
+    ready_tick: int               # the tick whose collect takes it (latency in sim time)
     chunk: ActionChunk
 
 
@@ -152,49 +152,45 @@ class ClosedLoop:
         rate_hz = 1e9 / CONTROL_PERIOD_NS / self.camera_every
         frames: deque = deque(maxlen=frames_to_keep(layout.frames, offset_s, rate_hz))  # (stamp_ns, images, qpos)
         self.policy.reset_stream()
-        plan, latencies = Plan(), deque(maxlen=LATENCY_WINDOW)
-        last_command: Optional[np.ndarray] = None
+        control = ChunkScheduler(s, self.safety)
         in_flight: Optional[InFlight] = None
         boundary_tick: Optional[int] = None
         state: SimState = env.reset(seed)
         result = EpisodeResult(seed, False, None, state.reward, 0)
-        for tick in range(self.ticks):
-            if tick % self.camera_every == 0:
+        for step in range(self.ticks):
+            if step % self.camera_every == 0:
                 frames.append((state.stamp_ns, env.render(), state.qpos))
             # publish: the plan's action for this tick, else hold
-            target = plan.action(tick)
-            if target is None and plan.actions is not None:
-                result.underruns += 1          # the plan ran out before the next chunk
-                plan.clear()
-            previous = last_command if last_command is not None else state.qpos
-            command = self.safety(previous if target is None else target, previous)
-            if target is not None and last_command is not None:
-                step = float(np.abs(command - last_command)[ARM_JOINTS].max())
-                (result.step_at_boundary if tick == boundary_tick else result.step_inside).append(step)
-            last_command = command
-            if video is not None and tick % self.camera_every == 0:
+            target, ran_out = control.next_tick(blocked=None)
+            tick = control.state.tick
+            result.underruns += ran_out
+            previous = control.state.last_command
+            command = control.command(target, state.qpos)
+            if target is not None and previous is not None:
+                step_rad = float(np.abs(command - previous)[ARM_JOINTS].max())
+                (result.step_at_boundary if tick == boundary_tick else result.step_inside).append(step_rad)
+            if video is not None and step % self.camera_every == 0:
                 video.append(annotate(frames[-1][1][layout.cameras[0]], None if target is None else command,
                                       state.qpos, JOINT_NAMES, np.asarray(s.joint_lower_limits),
                                       np.asarray(s.joint_upper_limits),
-                                      f"seed {seed} t {tick * self.period_s:.2f}s r{state.reward}"
+                                      f"seed {seed} t {step * self.period_s:.2f}s r{state.reward}"
                                       f"{' success' if state.success else ''}"))
             # collect
             if in_flight is not None and in_flight.ready_tick <= tick:
-                latency = tick - in_flight.tick
-                latencies.append(latency)
-                result.latency_ticks.append(latency)
-                if plan.hand_over(in_flight.chunk.actions, in_flight.tick + 1, tick, s.handover, max(latencies),
-                                  s.blend_steps, s.average_weight):
+                request = control.answered(in_flight.request.id)
+                result.latency_ticks.append(tick - request.tick)
+                outcome = control.take(request, in_flight.chunk.actions)
+                if outcome == TAKEN:
                     result.chunks += 1
-                    boundary_tick = plan.start
-                else:
+                    boundary_tick = control.state.plan.start
+                elif outcome == LATE:
                     result.late_chunks += 1
                 in_flight = None
             # dispatch
-            if in_flight is None and plan.remaining(tick) <= s.replan_threshold:
-                in_flight = self._query(tick, frames, spec, result)
+            if control.wants_observation():
+                in_flight = self._query(control, frames, spec, result)
             state = env.step(command)
-            result.ticks = tick + 1
+            result.ticks = step + 1
             result.max_reward = max(result.max_reward, state.reward)
             if state.success and result.first_success_tick is None:
                 result.success, result.first_success_tick = True, state.tick
@@ -202,13 +198,15 @@ class ClosedLoop:
                     break
         return result
 
-    def _query(self, tick: int, frames: deque, spec: WindowSpec, result: EpisodeResult) -> Optional[InFlight]:
+    def _query(self, control: ChunkScheduler, frames: deque, spec: WindowSpec,
+               result: EpisodeResult) -> Optional[InFlight]:
         """Send the node's window of `frames` (every camera renders at each camera tick, so all
         cameras share the stamps and the state is the one of the newest frame)."""
         layout = self.settings.layout
         stamps = [f[0] for f in frames]
         picked = pick_window([stamps] * len(layout.cameras), layout.cameras, spec, lambda ns: ns)
         if isinstance(picked, Wait):
+            control.waiting(picked)
             return None
         _, rows, _ = picked
         window = [frames[row[0]] for row in rows]   # oldest first
@@ -217,13 +215,15 @@ class ClosedLoop:
         newest_ns, _, state = window[-1]
         obs = Observation(images=images, state=state.astype(np.float32), instruction=self.settings.instruction,
                           stamp=newest_ns / 1e9, frame_ids=frame_ids)
+        request = control.request(frame_ids)
         t0 = time.perf_counter()
         chunk = self.policy.predict(obs)
         wall_s = time.perf_counter() - t0
+        control.sent(request)
         result.queries += 1
         result.predict_ms.append(wall_s * 1e3)
         latency_s = wall_s if self.latency_s is None else self.latency_s
-        return InFlight(tick, tick + max(1, math.ceil(latency_s / self.period_s - 1e-9)), chunk)
+        return InFlight(request, request.tick + max(1, math.ceil(latency_s / self.period_s - 1e-9)), chunk)
 
 
 # -- statistics -----------------------------------------------------------------------------------

@@ -26,13 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
-
-from .aloha import SimState, TransferCube, joint_vector, step_physics
-
 import mujoco  # noqa: E402  (after .aloha, which chooses MuJoCo's GL back end)
+import numpy as np
 from gym_aloha.constants import ASSETS_DIR, DT, START_ARM_POSE, unnormalize_puppet_gripper_position  # noqa: E402
 from gym_aloha.utils import sample_box_pose  # noqa: E402
+
+from .aloha import SimState, TransferCube, joint_vector, step_physics
 
 EPISODE_TICKS = 400            # ACT's episode length for transfer-cube: 8 s at 50 Hz
 GRASP_OFFSET_M = 0.11          # along the gripper link's x axis; the finger pads span 0.064-0.154 m

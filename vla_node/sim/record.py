@@ -26,8 +26,19 @@ from typing import Optional
 
 import numpy as np
 
-from ..tools.bag_io import (DEMO_COMMAND_TOPIC, INSTRUCTION_TOPIC, JOINT_STATE, JOINT_STATES_TOPIC, JOINT_TRAJECTORY,
-                            REFERENCE_TOPIC, STRING, BagWriter, joint_state_msg, joint_trajectory_msg, string_msg)
+from ..tools.bag_io import (
+    DEMO_COMMAND_TOPIC,
+    INSTRUCTION_TOPIC,
+    JOINT_STATE,
+    JOINT_STATES_TOPIC,
+    JOINT_TRAJECTORY,
+    REFERENCE_TOPIC,
+    STRING,
+    BagWriter,
+    joint_state_msg,
+    joint_trajectory_msg,
+    string_msg,
+)
 from .aloha import CONTROL_PERIOD_NS, INSTRUCTION, JOINT_NAMES, RenderConfig, SimState, TransferCube
 from .expert import EPISODE_TICKS, expert_trajectory, replay
 

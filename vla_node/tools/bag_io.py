@@ -28,8 +28,21 @@ from rosbags.rosbag2 import CompressionFormat, CompressionMode, ReaderError, Sto
 from rosbags.typesys import Stores, get_typestore
 
 from ..runtime import Observation, WindowLayout, images
-from ..runtime.windows import (MAX_CAMERA_RATE_HZ, PANDA_JOINTS, STATE_SLOP_S, SYNC_SLOP_S, InputError, JointStates,
-                               StampStep, Wait, WindowSpec, evict, frames_to_keep, pick_window, window_at)
+from ..runtime.windows import (
+    MAX_CAMERA_RATE_HZ,
+    PANDA_JOINTS,
+    STATE_SLOP_S,
+    SYNC_SLOP_S,
+    InputError,
+    JointStates,
+    StampStep,
+    Wait,
+    WindowSpec,
+    evict,
+    frames_to_keep,
+    pick_window,
+    window_at,
+)
 
 # Kilted's message definitions; bags that embed their own definitions are read with those.
 TYPESTORE = get_typestore(Stores.ROS2_KILTED)

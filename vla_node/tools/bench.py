@@ -91,7 +91,8 @@ def synthetic_stream(layout, windows: int) -> list:
     return out
 
 
-def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool, progress) -> tuple[dict, list[np.ndarray]]:
+def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool,
+             progress) -> tuple[dict, list[np.ndarray]]:
     """Full queries: outputs on `inputs`, then `iters` timed repeats of the first. Stream: every
     window of `inputs` in order (each sharing frames with the last), timed as it goes."""
     cuda = base.device.startswith("cuda")

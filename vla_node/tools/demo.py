@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..ros.diagnostics import Key
 from .live import LiveOptions, print_summary, replay_live
 from .node_process import interrupt, node_argv, ros_environment
 from .sample_bag import QUIRKS_BAG, SAMPLE_BAG
@@ -96,14 +97,18 @@ def closed_loop(out: Path, print_fn: Print, episodes: int = 1) -> dict:
     result = json.loads(report.read_text())
     for ep in result["per_episode"]:
         sim_s = ep["ticks"] * 0.02
-        print_fn(f"      seed {ep['seed']}: {'SUCCESS' if ep['success'] else 'no success'} (reward {ep['max_reward']}/4) "
+        print_fn(f"      seed {ep['seed']}: {'SUCCESS' if ep['success'] else 'no success'} "
+                 f"(reward {ep['max_reward']}/4) "
                  f"after {ep['ticks']} ticks = {sim_s:.1f} s sim time in {ep['wall_s']:.0f} s wall; "
                  f"{ep['commands']} node commands at 50 Hz sim time, {ep['held_without_command']} ticks held")
         node = ep.get("node_report", {})
         if node:
-            print_fn(f"      node: command period {node.get('command_period_ms_p50', '?')} ms (p50, node clock), "
-                     f"inference {node.get('engine_predict_ms_p50', '?')} / {node.get('engine_predict_ms_p99', '?')} ms, "
-                     f"request -> chunk {node.get('round_trip_ms_p50', '?')} ms (p50 / p99 wall time)")
+            def p(name: str, q: str) -> str:
+                return node.get(Key.ms(name, q), "?")
+
+            print_fn(f"      node: command period {p(Key.COMMAND_PERIOD, 'p50')} ms (p50, node clock), "
+                     f"inference {p(Key.ENGINE_PREDICT, 'p50')} / {p(Key.ENGINE_PREDICT, 'p99')} ms, "
+                     f"request -> chunk {p(Key.ROUND_TRIP, 'p50')} ms (p50 / p99 wall time)")
         if ep.get("video"):
             print_fn(f"      video: {ep['video']}")
     return result

@@ -33,7 +33,8 @@ def stage_floors(cfg: ModelConfig, images: int, tokens: int, expert_calls: float
     layer_params = l.dim * (l.heads + 2 * l.kv_heads) * l.head_dim + l.heads * l.head_dim * l.dim + 3 * l.dim * l.mlp
     attn_flops = 4 * l.layers * l.heads * l.head_dim * new * tokens  # scores + weighted sum (no causal saving counted)
     llm_flops = 2 * new * l.layers * layer_params + attn_flops
-    llm_bytes = l.layers * layer_params * (1 if llm_fp8 else dtype_bytes) + 2 * l.layers * tokens * l.kv_heads * l.head_dim * dtype_bytes
+    llm_bytes = (l.layers * layer_params * (1 if llm_fp8 else dtype_bytes)
+                 + 2 * l.layers * tokens * l.kv_heads * l.head_dim * dtype_bytes)
 
     w = a.width
     block_params = w * 3 * w + 3 * w * w + 2 * w * a.mlp + 9 * w * w  # self qkv/out, cross q/out, mlp, adaLN (hoisted)

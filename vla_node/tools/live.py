@@ -28,10 +28,31 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .bag_io import (CLOCK, CLOCK_TOPIC, COMPRESSED_IMAGE, COMPRESSED_SUFFIX, DIAGNOSTIC_ARRAY, FLOAT64_MULTI_ARRAY,
-                     IMAGE, JOINT_STATE, JOINT_TRAJECTORY, STRING, TYPESTORE, Bag, BagError, BagWriter, canonical_cdr,
-                     compressed_image_msg, decode_image, image_msg, resolve_inputs, stamp_ns, time_msg)
+from ..ros.diagnostics import STAGES, Key
 from ..runtime.windows import InputError, reorder_joints
+from .bag_io import (
+    CLOCK,
+    CLOCK_TOPIC,
+    COMPRESSED_IMAGE,
+    COMPRESSED_SUFFIX,
+    DIAGNOSTIC_ARRAY,
+    FLOAT64_MULTI_ARRAY,
+    IMAGE,
+    JOINT_STATE,
+    JOINT_TRAJECTORY,
+    STRING,
+    TYPESTORE,
+    Bag,
+    BagError,
+    BagWriter,
+    canonical_cdr,
+    compressed_image_msg,
+    decode_image,
+    image_msg,
+    resolve_inputs,
+    stamp_ns,
+    time_msg,
+)
 from .node_process import FRAME_TRANSPORT_PROFILE
 
 Progress = Callable[[str], None]
@@ -540,8 +561,8 @@ def replay_live(options: LiveOptions, progress: Progress = print) -> dict:
             player.start()
             _, unmatched = _receive(conn, wait, player, wait.deadline + 30.0)
             if unmatched:
-                raise LiveError(f"the player's publishers on {unmatched} found no subscriber within {options.wait_s:g} s "
-                                f"(does {fqn} subscribe to them? is DDS discovery blocked?)")
+                raise LiveError(f"the player's publishers on {unmatched} found no subscriber within "
+                                f"{options.wait_s:g} s (does {fqn} subscribe to them? is DDS discovery blocked?)")
             conn.send(("preroll", None))
             if not wait.until(lambda: recorder.commands > 0, time.monotonic() + options.wait_s):
                 raise LiveError(f"{fqn} published no command within {options.wait_s:g} s of being sent joint states "
@@ -634,8 +655,9 @@ def summarize(run: LiveRun) -> tuple[dict, Series]:
         if reason and (not holds or holds[-1][1] != reason):
             holds.append(((time_ns - t0) / 1e9, reason))
     stages = {}
-    for stage in ("preprocess", "vision", "llm", "action", "total"):
-        p50, p99 = node_values.get(f"engine_{stage}_ms_p50"), node_values.get(f"engine_{stage}_ms_p99")
+    for stage in STAGES:
+        p50 = node_values.get(Key.ms(Key.engine_stage(stage), "p50"))
+        p99 = node_values.get(Key.ms(Key.engine_stage(stage), "p99"))
         if p50 is not None and p99 is not None:
             stages[stage] = {"p50": float(p50), "p99": float(p99)}
     summary = {
@@ -645,16 +667,16 @@ def summarize(run: LiveRun) -> tuple[dict, Series]:
         "bag_damage": run.playback["damage"], "skipped_topics": run.skipped_topics,
         "chunks": len(trajectories), "expected_chunks": expected, "chunk_period_s": chunk_period_s,
         "first_chunk_s": (trajectories[0] - t0) / 1e9 if trajectories else None,
-        "node_chunks": _number(node_values.get("chunks")),
-        "node_late_chunks": _number(node_values.get("late_chunks")),
+        "node_chunks": _number(node_values.get(Key.CHUNKS)),
+        "node_late_chunks": _number(node_values.get(Key.LATE_CHUNKS)),
         "commands": len(commands), "control_rate_hz": rate_hz, "command_rate_hz": measured_hz,
         "command_period_ms": _stats(periods_ms), "command_jitter_ms": _stats(jitter),
-        "node_command_jitter_ms": {k: _number(node_values.get(f"command_jitter_ms_{k}"))
+        "node_command_jitter_ms": {k: _number(node_values.get(Key.ms(Key.COMMAND_JITTER, k)))
                                    for k in ("p50", "p99", "max")},
         "latency_ms": stages,
-        "round_trip_ms": {k: _number(node_values.get(f"round_trip_ms_{k}")) for k in ("p50", "p99", "max")},
-        "holds": {"by_cause": _counts(node_values.get("holds_by_cause")),
-                  "plan_underruns": _number(node_values.get("plan_underruns")),
+        "round_trip_ms": {k: _number(node_values.get(Key.ms(Key.ROUND_TRIP, k))) for k in ("p50", "p99", "max")},
+        "holds": {"by_cause": _counts(node_values.get(Key.HOLDS_BY_CAUSE)),
+                  "plan_underruns": _number(node_values.get(Key.PLAN_UNDERRUNS)),
                   "changes": [{"t_s": t, "status": r} for t, r in holds]},
     }
     inputs = run.playback["joint_states"]

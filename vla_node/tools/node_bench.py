@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ..ros.diagnostics import OVERHEAD_PARTS, Key
 from .node_process import interrupt, node_argv, ros_domain, ros_environment
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "tiny.yaml"
@@ -258,10 +259,11 @@ def run_node(args, domain: str) -> dict:
         result = {"seconds": seconds, "chunks": feeder.chunks - chunks_from, "diagnostics": d,
                   "floor": floor.result(),
                   "received": jitter_stats(received, args.rate),
-                  "node_loop": {"ticks": min(int(d["ticks"]), 999), "period_ms_p50": float(d["command_period_ms_p50"]),
-                                "jitter_ms_p50": float(d["command_jitter_ms_p50"]),
-                                "jitter_ms_p99": float(d["command_jitter_ms_p99"]),
-                                "jitter_ms_max": float(d["command_jitter_ms_max"])}}
+                  "node_loop": {"ticks": min(int(d[Key.TICKS]), 999),
+                                "period_ms_p50": float(d[Key.ms(Key.COMMAND_PERIOD, "p50")]),
+                                "jitter_ms_p50": float(d[Key.ms(Key.COMMAND_JITTER, "p50")]),
+                                "jitter_ms_p99": float(d[Key.ms(Key.COMMAND_JITTER, "p99")]),
+                                "jitter_ms_max": float(d[Key.ms(Key.COMMAND_JITTER, "max")])}}
     finally:
         feeder.close()
         interrupt(node, 30)
@@ -301,16 +303,20 @@ def main(argv=None) -> int:
         print(f"  node control loop (its own ticks): {_fmt(r['node_loop'])}")
         print(f"  node commands as received here:   {_fmt(r['received'])}")
         print(f"      floor beside it:             {_fmt(r['floor'])}")
-        print(f"  chunks: {r['chunks']} in {r['seconds']:.0f} s; engine total p50 {d.get('engine_total_ms_p50')} ms, "
-              f"predict() p50 {d.get('engine_predict_ms_p50')} / p99 {d.get('engine_predict_ms_p99')} ms")
-        print(f"  node overhead per observation: p50 {d.get('node_overhead_ms_p50')} / p99 "
-              f"{d.get('node_overhead_ms_p99')} ms; frame ingest (copy into shared memory) per frame: p50 "
-              f"{d.get('frame_ingest_ms_p50')} / p99 {d.get('frame_ingest_ms_p99')} ms")
+        def p(name: str, q: str):
+            return d.get(Key.ms(name, q))
+
+        print(f"  chunks: {r['chunks']} in {r['seconds']:.0f} s; engine total p50 "
+              f"{p(Key.engine_stage('total'), 'p50')} ms, predict() p50 {p(Key.ENGINE_PREDICT, 'p50')} / p99 "
+              f"{p(Key.ENGINE_PREDICT, 'p99')} ms")
+        print(f"  node overhead per observation: p50 {p(Key.NODE_OVERHEAD, 'p50')} / p99 "
+              f"{p(Key.NODE_OVERHEAD, 'p99')} ms; frame ingest (copy into shared memory) per frame: p50 "
+              f"{p(Key.FRAME_INGEST, 'p50')} / p99 {p(Key.FRAME_INGEST, 'p99')} ms")
         print("      parts (p50 / p99 ms): " + ", ".join(
-            f"{part} {d.get(f'node_overhead_{part}_ms_p50')} / {d.get(f'node_overhead_{part}_ms_p99')}"
-            for part in ("send", "to_worker", "worker", "take")))
-        print(f"      then ~/joint_trajectory built and published: p50 {d.get('trajectory_publish_ms_p50')} / "
-              f"p99 {d.get('trajectory_publish_ms_p99')} ms")
+            f"{part} {p(Key.overhead_part(part), 'p50')} / {p(Key.overhead_part(part), 'p99')}"
+            for part in OVERHEAD_PARTS))
+        print(f"      then ~/joint_trajectory built and published: p50 {p(Key.TRAJECTORY_PUBLISH, 'p50')} / "
+              f"p99 {p(Key.TRAJECTORY_PUBLISH, 'p99')} ms")
     report["machine"]["load_average_after"] = os.getloadavg()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

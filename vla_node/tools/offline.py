@@ -23,8 +23,17 @@ import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine, WindowLayout
 from ..runtime.windows import MAX_CAMERA_RATE_HZ, STATE_SLOP_S, SYNC_SLOP_S
-from .bag_io import (JOINT_NAMES, Bag, BagError, BagInputs, ObservationStream, StreamStats, image_shape,
-                     read_references, resolve_inputs)
+from .bag_io import (
+    JOINT_NAMES,
+    Bag,
+    BagError,
+    BagInputs,
+    ObservationStream,
+    StreamStats,
+    image_shape,
+    read_references,
+    resolve_inputs,
+)
 from .bench import STAGES, deviation
 
 Progress = Callable[[str], None]

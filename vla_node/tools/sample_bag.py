@@ -15,9 +15,25 @@ from typing import Optional
 import cv2
 import numpy as np
 
-from .bag_io import (CAMERA_TOPICS, CLOCK, CLOCK_TOPIC, IMAGE, INSTRUCTION_TOPIC, JOINT_NAMES, JOINT_STATE,
-                     JOINT_STATES_TOPIC, JOINT_TRAJECTORY, REFERENCE_TOPIC, STRING, BagWriter, clock_msg, image_msg,
-                     joint_state_msg, joint_trajectory_msg, string_msg)
+from .bag_io import (
+    CAMERA_TOPICS,
+    CLOCK,
+    CLOCK_TOPIC,
+    IMAGE,
+    INSTRUCTION_TOPIC,
+    JOINT_NAMES,
+    JOINT_STATE,
+    JOINT_STATES_TOPIC,
+    JOINT_TRAJECTORY,
+    REFERENCE_TOPIC,
+    STRING,
+    BagWriter,
+    clock_msg,
+    image_msg,
+    joint_state_msg,
+    joint_trajectory_msg,
+    string_msg,
+)
 
 # The bag shipped with the package (made by scripts/make_sample_bag.py with the defaults).
 SAMPLE_BAG = Path(__file__).resolve().parents[1] / "data" / "sample_droid.mcap"
@@ -147,7 +163,10 @@ def render_wrist(t: float) -> np.ndarray:
     tip = tool_tip(t)
     img = _background(0, (160, 125, 88), (0, 0, 0))
     zoom = 3.0
-    to_view = lambda p: (np.asarray(p) - tip) * zoom + [WIDTH / 2, HEIGHT * 0.55]
+
+    def to_view(p):
+        return (np.asarray(p) - tip) * zoom + [WIDTH / 2, HEIGHT * 0.55]
+
     for k in range(-6, 7):   # table planks: motion cues for the wrist view
         x = int((k * 60 - tip[0] * zoom) % (WIDTH + 60)) - 30
         cv2.line(img, (x, 0), (x, HEIGHT), (135, 100, 70), 3)

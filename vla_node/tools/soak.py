@@ -31,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..ros.diagnostics import Key
 from .node_process import dds_shm_of, dead_dds_shm, interrupt, node_argv, processes_with_env, ros_environment
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "tiny.yaml"
@@ -129,16 +130,16 @@ def _drive(args, node: subprocess.Popen, feeder, instruction_pub, log_path: Path
             raise SystemExit(f"vla-soak: {args.queries} queries not done in {args.timeout_s:.0f} s; "
                              f"last diagnostics: {feeder.diagnostics}")
         d = dict(feeder.diagnostics)
-        if not d.get("engine_pid", "").isdigit():     # not configured yet
+        if not d.get(Key.ENGINE_PID, "").isdigit():     # not configured yet
             time.sleep(0.5)
             continue
-        queries = int(d["requests"])
+        queries = int(d[Key.REQUESTS])
         if queries >= next_instruction:
             instruction_pub.publish(String(data=INSTRUCTIONS[(next_instruction // 100) % len(INSTRUCTIONS)]))
             next_instruction += 100
         if queries >= next_sample:
             samples.append({"queries": queries, "t_s": time.monotonic(), "node": process_sample(node.pid),
-                            "engine": process_sample(int(d["engine_pid"])), "holds": d.get("holds_by_cause")})
+                            "engine": process_sample(int(d[Key.ENGINE_PID])), "holds": d.get(Key.HOLDS_BY_CAUSE)})
             s = samples[-1]
             print(f"  {queries:6d} queries: node {s['node']['rss_mib']:.1f} MiB, {s['node']['fds']} fds, "
                   f"{s['node']['threads']} threads; engine {s['engine']['rss_mib']:.1f} MiB, {s['engine']['fds']} fds, "

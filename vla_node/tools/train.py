@@ -32,8 +32,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ..model import (TINY_TOKENIZER, build_model, get_preset, init_random_, load_checkpoint, load_tokenizer,
-                     save_checkpoint)
+from ..model import (
+    TINY_TOKENIZER,
+    build_model,
+    get_preset,
+    init_random_,
+    load_checkpoint,
+    load_tokenizer,
+    save_checkpoint,
+)
 from ..model.policy import VLAPolicy
 from ..model.sequence import PromptBuilder
 from ..model.training import FlowTimeSampler, flow_matching_loss
@@ -69,7 +76,8 @@ def read_episode(job: tuple) -> EpisodeWindows:
         for _, msgtype, _, raw in bag.messages([DEMO_COMMAND_TOPIC]):
             msg = bag.deserialize(raw, msgtype, DEMO_COMMAND_TOPIC)
             index = {n: i for i, n in enumerate(msg.name)}
-            commands.append((stamp_ns(msg.header.stamp), np.asarray(msg.position, np.float32)[[index[n] for n in joint_names]]))
+            positions = np.asarray(msg.position, np.float32)[[index[n] for n in joint_names]]
+            commands.append((stamp_ns(msg.header.stamp), positions))
         if not commands:
             raise ValueError(f"{path}: no demonstrator commands on {DEMO_COMMAND_TOPIC}")
         stamps = np.array([c[0] for c in commands], np.int64)
@@ -116,14 +124,16 @@ class Dataset:
                 g.pads.append(pad)
         self.frames = torch.from_numpy(np.stack(frames)).to(device)
         self.tensors = {k: (torch.tensor(g.rows, device=device), torch.from_numpy(np.stack(g.states)).to(device),
-                            torch.from_numpy(np.stack(g.actions)).to(device), torch.from_numpy(np.stack(g.pads)).to(device))
+                            torch.from_numpy(np.stack(g.actions)).to(device),
+                            torch.from_numpy(np.stack(g.pads)).to(device))
                         for k, g in self.groups.items()}
         self.sizes = {k: len(g.rows) for k, g in self.groups.items()}
 
     def __len__(self) -> int:
         return sum(self.sizes.values())
 
-    def batch(self, size: int, generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch(self, size: int,
+              generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(frame times, pixels [B * images, 3, S, S] in [-1, 1], state, actions, pad): one group,
         chosen with probability proportional to its windows."""
         keys = sorted(self.sizes)
@@ -156,7 +166,8 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def save_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer, step: int, log: list[dict], meta: dict) -> None:
+def save_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer, step: int, log: list[dict],
+               meta: dict) -> None:
     """The checkpoint (bf16 weights, the node's format) and what resuming needs (fp32 + moments)."""
     state_dir = out / STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +223,8 @@ def plot_curves(log: list[dict], path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     import yaml
 
-    ap = argparse.ArgumentParser(prog="vla-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="vla-train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bags", required=True, help="folder of episode bags (*.mcap or bag folders)")
     ap.add_argument("--params", required=True, help="the node's parameter file (cameras, topics, joints)")
     ap.add_argument("--preset", default="sim")
@@ -276,7 +288,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"vla-train: initialised from {args.init}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n and "pos" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n and "pos" not in n)]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}],
                               lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     step, log = 0, []
     if args.resume and (out / STATE_DIR / "state.json").is_file():
@@ -287,7 +300,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     prompt_of = {k: prompts.build(len(layout.cameras), k, instruction) for k in train.sizes | val.sizes}
     sampler = FlowTimeSampler()
     gen = torch.Generator().manual_seed(args.seed * 7919 + step)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
     meta = {"preset": args.preset, "batch": args.batch, "lr": args.lr, "steps": args.steps, "seed": args.seed,
             "bags": len(bags), "train_windows": len(train),
             "command": "vla-train " + " ".join(sys.argv[1:] if argv is None else argv)}
@@ -329,7 +343,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             save_state(out, model, optim, step, log, meta)
     save_state(out, model, optim, step, log, meta)
     plot_curves(log, out / "train_curves.png")
-    print(f"vla-train: step {step}/{args.steps}, checkpoint {out} ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB), "
+    size_mb = (out / 'model.safetensors').stat().st_size / 1e6
+    print(f"vla-train: step {step}/{args.steps}, checkpoint {out} ({size_mb:.1f} MB), "
           f"{time.perf_counter() - t_start:.0f}s", flush=True)
     load_checkpoint(out)  # the written checkpoint loads strictly
     return 0

@@ -113,7 +113,8 @@ def _merge(OPart, MPart, LPart, Out, heads, sob, soh, som,
 
 
 @torch.library.custom_op("vla::few_query_attention", mutates_args=())
-def few_query_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def few_query_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: Optional[torch.Tensor]) -> torch.Tensor:
     b, heads, m, d = q.shape
     n_keys = k.shape[2]
     splits = triton.next_power_of_2(triton.cdiv(n_keys, KEYS_PER_PROGRAM))

@@ -1,0 +1,177 @@
+"""The node's side of the engine process, from configure to cleanup: starting it, sending
+observations and taking answers, the run-time action-cache schedule, and the loss of its worker
+with the restart that engine_restart_s asks for. The process itself, and what crosses its
+boundary, is engine_process.py (no ROS there: the worker imports it).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+from rclpy.clock import Clock, ClockType
+from rclpy.logging import LoggingSeverity
+from rclpy.parameter import Parameter
+
+from . import params
+from .control import PostProcess
+from .diagnostics import Key, NodeTelemetry
+from .engine_process import EngineError, EngineInfo, EngineProcess, Result, WorkerOptions
+from .frames import Window
+
+if TYPE_CHECKING:
+    from .node import VLANode
+
+RESTART_POLL_S = 0.1    # how often a restarting engine is checked (on the executor, never blocking)
+
+
+class EngineLink:
+    """One EngineProcess and what the node does around it. Faults go to node.faults as "engine";
+    `on_lost` runs when the worker is lost (the request in flight is gone with it), `on_restarted`
+    once a replacement serves (nothing sent to the old worker is waited for)."""
+
+    def __init__(self, node: VLANode, telemetry: NodeTelemetry, on_lost: Callable[[], None],
+                 on_restarted: Callable[[], None]):
+        s = node.settings
+        self._node, self._telemetry, self._on_lost, self._on_restarted = node, telemetry, on_lost, on_restarted
+        self.process = EngineProcess(s.engine, WorkerOptions(s.engine_mode, s.engine_threads, s.engine_nice))
+        self.info: Optional[EngineInfo] = None    # the last worker's; kept while it is lost
+        self._restart_timer = None
+
+    def start(self) -> EngineInfo:
+        """Start the worker and wait until it is warm (configure), and check that its model fits
+        the parameters. Raises EngineError, or ValueError naming the parameter."""
+        node, s = self._node, self._node.settings
+        self.info = info = self.process.start(s.engine_start_timeout_s, node.get_logger().info)
+        if info.state_dim != len(s.joint_names) or info.action_dim != len(s.joint_names):
+            raise ValueError(f"the model has state_dim {info.state_dim} and action_dim {info.action_dim}, "
+                             f"joint_names has {len(s.joint_names)} joints")
+        params.validate(params.current_values(node), horizon=info.horizon)   # replan_threshold vs horizon
+        return info
+
+    @property
+    def serving(self) -> bool:
+        """A worker is there to answer (not lost, not being replaced)."""
+        return self.process.lost is None
+
+    def close(self) -> None:
+        """End the worker (and a restart under way) and release the shared frames."""
+        self._end_restart()
+        self.process.close()
+
+    # -- requests and answers -------------------------------------------------------------------
+    def submit(self, request_id: int, window: Window, instruction: str) -> bool:
+        """Send one observation; False if the worker could not be reached (it is lost then)."""
+        try:
+            self.process.submit(request_id, window.slots, window.frame_ids, window.state.astype(np.float32),
+                                instruction, window.stamp_ns / 1e9)
+        except OSError as e:
+            self.lose(f"engine process unreachable: {e}")
+            return False
+        logger = self._node.get_logger()
+        if logger.is_enabled_for(LoggingSeverity.DEBUG):   # what the policy is shown, for replays
+            logger.debug(f"observation {request_id}: frames {window.frame_ids} state {window.state.tolist()} "
+                         f"stamped {window.state_stamps_ns.tolist()}")
+        return True
+
+    def poll(self) -> Optional[Result]:
+        """The worker's answer to an observation, if one is waiting (never blocks); an observation
+        it rejected or failed on is reported here (fault "engine"), and so is the answer to a
+        schedule (then None); a dead worker is lost."""
+        if not self.serving:
+            return None
+        try:
+            result = self.process.poll()
+        except EngineError as e:
+            self.lose(str(e))
+            return None
+        if result is None:
+            return None
+        if result.kind == "schedule":
+            self._schedule_answer(result)
+            return None
+        if result.kind == "rejected":
+            self._telemetry.counts[Key.REJECTED] += 1
+            self._node.faults.set("engine", f"observation rejected by the engine: {result.reason}")
+        elif result.kind == "failed":
+            self._node.faults.set("engine", f"inference failed: {result.reason}")
+        return result
+
+    def reset_stream(self) -> None:
+        """A new timeline: the engine's cached frames may carry stamps the new frames will reuse."""
+        if self.serving:
+            self.process.reset_stream()
+
+    def set_action_cache(self, schedule: str) -> None:
+        if self.serving and schedule != self.process.config.action_cache:
+            self.process.set_action_cache(schedule)
+
+    def _schedule_answer(self, result: Result) -> None:
+        """params.validate already refused malformed schedules; the engine checks again against
+        the checkpoint's own flow steps, in its process (the control loop does not wait): a
+        schedule it still refuses is reported and the parameter set back."""
+        node = self._node
+        schedule, accepted = node.settings.engine.action_cache, self.process.config.action_cache
+        if not result.reason:
+            node.get_logger().info(f"action_cache {accepted!r} in effect")
+            return
+        node.get_logger().error(f"action_cache {schedule!r} refused by the engine: {result.reason}; restored "
+                                f"{accepted!r}")
+        node.set_parameters([Parameter("action_cache", Parameter.Type.STRING, accepted)])
+
+    def post_process(self) -> PostProcess:
+        """The checkpoint's action post-processing (its RobotConfig), as the parameters ask."""
+        s = self._node.settings
+        if s.postprocess == "none" or self.info is None:
+            return PostProcess()
+        return PostProcess.of(self.info.robot, s.max_joint_delta_scale)
+
+    # -- a lost worker --------------------------------------------------------------------------
+    def lose(self, reason: str) -> None:
+        node = self._node
+        node.faults.set("engine", f"engine lost: {reason}")
+        self._on_lost()
+        restart_s = node.settings.engine_restart_s
+        self.process.lose(reason, restart_s)
+        if not restart_s:
+            node.get_logger().error(f"engine lost: {reason}; cleanup and configure restart it (or set "
+                                    "engine_restart_s)")
+            return
+        self._restart_timer = node.create_timer(RESTART_POLL_S, self._step_restart,
+                                                clock=Clock(clock_type=ClockType.STEADY_TIME))
+        node.get_logger().error(f"engine lost: {reason}; restarting it in {restart_s:g} s (engine_restart_s)")
+
+    def _step_restart(self) -> None:
+        """Resumes like a fresh activation once the new worker is warm: the next window goes out
+        once the inputs are fresh."""
+        node, s = self._node, self._node.settings
+        retry_s = max(s.engine_restart_s, RESTART_POLL_S)   # also if it was set to 0 meanwhile
+        try:
+            info = self.process.step_restart(s.engine_start_timeout_s, retry_s, node.get_logger().info)
+        except EngineError as e:
+            node.faults.set("engine", f"engine restart failed: {e}; retrying every {retry_s:g} s")
+            return
+        if info is None:
+            return
+        self.info = info
+        self._end_restart()
+        self._on_restarted()
+        node.get_logger().info(f"engine restarted: {info.description}, engine process {info.pid}")
+        node.faults.clear("engine")
+        self.set_action_cache(s.engine.action_cache)
+
+    def _end_restart(self) -> None:
+        """Stop restarting: done, or cleanup (which then ends a worker still starting)."""
+        if self._restart_timer is not None:
+            self._node.destroy_timer(self._restart_timer)
+            self._restart_timer = None
+
+    def pairs(self) -> list[tuple[str, object]]:
+        """/diagnostics values: the engine, its process, a restart under way."""
+        values = []
+        if self.info is not None:
+            values += [(Key.ENGINE, self.info.description),
+                       (Key.ENGINE_PID, self.info.pid if self.serving else "none (lost)"),
+                       (Key.HORIZON, self.info.horizon)]
+        if self.process.restart_due is not None:
+            values.append((Key.ENGINE_RESTART, f"attempt {self.process.restart_attempt}"))
+        return values

@@ -1,0 +1,278 @@
+"""The node's inputs, from configure to cleanup: camera frames (converted off the executor into
+the frame ring the engine reads), joint states assembled per joint, the instruction and the
+e-stop; their health as hold causes; and the newest complete window of them for the engine.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+from rclpy.parameter import Parameter
+from rclpy.qos import qos_profile_sensor_data
+from rclpy.subscription import Subscription
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from std_msgs.msg import Bool, String
+
+from ..runtime import images
+from ..runtime.windows import InputError, JointStates, StampStep, Wait, WindowSpec, frames_to_keep
+from . import FRAME_TRANSPORT_PROFILE, messages
+from .diagnostics import Key, NodeTelemetry
+from .engine_process import EngineProcess
+from .frames import FrameRing, Window
+
+if TYPE_CHECKING:
+    from .node import VLANode
+
+
+class Decoder:
+    """Converts camera frames off the executor thread, which runs the control loop: a 640x480
+    JPEG takes ~2 ms to decode and even a raw frame's copy ~0.2 ms (more under load), and both
+    OpenCV and numpy's large copies release the GIL. Only the newest unconverted frame of a
+    camera is kept (stale frames are dropped, never queued), with the time it arrived: a frame
+    converted late must not look fresh. Cameras are served oldest-waiting first, so a busy
+    camera cannot starve another."""
+
+    def __init__(self, ingest):
+        self._ingest = ingest
+        self._pending: dict[int, tuple[Image | CompressedImage, int]] = {}   # camera -> (msg, arrival ns)
+        self._wake = threading.Condition()
+        self._stop = False
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="vla_node_decoder", daemon=True)
+        self._thread.start()
+
+    def push(self, camera: int, msg: Image | CompressedImage, arrived_ns: int) -> None:
+        with self._wake:
+            self.dropped += camera in self._pending
+            self._pending[camera] = (msg, arrived_ns)   # a replaced entry keeps its place in the queue
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending or self._stop)
+                if self._stop:
+                    return
+                camera = next(iter(self._pending))
+                msg, arrived_ns = self._pending.pop(camera)
+            fill = images.compressed_into if isinstance(msg, CompressedImage) else images.image_into
+            self._ingest(camera, msg, arrived_ns, fill)
+
+    def close(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join()
+
+
+class Inputs:
+    """The subscriptions of a configured node and what they feed. Faults go to node.faults by
+    source ("camera 'exo'", "joint_states", "instruction", "estop", "sync", "timeline" and
+    "<input> stale"); the parameters are read from node.settings when used.
+
+    The frame ring lives in `engine`'s shared frames; it holds the history span, whose length in
+    time (`offset_s` between frame times) the checkpoint decides."""
+
+    def __init__(self, node: VLANode, engine: EngineProcess, offset_s: float, telemetry: NodeTelemetry):
+        self._node, self._telemetry, self.offset_s = node, telemetry, offset_s
+        s = node.settings
+        slots = frames_to_keep(s.history_frames, offset_s, s.max_camera_rate_hz) + s.history_frames
+        shape = FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width, slots)
+        self.ring = FrameRing(list(s.camera_names), s.camera_height, s.camera_width, self.window_spec(), slots,
+                              engine.share_frames(shape))
+        self.joints = JointStates(s.joint_names)     # recent samples per joint, by header stamp
+        self.timeline_ended = threading.Event()     # an input's stamps stepped back: the control loop resets
+        self.decoder = Decoder(self._ingest)
+        self._subs: dict[str, Subscription] = {}   # by fault source
+        for i, topic in enumerate(s.camera_topics):
+            kind = CompressedImage if topic.rstrip("/").endswith("/compressed") else Image
+            self._subs[self._camera(i)] = node.create_subscription(
+                kind, topic, lambda m, i=i: self.decoder.push(i, m, node.now_ns()), qos_profile_sensor_data)
+        self._subs["joint_states"] = node.create_subscription(JointState, s.joint_states_topic, self._on_joint_state,
+                                                              qos_profile_sensor_data)
+        self._subs["instruction"] = node.create_subscription(String, s.instruction_topic, self._on_instruction, 10)
+        self._subs["estop"] = node.create_subscription(Bool, s.estop_topic, self._on_estop, 10)
+        self.reset()
+
+    def reset(self) -> None:
+        """At each activation (and deactivation): silence counts from the first control tick."""
+        self._since_ns: Optional[int] = None        # the first control tick's time
+        self._sync_wait_since: Optional[int] = None
+        self._last_window_seq: Optional[int] = None
+        self.ring.unpin()
+
+    def window_spec(self) -> WindowSpec:
+        """Which frames make a window, from the parameters (sync_slop_s, state_slop_s and
+        wait_for_history change at run time: the node sets ring.spec anew)."""
+        s = self._node.settings
+        return WindowSpec.of(s.history_frames, self.offset_s, s.sync_slop_s, s.state_slop_s, s.wait_for_history)
+
+    def close(self) -> None:
+        for sub in self._subs.values():
+            self._node.destroy_subscription(sub)
+        self._subs = {}
+        self.decoder.close()
+
+    def _camera(self, camera: int) -> str:
+        return f"camera {self._node.settings.camera_names[camera]!r}"
+
+    # -- callbacks ------------------------------------------------------------------------------
+    def _ingest(self, camera: int, msg, arrived_ns: int, fill) -> None:
+        """Store one camera frame (on the decoder thread)."""
+        t0 = time.perf_counter()
+        stamp = messages.stamp_ns(msg.header.stamp)
+        try:
+            try:
+                self.ring.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
+            except StampStep as step:   # the first frame of a new timeline: forget the old one, keep this
+                self._end_timeline(step)
+                self.ring.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
+        except InputError as e:
+            self._node.faults.set(self._camera(camera), str(e))
+            return
+        self._telemetry.ingest_ms.add((time.perf_counter() - t0) * 1e3)
+        self._node.faults.clear(self._camera(camera))
+
+    def _on_joint_state(self, msg: JointState) -> None:
+        """Samples of the configured joints, however the drivers split them into messages; a
+        message naming none of them (another robot part's driver) is not an error."""
+        stamp, now = messages.stamp_ns(msg.header.stamp), self._node.now_ns()
+        try:
+            try:
+                named = self.joints.add(stamp, msg.name, msg.position, now)
+            except StampStep as step:   # the first message of a new timeline: forget the old one, keep this
+                self._end_timeline(step)
+                named = self.joints.add(stamp, msg.name, msg.position, now)
+        except InputError as e:
+            self._node.faults.set("joint_states", str(e))
+            return
+        if named:
+            self._node.faults.clear("joint_states")
+
+    def _end_timeline(self, step: StampStep) -> None:
+        """An input's stamps stepped back (any thread): a recorded simulation reset, an NTP
+        step, a restarted driver. Every stored frame and joint state belongs to the old timeline
+        and is forgotten at once; the control loop drops the plan and the chunk in flight on its
+        next tick. Observations resume with inputs that all arrived after the step."""
+        self.forget()
+        self.timeline_ended.set()
+        self._node.faults.set("timeline", f"{step}: inputs and plan discarded, resuming with inputs stamped after it")
+
+    def forget(self) -> None:
+        """Every stored frame and joint state (they are from an old timeline)."""
+        self.ring.clear()
+        self.joints.clear()
+
+    def _on_instruction(self, msg: String) -> None:
+        text = msg.data.strip()
+        if not text:
+            self._node.faults.set("instruction", f"empty instruction on {self._subs['instruction'].topic_name}; "
+                                                 f"holding until a non-empty one arrives")
+            return
+        result = self._node.set_parameters([Parameter("instruction", Parameter.Type.STRING, text)])[0]
+        if not result.successful:
+            self._node.faults.set("instruction", f"instruction refused: {result.reason}")
+
+    def _on_estop(self, msg: Bool) -> None:
+        if msg.data:
+            self._node.faults.set("estop", f"e-stop engaged on {self._subs['estop'].topic_name}")
+        else:
+            self._node.faults.clear("estop")
+
+    # -- on the control loop --------------------------------------------------------------------
+    def check(self, now_ns: int) -> None:
+        """Every input silent for longer than input_timeout_s holds, with what DDS knows of why."""
+        s, faults = self._node.settings, self._node.faults
+        if self._since_ns is None:
+            self._since_ns = now_ns
+        timeout_ns = int(s.input_timeout_s * 1e9)
+        active = faults.sources()
+        for camera, received in enumerate(self.ring.newest_received_ns()):
+            source = self._camera(camera)
+            self._check_age(f"{source} stale", source, received, now_ns, timeout_ns, active)
+        # Per joint: a gripper published apart from the arm may fall silent alone.
+        received = self.joints.received_ns()
+        silent = [name for name, r in zip(s.joint_names, received)
+                  if now_ns - (r if r is not None else self._since_ns) > timeout_ns]
+        oldest = None if None in received else min(received)
+        hint = f"; the latest message named only {list(self.joints.unknown)[:8]}" \
+            if self.joints.unknown and len(silent) == len(received) else ""
+        self._check_age("joint_states stale", "joint_states", oldest, now_ns, timeout_ns, active,
+                        f"no joint state for {silent} for more than {s.input_timeout_s:g} s "
+                        f"(input_timeout_s){hint}" if silent else "")
+
+    def _check_age(self, source: str, input_source: str, received: Optional[int], now_ns: int, timeout_ns: int,
+                   active: set, reason: str = "") -> None:
+        # A broken input already holds with its own reason; silence is reported only for the
+        # rest, and only once it lasts longer than the timeout (at start-up too).
+        faults = self._node.faults
+        if received is None:
+            received = self._since_ns
+        if input_source not in active and now_ns - received > timeout_ns:
+            faults.set(source, (reason or f"no {input_source} input for more than "
+                                          f"{self._node.settings.input_timeout_s:g} s (input_timeout_s)")
+                       + self._silence_hint(input_source))
+        elif source in active and now_ns - received <= timeout_ns:
+            faults.clear(source)
+
+    def _silence_hint(self, input_source: str) -> str:
+        """Why a silent input may be silent, from what DDS knows of its publishers."""
+        sub = self._subs[input_source]
+        if sub.get_publisher_count() == 0:
+            return f"; nothing publishes on {sub.topic_name}"
+        hint = f"; {sub.topic_name} has a publisher, but no message arrives"
+        if sub.msg_type is Image:
+            hint += (": Fast DDS's default transports drop raw frames this large, start the camera publisher with "
+                     f"FASTDDS_DEFAULT_PROFILES_FILE={FRAME_TRANSPORT_PROFILE} or use a .../compressed topic")
+        return hint
+
+    def take_window(self, now_ns: int) -> Window | Wait:
+        """The newest complete window (its frames pinned until ring.unpin()), or why there is
+        none. Inputs out of step are a fault once it lasts longer than input_timeout_s; history
+        still filling is not."""
+        window = self.ring.take_window(self._observed_state)
+        faults = self._node.faults
+        if isinstance(window, Wait):
+            if not window.sync:
+                self._sync_wait_since = None
+            elif self._sync_wait_since is None:
+                self._sync_wait_since = now_ns
+            elif now_ns - self._sync_wait_since > self._node.settings.input_timeout_s * 1e9:
+                faults.set("sync", window.reason)
+            return window
+        self._sync_wait_since = None
+        faults.clear("sync")
+        faults.clear("clock")
+        faults.clear("timeline")   # every input of this window arrived after the step
+        if self._last_window_seq is not None and window.seq > self._last_window_seq + 1:
+            self._telemetry.counts[Key.OBSERVATIONS_DROPPED] += window.seq - self._last_window_seq - 1
+        self._last_window_seq = window.seq
+        return window
+
+    def not_sending(self) -> None:
+        """A fault holds observations too: being out of step is not timed meanwhile."""
+        self._sync_wait_since = None
+
+    def _observed_state(self, frame_stamp_ns: int) -> tuple[np.ndarray, np.ndarray] | Wait:
+        """(positions, their stamps) [joints] for a window whose newest frame has this stamp, or
+        why there is none (a Wait: out of step, a fault once it lasts longer than input_timeout_s)."""
+        s = self._node.settings
+        if s.state_sync == "frame":
+            return self.joints.at(frame_stamp_ns, int(s.state_slop_s * 1e9))
+        newest = self.joints.newest()
+        if newest is None:
+            return Wait("no joint state for every joint of joint_names yet", sync=False, lacks="state")
+        return newest, np.zeros(len(newest), np.int64)
+
+    def pairs(self, now_ns: int) -> list[tuple[str, object]]:
+        """/diagnostics values: frames the decoder dropped, and the seconds since each camera's
+        and the joint states' newest input."""
+        pairs: list[tuple[str, object]] = [(Key.FRAMES_DROPPED_UNCONVERTED, self.decoder.dropped)]
+        for name, received in zip(self._node.settings.camera_names, self.ring.newest_received_ns()):
+            pairs.append((Key.input_age(name), (now_ns - received) / 1e9 if received is not None else "never"))
+        received = self.joints.received_ns()   # the joint heard from longest ago
+        pairs.append((Key.input_age("joint_states"),
+                      (now_ns - min(received)) / 1e9 if None not in received else "never"))
+        return pairs

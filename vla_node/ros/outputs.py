@@ -1,0 +1,83 @@
+"""What the node publishes: from configure to cleanup, the command at every control tick and a
+joint trajectory per chunk taken (lifecycle publishers: they go quiet when the node is inactive);
+from start-up to the end, /diagnostics.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.clock import Clock, ClockType
+from rclpy.duration import Duration
+from rclpy.timer import Timer
+from sensor_msgs.msg import JointState
+from std_msgs.msg import Float64MultiArray
+from trajectory_msgs.msg import JointTrajectory
+
+from . import messages
+
+if TYPE_CHECKING:
+    from .node import VLANode
+
+
+class Outputs:
+    """~/command, ~/joint_trajectory and, with publish_joint_command, ~/joint_command."""
+
+    def __init__(self, node: VLANode):
+        self._node = node
+        self._command = node.create_lifecycle_publisher(Float64MultiArray, "~/command", 10)
+        self._trajectory = node.create_lifecycle_publisher(JointTrajectory, "~/joint_trajectory", 10)
+        self._joint_command = None
+        if node.settings.publish_joint_command:
+            self._joint_command = node.create_lifecycle_publisher(JointState, "~/joint_command", 10)
+
+    def command(self, command: np.ndarray) -> None:
+        self._command.publish(messages.command_msg(command))
+        if self._joint_command is not None:
+            self._joint_command.publish(messages.joint_command_msg(self._node.settings.joint_names, command,
+                                                                   self._node.get_clock().now().to_msg()))
+
+    def trajectory(self, commands: np.ndarray, timer: Timer) -> None:
+        """`commands` [n, joints] for the control ticks of `timer` from its next one on."""
+        wait_ns = timer.time_until_next_call() or 0
+        first = self._node.get_clock().now() + Duration(nanoseconds=wait_ns)
+        self._trajectory.publish(messages.trajectory_msg(self._node.settings.joint_names, commands, first.to_msg(),
+                                                         timer.timer_period_ns))
+
+    def close(self) -> None:
+        for pub in (self._command, self._trajectory, self._joint_command):
+            if pub is not None:
+                self._node.destroy_lifecycle_publisher(pub)
+
+
+DIAGNOSTICS_PERIOD_S = 1.0
+
+
+class DiagnosticsPublisher:
+    """/diagnostics with `status()` = (level, message, values): right after a control tick once a
+    period has passed (building it takes a few milliseconds: there it cannot delay a tick), when
+    `on_period` publishes (its timer runs on wall time: diagnostics keep coming while a
+    simulation is paused), and at once on now()."""
+
+    def __init__(self, node: VLANode, status: Callable[[], tuple[int, str, list]], on_period: Callable[[], None]):
+        self._node, self._status = node, status
+        self._pub = node.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        # now() may be called on the decoder thread: the guard condition publishes from the executor.
+        self._now = node.create_guard_condition(self.publish)
+        node.create_timer(DIAGNOSTICS_PERIOD_S, on_period, clock=Clock(clock_type=ClockType.STEADY_TIME))
+        self._sent = 0.0    # time.monotonic() of the last message
+
+    def now(self) -> None:
+        self._now.trigger()
+
+    def after_tick(self) -> None:
+        if time.monotonic() - self._sent >= DIAGNOSTICS_PERIOD_S:
+            self.publish()
+
+    def publish(self) -> None:
+        level, message, values = self._status()
+        self._pub.publish(messages.diagnostics_msg("vla_node: policy", self._node.get_fully_qualified_name(), level,
+                                                   message, values, self._node.get_clock().now().to_msg()))
+        self._sent = time.monotonic()
