@@ -186,6 +186,11 @@ class ModelConfig:
                    robot=part(RobotConfig, "robot"), projector_hidden=d.get("projector_hidden", 9728))
 
 
+# Franka Panda (the DROID robot) joint limits (rad) and the gripper opening in [0, 1]: the node's
+# default command limits, and the statistics of random-weight checkpoints whose action is 8-D.
+FRANKA_LOW = (-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0)
+FRANKA_HIGH = (2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0)
+
 # The official MolmoBot-DROID deployment (molmo_spaces / real-robot configs): 8-D absolute joint
 # positions + gripper on the 0-255 scale, binarised at 128, at most 0.2 rad per joint per step.
 DROID_ROBOT = RobotConfig(frames=2, obs_step_delta=8, control_rate_hz=15.0, executed_steps=8,

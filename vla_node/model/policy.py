@@ -6,20 +6,17 @@ import torch
 from torch import nn
 
 from .action_expert import ActionExpert
-from .config import ModelConfig
+from .config import FRANKA_HIGH, FRANKA_LOW, ModelConfig
 from .llm import LLM
 from .sequence import Prompt
 from .vision import VisionTower
 
-# Franka Panda joint limits (rad) + gripper opening [0, 1]: the DROID robot. Used as the
-# statistics of random-weight checkpoints whose action/state is 8-D; otherwise [-1, 1].
-FRANKA_LOW = (-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0)
-FRANKA_HIGH = (2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0)
 NORM_EPS = 1e-6  # the official normaliser's floor on the statistics' spread
 
 
 def default_stats(dim: int) -> torch.Tensor:
-    """[2, dim] bounds used by random-weight checkpoints (min_max or quantile modes)."""
+    """[2, dim] bounds used by random-weight checkpoints (min_max or quantile modes): the Franka
+    limits when 8-D, otherwise [-1, 1]."""
     if dim == len(FRANKA_LOW):
         return torch.tensor([FRANKA_LOW, FRANKA_HIGH], dtype=torch.float32)
     return torch.stack([-torch.ones(dim), torch.ones(dim)]).float()

@@ -19,14 +19,11 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 from rclpy.parameter import Parameter
 
-from ..model.config import PRESETS
+from ..model.config import FRANKA_HIGH, FRANKA_LOW, PRESETS
 from ..runtime.action_cache import FlowSchedule
 from ..runtime.types import MODES, EngineConfig, WindowLayout
 from ..runtime.windows import MAX_CAMERA_RATE_HZ, PANDA_JOINTS, STATE_SLOP_S, SYNC_SLOP_S
 
-# Franka Panda (the DROID robot): 7 arm joints (rad) and the gripper opening in [0, 1].
-PANDA_LOWER = [-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0]
-PANDA_UPPER = [2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0]
 # Per 20 ms tick: ~2.5 rad/s for the arm joints, the full gripper range in 0.1 s.
 PANDA_MAX_STEP = [0.05] * 7 + [0.2]
 
@@ -161,8 +158,8 @@ SPECS: dict[str, Spec] = {
                                        "and the frame", range=(0.0, 10.0)),
     "input_timeout_s": Spec(0.5, "hold when a camera or the joint states are silent for longer",
                             range=(0.001, 60.0)),
-    "joint_lower_limits": Spec(PANDA_LOWER, "lower command limit per joint (joint_names order)"),
-    "joint_upper_limits": Spec(PANDA_UPPER, "upper command limit per joint (joint_names order)"),
+    "joint_lower_limits": Spec(list(FRANKA_LOW), "lower command limit per joint (joint_names order)"),
+    "joint_upper_limits": Spec(list(FRANKA_HIGH), "upper command limit per joint (joint_names order)"),
     "max_step_per_tick": Spec(PANDA_MAX_STEP, "largest command change per control tick, per joint"),
 }
 
