@@ -26,6 +26,17 @@ JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
 HOME = np.array([0.0, -0.5, 0.0, -2.0, 0.0, 1.5, 0.8, 0.5])
 CAMERA_TOPICS = ["cameras/exo/image_raw", "cameras/wrist/image_raw"]   # relative: in the node's namespace
 FRAME_LOOP = 8
+# config/tiny.yaml's command limits (the Panda's): what every command of the node must respect.
+LOWER = np.array([-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0])
+UPPER = np.array([2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0])
+MAX_STEP = np.array([0.05] * 7 + [0.2])
+
+
+def assert_commands_safe(commands: np.ndarray) -> None:
+    """Every command [ticks, joints] finite, within LOWER..UPPER, and at most MAX_STEP from the one before."""
+    assert np.isfinite(commands).all()
+    assert (commands >= LOWER - 1e-9).all() and (commands <= UPPER + 1e-9).all()
+    assert (np.abs(np.diff(commands, axis=0)) <= MAX_STEP + 1e-9).all()
 _counter = iter(range(1, 10**6))
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
-from ros_helpers import CAMERA_TOPICS, JOINTS, Harness, NodeProcess, Robot
+from ros_helpers import CAMERA_TOPICS, JOINTS, Harness, NodeProcess, Robot, assert_commands_safe
 from vla_node.ros.diagnostics import Key
 
 FUZZ_EXAMPLES = int(os.environ.get("VLA_FUZZ_EXAMPLES", "30"))
@@ -30,9 +30,6 @@ pytestmark = pytest.mark.timeout(120 + 20 * FUZZ_EXAMPLES)
 H, W = 480, 640
 HOME = [0.0, -0.5, 0.0, -2.0, 0.0, 1.5, 0.8, 0.5]
 INSTRUCTION = "pick up the red cup and put it in the bowl"
-LOWER = np.array([-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0])
-UPPER = np.array([2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0])
-MAX_STEP = np.array([0.05] * 7 + [0.2])
 
 
 # The hold causes that report each input (the node's fault sources start with these). Stamps off
@@ -206,6 +203,5 @@ def test_random_malformed_input_is_reported_held_and_recovered_from(rig, bad):
 def test_every_command_during_the_fuzzing_was_finite_within_limits_and_step(rig):
     _, h, _ = rig
     commands = np.array([m.data for m in h.messages("command")])
-    assert len(commands) > 100 and np.isfinite(commands).all()
-    assert (commands >= LOWER - 1e-9).all() and (commands <= UPPER + 1e-9).all()
-    assert (np.abs(np.diff(commands, axis=0)) <= MAX_STEP + 1e-9).all()
+    assert len(commands) > 100
+    assert_commands_safe(commands)

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from ros_helpers import HOME, JOINTS, Harness, NodeProcess, Robot, pid_alive, stamp_ns
+from ros_helpers import HOME, JOINTS, MAX_STEP, Harness, NodeProcess, Robot, pid_alive, stamp_ns
 from vla_node.ros.diagnostics import Key
 from vla_node.tools.node_process import dds_shm_of, dead_dds_shm
 
@@ -76,7 +76,7 @@ def test_commands_start_at_the_measured_position_and_stay_in_limits(running):
     np.testing.assert_allclose(first, HOME)          # nothing planned yet: hold where the robot is
     commands = np.array([m.data for m in h.messages("command")])
     steps = np.abs(np.diff(commands, axis=0))
-    assert (steps <= np.array([0.05] * 7 + [0.2]) + 1e-9).all()
+    assert (steps <= MAX_STEP + 1e-9).all()
 
 
 def test_deactivate_stops_commands_and_cleanup_ends_the_engine_process(running):

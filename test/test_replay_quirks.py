@@ -4,7 +4,6 @@ shuffled and extra joints, an instruction change, every stamp and /clock steppin
 live into a real node (`vla-node` process, DDS in between), with the node logging every observation
 it sends (--log-level debug), and compared with offline replay of the same bag."""
 import ast
-import os
 import re
 from collections import Counter
 
@@ -16,26 +15,12 @@ from vla_node.runtime.windows import PANDA_JOINTS
 from vla_node.tools.bag_io import Bag, ObservationStream, resolve_inputs, stamp_ns
 from vla_node.tools.demo import NodeProcess, tiny_config
 from vla_node.tools.live import LiveOptions, replay_live
-from vla_node.tools.node_process import ros_domain, ros_environment
 from vla_node.tools.sample_bag import QUIRKS_BAG, START_NS, QuirksSpec
 
 SPEC = QuirksSpec()           # the recipe of the shipped bag
 STEP_S, BACK_S = SPEC.steps[0]
 SMALL = {"camera_height": SPEC.size[0], "camera_width": SPEC.size[1]}
 OBSERVATION = re.compile(r"observation (\d+): frames (\[.*?\]) state (\[.*?\]) stamped (\[.*?\])$")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def own_ros_domain():
-    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "FASTDDS_BUILTIN_TRANSPORTS",
-                                            "FASTDDS_DEFAULT_PROFILES_FILE", "ROS_LOG_DIR")}
-    ros_environment(ros_domain(os.getpid() + 1))
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
