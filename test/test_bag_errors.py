@@ -159,3 +159,20 @@ def test_wrong_joint_count(tmp_path, capsys):
     rc, _, err = offline(capsys, SAMPLE_BAG, "--joint-names", "panda_joint1,panda_joint2", "--max-frames", "1",
                          "--out", tmp_path)
     assert rc == 2 and "2 joints ['panda_joint1', 'panda_joint2'], the model's state has 8" in err
+
+
+def test_an_unstamped_camera_is_named(tmp_path, capsys):
+    """A camera driver that sets no header stamp (all 0): no window can pair its frames, and the
+    error says so rather than "waiting for camera 'wrist'"."""
+    def unstamp(topic, i, raw):
+        if topic != "/cameras/wrist/image_raw/compressed":
+            return raw
+        msg = TYPESTORE.deserialize_cdr(raw, COMPRESSED_IMAGE)
+        msg.header = header_msg(0, msg.header.frame_id)
+        return bytes(TYPESTORE.serialize_cdr(msg, COMPRESSED_IMAGE))
+    path = copy_bag(write_sample_bag(tmp_path / "short.mcap", SampleSpec(duration_s=1.0, reference=False)),
+                    tmp_path / "unstamped.mcap", "mcap", replace=unstamp)
+    rc, _, err = offline(capsys, path, "--out", tmp_path / "out")
+    assert rc == 2 and "no query could be formed" in err
+    assert ("the last message dropped: /cameras/wrist/image_raw/compressed: unstamped frames (header.stamp 0): "
+            "frames are paired and timed by their stamps, the camera driver must set them") in err

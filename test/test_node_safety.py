@@ -49,7 +49,7 @@ def test_joint_states_on_another_clock_hold_with_the_reason_until_state_sync_new
         # newest one would be the wrong state for the frames. Hold, say why (once), send nothing.
         robot.joint_message = lambda stamp: robot.joint_state(Time(sec=stamp.sec - 2, nanosec=stamp.nanosec))
         d = h.wait_diagnostics(lambda d: "state_slop_s" in d["_message"], 30, "the stamp mismatch", since=0)
-        assert d["_level"] >= 1 and "the nearest is before them" in d["_message"]
+        assert d["_level"] >= 1 and "and none after them yet" in d["_message"]
         h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")
         assert int(h.diagnostics_since(0)[-1][Key.REQUESTS]) == 0 and not h.messages("trajectory")
         commands = np.array([m.data for m in h.wait_commands(10)])

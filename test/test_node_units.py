@@ -199,11 +199,11 @@ def test_invalid_values_are_rejected_with_a_reason(change, match):
 
 
 # -- the frame buffer -------------------------------------------------------------------------------
-def ring(slots=8, cameras=("a", "b"), slop_ns=10):
+def ring(keep=8, cameras=("a", "b"), slop_ns=10):
     """Frames 1000 ns apart in the tests: the history frame is 3 frames back."""
     spec = WindowSpec(frames=2, offset_ns=3000, sync_slop_ns=slop_ns, state_slop_ns=0)
-    return FrameRing(list(cameras), 2, 2, spec, slots,
-                     bytearray(int(np.prod(FrameRing.shape_of(len(cameras), 2, 2, slots)))))
+    return FrameRing(list(cameras), 2, 2, spec, keep,
+                     bytearray(int(np.prod(FrameRing.shape_of(len(cameras), 2, 2, keep, spec.frames)))))
 
 
 def put(r, camera, stamp, value=0):
@@ -256,8 +256,15 @@ def test_stamps_stepping_back_are_refused_before_any_copy():
     assert step.value.back_ns == 500
 
 
+def test_unstamped_frames_are_refused_with_the_reason():
+    r = ring()
+    put(r, 0, 0)                           # a simulation's first frame, at time 0
+    with pytest.raises(InputError, match=r"unstamped frames \(header.stamp 0\).*driver must set them"):
+        r.write(0, 0, 2000, lambda out: pytest.fail("copied"))
+
+
 def test_pinned_frames_are_never_overwritten():
-    r = ring(slots=6)
+    r = ring(keep=6)
     for t in range(4):
         put(r, 0, 1000 * t, t)
         put(r, 1, 1000 * t, t)

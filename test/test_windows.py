@@ -8,6 +8,7 @@ import pytest
 from vla_node.ros.frames import FrameRing, Window
 from vla_node.runtime import LAYOUTS, images
 from vla_node.runtime.windows import (
+    LATENESS_S,
     PANDA_JOINTS,
     InputError,
     JointStates,
@@ -58,11 +59,11 @@ def test_a_camera_faster_than_the_buffer_is_sized_for_keeps_an_even_history():
     """The node's buffer holds the history span at max_camera_rate_hz; a 90 Hz camera in a buffer
     sized for 30 Hz is thinned evenly, so its history frame stays near t - offset."""
     spec = WindowSpec.of(2, OFFSET_S)
-    capacity = frames_to_keep(2, OFFSET_S, 30.0) + 2
+    capacity = frames_to_keep(2, OFFSET_S, 30.0)
     kept, offsets = [], []
     for t in stamps(90.0, 3.0, jitter_s=0.001):
         if len(kept) >= capacity:
-            del kept[evict(kept, [False] * len(kept), spec.span_ns)]
+            del kept[evict(kept, spec.span_ns)]
         kept.append(t)
         _, rows, _ = pick_window([kept], NAMES[:1], spec, state_of)
         if len(rows) == 2:
@@ -112,14 +113,26 @@ def test_a_camera_out_of_step_is_named():
     assert wait == Wait("waiting for camera 'wrist'", sync=False)
 
 
+@pytest.mark.parametrize("behind_s", [0.3, 2.0])
+def test_a_camera_stamped_behind_is_waited_for_only_as_long_as_a_late_frame_can_be(behind_s):
+    """A camera driver stamping on its own clock, 2 s behind (found replaying such a bag): its frames
+    keep arriving, so "waiting for camera 'wrist'" would never end; past LATENESS_S it is out of step."""
+    spec = WindowSpec.of(2, OFFSET_S)
+    exo, wrist = stamps(30.0, 3.0), stamps(30.0, 3.0, -behind_s)
+    wait = pick_window([exo, wrist], NAMES, spec, state_of)
+    if behind_s < LATENESS_S:       # a late frame may still come
+        assert wait == Wait("waiting for camera 'wrist'", sync=False)
+    else:
+        assert wait == Wait("camera 'wrist' has no frame within sync_slop_s of camera 'exo', its newest is over "
+                            "0.5 s older: stopped, or stamped on a clock behind", sync=True)
+
+
 def test_eviction_keeps_what_a_window_needs():
     spec = WindowSpec.of(2, OFFSET_S)
     kept = stamps(30.0, 2.0)
-    assert evict(kept, [False] * len(kept), spec.span_ns) == 0          # older than any history time
-    pinned = [True] * 3 + [False] * (len(kept) - 3)
-    assert evict(kept, pinned, spec.span_ns) == 3                       # pinned frames stay
-    recent = kept[-30:]                                                 # history of windows up to 0.5 s old
-    assert 0 < evict(recent, [False] * 30, spec.span_ns) < 28           # all needed: thin, keep both ends
+    assert evict(kept, spec.span_ns) == 0               # older than any history time
+    recent = kept[-30:]                                 # history of windows up to 0.5 s old
+    assert 0 < evict(recent, spec.span_ns) < 28         # all needed: thin, keep both ends
 
 
 # -- joints ---------------------------------------------------------------------------------------
@@ -175,8 +188,28 @@ def test_joint_states_on_another_clock_are_out_of_step():
     for k in range(10):
         joints.add(k * 10 * MS, ["a"], [0.0])
     wait = joints.at(2_000 * MS, 50 * MS)
-    assert wait.sync and "the nearest is before them: are the cameras and joint_states stamped on one clock?" \
-        in wait.reason
+    assert wait.sync and wait.reason == (
+        "no joint state stamped within state_slop_s (50 ms) of the frames and none after them yet: stopped, or "
+        "stamped on another clock than the cameras? (state_sync newest ignores stamps)")
+    assert "the earliest is after them" in joints.at(-1_000 * MS, 50 * MS).reason
+
+
+def test_a_gap_in_one_joints_messages_is_named_as_a_gap_not_a_clock():
+    """A gripper driver silent for 0.6 s (found replaying such a bag): the frames in the gap get no
+    state; the hold says the gap, not that the clocks differ."""
+    joints = JointStates(PANDA_JOINTS)
+    for k in range(100):
+        joints.add(k * 10 * MS, PANDA_JOINTS[:7], np.zeros(7))
+    for t in (0, 50, 100, 700, 750):
+        joints.add(t * MS, ["panda_gripper"], [0.01])
+    assert joints.at(400 * MS, 50 * MS) == Wait(
+        "no joint state for ['panda_gripper'] stamped within state_slop_s (50 ms) of the frames: a gap in the "
+        "messages around them", sync=True, lacks="state")
+    joints = JointStates(PANDA_JOINTS)
+    joints.add(0, PANDA_JOINTS, np.zeros(8))
+    joints.add(400 * MS, PANDA_JOINTS[:7], np.zeros(7))
+    assert "for ['panda_gripper'] stamped within state_slop_s (50 ms) of the frames and none after them yet: " \
+        "stopped" in joints.at(400 * MS, 50 * MS).reason
 
 
 def test_a_joint_stamp_stepping_back_keeps_nothing_of_the_message():
@@ -269,15 +302,16 @@ def test_stamps_stepping_back_never_mix_timelines(tmp_path, back_s):
 def node_windows(path, seed=0):
     """Windows of the node's frame ring and joint assembler, fed the bag's messages in recorded
     order and asked for a window at arbitrary moments (when the plan runs low, while no camera is
-    stale), with the node's reaction to stamps stepping back: [(window, its pixels)]."""
+    stale), each pinned until a later message (inference in flight), with the node's reaction to
+    stamps stepping back: [(window, its pixels)]."""
     layout = LAYOUTS["droid"]
     spec = WindowSpec.of(layout.frames, OFFSET_S)
-    slots = frames_to_keep(layout.frames, OFFSET_S, 30.0) + layout.frames
-    ring = FrameRing(list(layout.cameras), 120, 160, spec, slots,
-                     bytearray(int(np.prod(FrameRing.shape_of(2, 120, 160, slots)))))
+    keep = frames_to_keep(layout.frames, OFFSET_S, 30.0)
+    ring = FrameRing(list(layout.cameras), 120, 160, spec, keep,
+                     bytearray(int(np.prod(FrameRing.shape_of(2, 120, 160, keep, layout.frames)))))
     joints = JointStates(PANDA_JOINTS)
     rng = np.random.default_rng(seed)
-    windows = []
+    windows, in_flight = [], []
     with Bag(path) as bag:
         inputs = resolve_inputs(bag, layout.cameras)
         cameras = {c.topic: i for i, c in enumerate(inputs.cameras)}
@@ -297,12 +331,17 @@ def node_windows(path, seed=0):
                 ring.clear()
                 joints.clear()
                 store()
+            if in_flight and rng.random() < 0.3:   # its result: the engine read the pixels now
+                window = in_flight.pop()
+                windows.append((window, [ring.pixels[s].copy() for s in window.slots]))
+                ring.unpin()
             fresh = all(r is not None and time_ns - r <= 0.5e9 for r in ring.newest_received_ns())
-            if topic in cameras and fresh and rng.random() < 0.3:
+            if topic in cameras and fresh and not in_flight and rng.random() < 0.3:
                 window = ring.take_window(lambda t: joints.at(t, spec.state_slop_ns))
                 if isinstance(window, Window):
-                    windows.append((window, [ring.pixels[s].copy() for s in window.slots]))
-                ring.unpin()
+                    in_flight.append(window)
+                else:
+                    ring.unpin()
     return windows
 
 
@@ -310,6 +349,19 @@ def test_the_node_frame_ring_forms_the_windows_the_bag_reader_forms(quirks):
     """One picker: the node's frame buffer and joint assembler give the same frames (pixels too)
     and joint samples as the bag reader's query for the same newest frame."""
     path, frames, _, _, _ = quirks
+    assert_node_windows_are_queries(path, frames)
+
+
+def test_a_camera_faster_than_the_buffer_gives_up_the_frames_the_bag_reader_does(tmp_path):
+    """60 Hz cameras in a buffer sized for 30 Hz: history is thinned by stamps alone, so a window
+    pinned while frames arrive does not change which frames are kept (it changed 4 of 50 history
+    frames of a live replay when the node gave up another frame instead of a pinned one)."""
+    path = write_quirks_bag(tmp_path / "fast.mcap", QuirksSpec(duration_s=4.0, camera_hz=60.0, steps=()))
+    frames, _ = offline_queries(path)
+    assert_node_windows_are_queries(path, frames)
+
+
+def assert_node_windows_are_queries(path, frames):
     offline = {f.stamp_ns: f for f in frames}
     windows = node_windows(path)
     assert len(windows) > 30

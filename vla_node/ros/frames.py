@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..runtime.windows import InputError, StampStep, Wait, WindowSpec, evict, pick_window
+from ..runtime.windows import Wait, WindowSpec, check_frame_stamp, evict, pick_window
 
 
 @dataclass
@@ -46,11 +46,15 @@ class _Camera:
 
 
 class FrameRing:
-    def __init__(self, cameras: list[str], height: int, width: int, spec: WindowSpec, slots_per_camera: int,
-                 buffer):
-        self.shape = self.shape_of(len(cameras), height, width, slots_per_camera)
+    """Each camera keeps `keep` frames (windows.frames_to_keep) and has slots for them, for the
+    frames of a pinned window it has given up and for the frame being filled."""
+
+    def __init__(self, cameras: list[str], height: int, width: int, spec: WindowSpec, keep: int, buffer):
+        slots_per_camera = self.slots_per_camera(keep, spec.frames)
+        self.shape = self.shape_of(len(cameras), height, width, keep, spec.frames)
         self.pixels = np.ndarray(self.shape, dtype=np.uint8, buffer=buffer)
         self.spec = spec
+        self.keep = keep
         self._cameras = [_Camera(name, list(range(i * slots_per_camera, (i + 1) * slots_per_camera)))
                          for i, name in enumerate(cameras)]
         self._pinned: set[int] = set()
@@ -58,42 +62,37 @@ class FrameRing:
         self._lock = threading.Lock()
 
     @staticmethod
-    def shape_of(cameras: int, height: int, width: int, slots_per_camera: int) -> tuple[int, int, int, int]:
-        return (cameras * slots_per_camera, height, width, 3)
+    def slots_per_camera(keep: int, frames: int) -> int:
+        return keep + frames + 1
+
+    @classmethod
+    def shape_of(cls, cameras: int, height: int, width: int, keep: int, frames: int) -> tuple[int, int, int, int]:
+        return (cameras * cls.slots_per_camera(keep, frames), height, width, 3)
 
     def write(self, camera: int, stamp_ns: int, received_ns: int, fill: Callable[[np.ndarray], None]) -> None:
         """Store one frame of `camera` (one writer per camera at a time). `fill(view)` writes the
         pixels and raises InputError for an unusable message: the frame is then dropped. Before
-        any copy, a stamp older than the camera's previous frame raises StampStep (its timeline
-        restarted: the caller forgets every input) and a repeated one is refused."""
+        any copy, windows.check_frame_stamp raises StampStep for a stamp older than the camera's
+        previous frame (its timeline restarted: the caller forgets every input) and refuses an
+        unstamped or repeated one. A camera holding `keep` frames gives up the one windows.evict
+        names as the new one is committed: the one the bag reader gives up, pinned or not (a
+        pinned slot is not reused before unpin())."""
         cam = self._cameras[camera]
         with self._lock:
-            if cam.last_stamp_ns is not None and stamp_ns < cam.last_stamp_ns:
-                raise StampStep(f"camera {cam.name!r}", cam.last_stamp_ns - stamp_ns)
-            if stamp_ns == cam.last_stamp_ns:
-                raise InputError("repeated stamp: the same as the camera's previous frame; dropped")
-            slot = self._take_slot(cam, stamp_ns)   # no longer a committed frame: no window can pick it
+            check_frame_stamp(f"camera {cam.name!r}", cam.last_stamp_ns, stamp_ns)
+            used = {f.slot for f in cam.frames} | self._pinned
+            slot = next(s for s in cam.slots if s not in used)   # there is one: see slots_per_camera
             generation = self._generation
         fill(self.pixels[slot])
         with self._lock:
             if generation != self._generation:
                 return
+            if len(cam.frames) >= self.keep:
+                del cam.frames[evict([f.stamp_ns for f in cam.frames], self.spec.span_ns)]
             cam.frames.append(Frame(slot, cam.next_seq, stamp_ns, received_ns))
             cam.next_seq += 1
             cam.last_stamp_ns = stamp_ns
             cam.received_ns = received_ns
-
-    def _take_slot(self, cam: _Camera, stamp_ns: int) -> int:
-        """A free slot, else the slot of the frame windows.evict gives up (forgotten)."""
-        used = {f.slot for f in cam.frames}
-        for slot in cam.slots:
-            if slot not in used and slot not in self._pinned:
-                return slot
-        i = evict([f.stamp_ns for f in cam.frames], [f.slot in self._pinned for f in cam.frames],
-                  self.spec.span_ns)
-        if i < 0:
-            raise RuntimeError("every frame slot is pinned")  # unreachable: the slots leave room for a window
-        return cam.frames.pop(i).slot
 
     def take_window(self, state: Callable[[int], tuple[np.ndarray, np.ndarray] | Wait]) -> Window | Wait:
         """The newest complete window (windows.pick_window) with `state(stamp)` = (positions,

@@ -78,9 +78,9 @@ class Inputs:
     def __init__(self, node: VLANode, engine: EngineProcess, offset_s: float, telemetry: NodeTelemetry):
         self._node, self._telemetry, self.offset_s = node, telemetry, offset_s
         s = node.settings
-        slots = frames_to_keep(s.history_frames, offset_s, s.max_camera_rate_hz) + s.history_frames
-        shape = FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width, slots)
-        self.ring = FrameRing(list(s.camera_names), s.camera_height, s.camera_width, self.window_spec(), slots,
+        keep = frames_to_keep(s.history_frames, offset_s, s.max_camera_rate_hz)
+        shape = FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width, keep, s.history_frames)
+        self.ring = FrameRing(list(s.camera_names), s.camera_height, s.camera_width, self.window_spec(), keep,
                               engine.share_frames(shape))
         self.joints = JointStates(s.joint_names)     # recent samples per joint, by header stamp
         self.timeline_ended = threading.Event()     # an input's stamps stepped back: the control loop resets

@@ -96,34 +96,38 @@ Rows = list[list[int]]   # [frame time, oldest first][camera]: index into that c
 State = TypeVar("State")
 
 
+def check_frame_stamp(camera: str, last_ns: Optional[int], stamp_ns: int) -> None:
+    """A camera frame's stamp against the camera's previous one, before anything of it is kept:
+    StampStep when it went back (a new timeline), InputError for a frame to drop: the previous
+    frame's stamp again (a first frame stamped 0 is a simulation's at its start)."""
+    if last_ns is not None and stamp_ns < last_ns:
+        raise StampStep(camera, last_ns - stamp_ns)
+    if stamp_ns == last_ns == 0:
+        raise InputError("unstamped frames (header.stamp 0): frames are paired and timed by their stamps, the "
+                         "camera driver must set them")
+    if stamp_ns == last_ns:
+        raise InputError("repeated stamp: the same as the camera's previous frame; dropped")
+
+
 def frames_to_keep(frames: int, offset_s: float, max_rate_hz: float) -> int:
     """Frames of one camera to keep: the history span and LATENESS_S at max_rate_hz, the newest
-    frame and SYNC_MARGIN more (a buffer that also holds an in-flight window adds `frames`)."""
-    return math.ceil(((frames - 1) * offset_s + LATENESS_S) * max_rate_hz - 1e-9) + 1 + SYNC_MARGIN
+    frame, SYNC_MARGIN and `frames` more. The node and the bag reader keep this many and give up
+    the same ones (evict), so they pick the same windows."""
+    return math.ceil(((frames - 1) * offset_s + LATENESS_S) * max_rate_hz - 1e-9) + 1 + SYNC_MARGIN + frames
 
 
-def evict(stamps: Sequence[int], pinned: Sequence[bool], span_ns: int) -> int:
-    """Which of a full camera's frames (stamps ascending) to drop for a new one: the oldest
-    unpinned one that no window can use any more (more than two frame intervals before the
-    oldest history time of a window LATENESS_S old); else the unpinned one, neither the oldest
-    nor one of the newest two, whose removal leaves the smallest gap: a camera faster than its
-    buffer was sized for keeps all recent frames and an evenly thinned history. -1 when every
-    candidate is pinned."""
+def evict(stamps: Sequence[int], span_ns: int) -> int:
+    """Which of a full camera's frames (stamps ascending) to give up for a new one: the oldest if
+    no window can use it any more (more than two frame intervals before the oldest history time of
+    a window LATENESS_S old); else the one, neither the oldest nor one of the newest two, whose
+    removal leaves the smallest gap: a camera faster than its buffer was sized for keeps all recent
+    frames and an evenly thinned history. Stamps alone decide: the node and the bag reader give up
+    the same frames."""
     interval = frame_interval_ns(stamps, len(stamps) - 1) or 0
-    horizon = stamps[-1] - round(LATENESS_S * 1e9) - span_ns - 2 * interval
-    for i, stamp in enumerate(stamps):
-        if stamp >= horizon:
-            break
-        if not pinned[i]:
-            return i
-    best, best_gap = -1, None
-    for i in range(1, len(stamps) - 2):
-        gap = stamps[i + 1] - stamps[i - 1]
-        if not pinned[i] and (best_gap is None or gap < best_gap):
-            best, best_gap = i, gap
-    if best < 0:   # too few frames to thin: the oldest unpinned one
-        best = next((i for i in range(len(stamps) - 1) if not pinned[i]), -1)
-    return best
+    if stamps[0] < stamps[-1] - round(LATENESS_S * 1e9) - span_ns - 2 * interval or len(stamps) < 4:
+        return 0
+    gaps = [stamps[i + 1] - stamps[i - 1] for i in range(1, len(stamps) - 2)]
+    return 1 + gaps.index(min(gaps))
 
 
 def frame_interval_ns(stamps: Sequence[int], upto: int) -> Optional[int]:
@@ -137,6 +141,7 @@ def frame_interval_ns(stamps: Sequence[int], upto: int) -> Optional[int]:
 # _partner's answers other than an index
 PENDING = -1       # the camera's next frame may still be the one (or the nearest)
 OUT_OF_STEP = -2   # its frames around the time are all farther than the slop
+BEHIND = -3        # its newest frame is more than LATENESS_S older: stopped, or stamped on a clock behind
 
 
 def _partner(stamps: Sequence[int], t: int, slop_ns: int) -> int:
@@ -148,7 +153,7 @@ def _partner(stamps: Sequence[int], t: int, slop_ns: int) -> int:
     if before is not None and t - stamps[before] <= slop_ns // 2:
         return before   # a later frame could only be nearer if frames came less than the slop apart
     if after is None:
-        return PENDING
+        return PENDING if before is None or t - stamps[before] <= LATENESS_S * 1e9 + slop_ns else BEHIND
     nearest = after if before is None or stamps[after] - t <= t - stamps[before] else before
     return nearest if abs(stamps[nearest] - t) <= slop_ns else OUT_OF_STEP
 
@@ -172,6 +177,9 @@ def _row(cameras: Sequence[Sequence[int]], names: Sequence[str], i: int, slop_ns
         j = _partner(cameras[c], cameras[0][i], slop_ns)
         if j == OUT_OF_STEP:
             return Wait(f"camera {names[c]!r} has no frame within sync_slop_s of camera {names[0]!r}", sync=True)
+        if j == BEHIND:   # no "waiting" while its frames keep coming, stamped on a clock behind
+            return Wait(f"camera {names[c]!r} has no frame within sync_slop_s of camera {names[0]!r}, its newest is "
+                        f"over {LATENESS_S:g} s older: stopped, or stamped on a clock behind", sync=True)
         if j == PENDING:
             return Wait(f"waiting for camera {names[c]!r}", sync=False)
         row.append(j)
@@ -288,7 +296,8 @@ class JointStates:
         """(positions, their stamps) [joints]: each joint's sample stamped nearest `stamp_ns`,
         taken once a later sample exists (one exactly at it too); or why there is none yet."""
         positions, stamps = np.zeros(len(self.names)), np.zeros(len(self.names), np.int64)
-        never, pending, before, after = [], [], [], []
+        never, pending = [], []
+        stopped, gap, later = [], [], []   # no sample within the slop: none after it yet, both sides, only after
         with self._lock:
             for w, (times, samples) in enumerate(zip(self._stamps, self._values)):
                 if not times:
@@ -298,22 +307,30 @@ class JointStates:
                 if i < len(times) and times[i] == stamp_ns:
                     j = i
                 elif i == len(times):   # nothing after it yet: a later sample may be nearer
-                    (pending if stamp_ns - times[-1] <= slop_ns else before).append(self.names[w])
+                    (pending if stamp_ns - times[-1] <= slop_ns else stopped).append(self.names[w])
                     continue
                 else:
                     j = i if i == 0 or times[i] - stamp_ns <= stamp_ns - times[i - 1] else i - 1
                     if abs(times[j] - stamp_ns) > slop_ns:
-                        (before if times[j] < stamp_ns else after).append(self.names[w])
+                        (later if i == 0 else gap).append(self.names[w])
                         continue
                 positions[w], stamps[w] = samples[j], times[j]
         if never:
             hint = f" (the latest message named only {list(self.unknown)[:8]})" if self.unknown else ""
             return Wait(f"no joint state for {never} yet{hint}", sync=False, lacks="state")
-        if before or after:
-            # No number that changes from call to call in the text: a fault is logged again when it changes.
-            return Wait(f"no joint state{self._of(before or after)} stamped within state_slop_s ({slop_ns / 1e6:g} "
-                        f"ms) of the frames, the nearest is {'before' if before else 'after'} them: are the cameras "
-                        f"and joint_states stamped on one clock? (state_sync newest ignores stamps)", sync=True,
+        # No number that changes from call to call in the texts: a fault is logged again when it changes.
+        # A joint whose messages stopped and one stamped on a clock behind the cameras' look the same
+        # here; input_timeout_s tells them apart later (a stale input), so both are named.
+        within = f"stamped within state_slop_s ({slop_ns / 1e6:g} ms) of the frames"
+        clocks = "stamped on another clock than the cameras? (state_sync newest ignores stamps)"
+        if stopped:
+            return Wait(f"no joint state{self._of(stopped)} {within} and none after them yet: stopped, or "
+                        f"{clocks}", sync=True, lacks="state")
+        if later:
+            return Wait(f"no joint state{self._of(later)} {within}, the earliest is after them: {clocks}",
+                        sync=True, lacks="state")
+        if gap:
+            return Wait(f"no joint state{self._of(gap)} {within}: a gap in the messages around them", sync=True,
                         lacks="state")
         if pending:
             return Wait(f"waiting for a joint state{self._of(pending)} stamped after the frames", sync=False,

@@ -18,7 +18,7 @@ import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import apsw
 import cv2
@@ -38,6 +38,7 @@ from ..runtime.windows import (
     StampStep,
     Wait,
     WindowSpec,
+    check_frame_stamp,
     evict,
     frames_to_keep,
     pick_window,
@@ -574,6 +575,7 @@ class StreamStats:
     frames_superseded: int = 0            # a newer frame's window completed with it (a late joint state)
     timeline_restarts: int = 0            # an input's stamps stepped back: every input before was dropped
     joint_states_refused: int = 0         # malformed joint state messages skipped
+    frames_refused: int = 0               # camera frames the node would drop (unstamped, a repeated stamp)
 
 
 # Wait.lacks -> the StreamStats field that counts frames skipped for it
@@ -609,13 +611,14 @@ class ObservationStream:
         self.bag, self.inputs, self.layout = bag, inputs, layout
         self.joint_names = tuple(joint_names)
         self.spec = WindowSpec.of(layout.frames, history_offset_s, sync_slop_s, state_slop_s, wait_for_history)
-        # As many frames as the node's frame buffer holds.
-        self.capacity = frames_to_keep(layout.frames, history_offset_s, max_camera_rate_hz) + layout.frames
+        # As many frames as the node's frame buffer keeps.
+        self.capacity = frames_to_keep(layout.frames, history_offset_s, max_camera_rate_hz)
         self.fixed_instruction = instruction
         self.every = max(1, every)
         self.max_frames = max_frames
         self.stats = StreamStats()
         self.last_wait: Optional[Wait] = None   # why the last window attempt failed
+        self.last_refusal: Optional[str] = None  # why the last message dropped was dropped
 
     def __iter__(self) -> Iterator[BagFrame]:
         cameras = [_Camera(c) for c in self.inputs.cameras]
@@ -629,18 +632,21 @@ class ObservationStream:
         decoded = set()    # topics with a good message: a bad one after that is damage, not a wrong type
         ref = cameras[0]
 
+        def count_skipped(i: int) -> None:
+            """Count the first camera's frame i as skipped, by why, unless it is settled."""
+            if done is not None and ref.stamps[i] <= done:
+                return
+            rows = window_at([c.stamps for c in cameras], names, i, self.spec)
+            wait = rows if isinstance(rows, Wait) else joints.at(ref.stamps[i], slop_ns)
+            field_name = _SKIPPED[wait.lacks] if isinstance(wait, Wait) else "frames_superseded"
+            setattr(self.stats, field_name, getattr(self.stats, field_name) + 1)
+
         def skip_until(r: int) -> None:
             """Count the first camera's frames after `done` and before frame r as skipped, by why;
             frame r is settled then."""
             nonlocal done
-            stamps = [c.stamps for c in cameras]
             for i in range(r):
-                if done is not None and ref.stamps[i] <= done:
-                    continue
-                rows = window_at(stamps, names, i, self.spec)
-                wait = rows if isinstance(rows, Wait) else joints.at(ref.stamps[i], slop_ns)
-                field_name = _SKIPPED[wait.lacks] if isinstance(wait, Wait) else "frames_superseded"
-                setattr(self.stats, field_name, getattr(self.stats, field_name) + 1)
+                count_skipped(i)
             if r < len(ref.stamps):
                 done = ref.stamps[r]
 
@@ -680,15 +686,20 @@ class ObservationStream:
                         joints.add(stamp, msg.name, msg.position, source=topic)
                 else:
                     camera = by_topic[topic]
-                    if camera.stamps and stamp < camera.stamps[-1]:
+                    last = camera.stamps[-1] if camera.stamps else None
+                    try:
+                        check_frame_stamp(f"camera {camera.input.name!r}", last, stamp)
+                    except StampStep:
                         restart()
-                    if camera.stamps and stamp == camera.stamps[-1]:
-                        continue   # a repeated frame: the node refuses it too
-                    self._keep(camera, stamp, image)
+                    self._keep(camera, stamp, image, count_skipped if camera is ref else None)
                     if camera is ref:
                         self.stats.first_camera_frames += 1
-            except InputError:
-                self.stats.joint_states_refused += 1
+            except InputError as err:   # dropped, as the node drops it
+                if topic == self.inputs.joint_states:
+                    self.stats.joint_states_refused += 1
+                else:
+                    self.stats.frames_refused += 1
+                self.last_refusal = f"{topic}: {err}"
                 continue
             picked = pick_window([c.stamps for c in cameras], names, self.spec,
                                  lambda t: joints.at(t, slop_ns))
@@ -718,9 +729,14 @@ class ObservationStream:
                 return
         skip_until(len(ref.stamps))
 
-    def _keep(self, camera: _Camera, stamp: int, image: np.ndarray) -> None:
+    def _keep(self, camera: _Camera, stamp: int, image: np.ndarray,
+              on_evict: Optional[Callable[[int], None]] = None) -> None:
+        """Keep a frame, giving up the one windows.evict picks once the camera holds as many as
+        the node would (`on_evict(i)` first: a frame never queried is counted)."""
         if len(camera.stamps) >= self.capacity:
-            i = evict(camera.stamps, [False] * len(camera.stamps), self.spec.span_ns)
+            i = evict(camera.stamps, self.spec.span_ns)
+            if on_evict is not None:
+                on_evict(i)
             del camera.stamps[i], camera.images[i]
         camera.stamps.append(stamp)
         camera.images.append(image)

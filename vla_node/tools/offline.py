@@ -182,7 +182,8 @@ def skipped_text(stats: StreamStats) -> str:
                "superseded by a newer frame": stats.frames_superseded}
     more = {"queries with partial history": stats.partial_history,
             "timeline restarts (stamps stepped back)": stats.timeline_restarts,
-            "malformed joint states skipped": stats.joint_states_refused}
+            "malformed joint states skipped": stats.joint_states_refused,
+            "camera frames dropped (unstamped or a repeated stamp)": stats.frames_refused}
     return f"{stats.first_camera_frames} frames of the first camera" + "".join(
         f", {n} {why} skipped" for why, n in skipped.items() if n) + "".join(
         f"; {n} {what}" for what, n in more.items() if n)
@@ -225,6 +226,7 @@ def run_config(spec: ConfigSpec, config: EngineConfig, query: BagQuery, log: Fra
         if baseline and not timings:
             damage = f"; {bag.damage.describe(bag.start_ns)}" if bag.damage else ""
             last = f"; the last window lacked: {stream.last_wait.reason}" if stream.last_wait else ""
+            last += f"; the last message dropped: {stream.last_refusal}" if stream.last_refusal else ""
             raise BagError(f"no query could be formed from {bag.path}: {skipped_text(stream.stats)}{last}{damage}")
         if len(timings) != len(log.noises):
             raise RuntimeError(f"[{spec.label}] {len(timings)} queries, the baseline had {len(log.noises)}: "
