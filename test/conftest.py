@@ -43,6 +43,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def own_compile_worker(pid: int) -> bool:
+    """torch.compile's worker pool (a sidecar process and its forks) belongs to this pytest process
+    and lives as long as it does; it carries the environment of the module that compiled first.
+    Killed, it leaves inductor writing into a dead pipe: the next new kernel waits forever (seen on
+    the H200). Pools of engine or node processes name another parent and still count."""
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return False
+    return any(b"torch/_inductor/compile_worker" in a for a in argv) and f"--parent={os.getpid()}".encode() in argv
+
+
 @pytest.fixture(scope="module", autouse=True)
 def own_ros_domain_and_nothing_left_behind(request):
     """Each test module gets a ROS domain of its own, so nothing it starts hears another module's
@@ -65,7 +77,8 @@ def own_ros_domain_and_nothing_left_behind(request):
         else:
             os.environ[name] = value
     deadline = time.monotonic() + 10.0      # a stopped node's engine process may take a moment
-    while (left := processes_with_env("VLA_TEST_MODULE", marker)) and time.monotonic() < deadline:
+    while (left := [pid for pid in processes_with_env("VLA_TEST_MODULE", marker) if not own_compile_worker(pid)]) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
