@@ -212,6 +212,26 @@ def test_a_gap_in_one_joints_messages_is_named_as_a_gap_not_a_clock():
         "stopped" in joints.at(400 * MS, 50 * MS).reason
 
 
+def test_a_slow_joint_is_waited_for_and_one_slower_than_the_slop_allows_says_so():
+    """A 10 Hz gripper driver: a frame 70 ms after its newest sample waits for the next one (due
+    in 30 ms), it was said to have stopped; samples 120 ms apart leave frames between them with
+    none within 50 ms: raise state_slop_s."""
+    joints = JointStates(["gripper"])
+    for t in range(0, 1001, 100):
+        joints.add(t * MS, ["gripper"], [0.0])
+    assert joints.at(1070 * MS, 50 * MS) == Wait("waiting for a joint state stamped after the frames", sync=False,
+                                                 lacks="state")
+    assert "none after them yet: stopped" in joints.at(1160 * MS, 50 * MS).reason
+    joints = JointStates(["gripper"])
+    for t in range(0, 1201, 120):
+        joints.add(t * MS, ["gripper"], [0.0])
+    assert joints.at(1140 * MS, 50 * MS).reason == (
+        "no joint state stamped within state_slop_s (50 ms) of the frames: its messages come more than twice "
+        "state_slop_s apart (raise state_slop_s)")
+    positions, at = joints.at(1135 * MS, 60 * MS)
+    assert at.tolist() == [1080 * MS]
+
+
 def test_a_joint_stamp_stepping_back_keeps_nothing_of_the_message():
     joints = JointStates(["a", "b"])
     joints.add(1000 * MS, ["a", "b"], [1.0, 1.0])

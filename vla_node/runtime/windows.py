@@ -297,7 +297,9 @@ class JointStates:
         taken once a later sample exists (one exactly at it too); or why there is none yet."""
         positions, stamps = np.zeros(len(self.names)), np.zeros(len(self.names), np.int64)
         never, pending = [], []
-        stopped, gap, later = [], [], []   # no sample within the slop: none after it yet, both sides, only after
+        # No sample within the slop: none after it although one was due (stopped), samples before and
+        # after it (a gap, or samples always farther apart than twice the slop: sparse), only after.
+        stopped, gap, sparse, later = [], [], [], []
         with self._lock:
             for w, (times, samples) in enumerate(zip(self._stamps, self._values)):
                 if not times:
@@ -307,12 +309,17 @@ class JointStates:
                 if i < len(times) and times[i] == stamp_ns:
                     j = i
                 elif i == len(times):   # nothing after it yet: a later sample may be nearer
-                    (pending if stamp_ns - times[-1] <= slop_ns else stopped).append(self.names[w])
+                    due = slop_ns + (frame_interval_ns(times, len(times) - 1) or 0)   # a slow joint's next one
+                    (pending if stamp_ns - times[-1] <= due else stopped).append(self.names[w])
                     continue
                 else:
                     j = i if i == 0 or times[i] - stamp_ns <= stamp_ns - times[i - 1] else i - 1
                     if abs(times[j] - stamp_ns) > slop_ns:
-                        (later if i == 0 else gap).append(self.names[w])
+                        if i == 0:
+                            later.append(self.names[w])
+                        else:
+                            interval = frame_interval_ns(times, i) or 0
+                            (sparse if interval > 2 * slop_ns else gap).append(self.names[w])
                         continue
                 positions[w], stamps[w] = samples[j], times[j]
         if never:
@@ -329,6 +336,9 @@ class JointStates:
         if later:
             return Wait(f"no joint state{self._of(later)} {within}, the earliest is after them: {clocks}",
                         sync=True, lacks="state")
+        if sparse:
+            return Wait(f"no joint state{self._of(sparse)} {within}: its messages come more than twice "
+                        f"state_slop_s apart (raise state_slop_s)", sync=True, lacks="state")
         if gap:
             return Wait(f"no joint state{self._of(gap)} {within}: a gap in the messages around them", sync=True,
                         lacks="state")
