@@ -342,7 +342,7 @@ class Robot:
         self.frame_count = 0
         self.joint_count = 0
         self.joints = HOME.copy()
-        self.camera_messages: dict[int, Callable] = {}   # camera index -> f(stamp, seq) -> msg, overrides
+        self.camera_messages: dict[int, Callable] = {}   # camera index -> f(camera, stamp, seq) -> msg, overrides
         self.joint_message: Optional[Callable] = None     # f(stamp) -> msg, overrides
         self.cameras_on = [True, True]
         self.joints_on = True

@@ -39,6 +39,28 @@ def test_non_finite_actions_are_never_published(tmp_path):
         node.stop_cleanly()
 
 
+def test_a_camera_on_a_clock_behind_holds_with_the_reason():
+    """A camera driver stamping on its own clock, 2 s behind the other camera: its frames keep
+    arriving, so no input is stale; the node used to say "waiting for camera 'wrist'" forever."""
+    from builtin_interfaces.msg import Time
+    node = NodeProcess({"autostart": True})
+    h = Harness(node)
+    try:
+        robot = Robot(h)
+        robot.camera_messages[1] = lambda camera, stamp, seq: robot.image(
+            camera, Time(sec=stamp.sec - 2, nanosec=stamp.nanosec), seq)
+        d = h.wait_diagnostics(lambda d: "clock behind" in d["_message"], 30, "the camera's clock", since=0)
+        assert d["_level"] >= 1 and "holding" in d["_message"] and "camera 'wrist' has no frame within " \
+            "sync_slop_s of camera 'exo', its newest is over 0.5 s older: stopped, or stamped on a clock behind" \
+            in d["_message"]
+        assert int(d[Key.REQUESTS]) == 0 and not h.messages("trajectory")
+        h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")
+        assert node.count("holding: sync: camera 'wrist'") == 1
+    finally:
+        h.close()
+        node.stop_cleanly()
+
+
 def test_joint_states_on_another_clock_hold_with_the_reason_until_state_sync_newest():
     from builtin_interfaces.msg import Time
     node = NodeProcess({"autostart": True})
