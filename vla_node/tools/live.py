@@ -163,11 +163,13 @@ def plan_playback(bag: Bag, params: dict, options: LiveOptions, clock_on: bool, 
 
 # -- the player (child process) ------------------------------------------------------------------
 def convert(route: Route, raw: bytes, shift_ns: Optional[int]) -> bytes:
-    """The bag's bytes as the node's input type, header stamp shifted by shift_ns (None: as is)."""
+    """The bag's bytes as the node's input type, header stamp shifted by shift_ns (None: as is). An
+    unset stamp (0) stays unset: shifted, it would look like a real one."""
     if route.bag_type == route.node_type and shift_ns is None or route.node_type in (STRING, CLOCK):
         return raw
     msg = TYPESTORE.deserialize_cdr(raw, route.bag_type)
-    stamp = stamp_ns(msg.header.stamp) + (shift_ns or 0)
+    stamp = stamp_ns(msg.header.stamp)
+    stamp += (shift_ns or 0) if stamp else 0
     if route.bag_type != route.node_type:
         rgb = decode_image(msg, route.bag_topic)
         make = image_msg if route.node_type == IMAGE else compressed_image_msg
