@@ -20,9 +20,7 @@ one exterior frame period. Live replay must send the same frames and state as of
 every query both make. The live replay's holds are printed in order.
 """
 import argparse
-import ast
 import json
-import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -35,7 +33,7 @@ from vla_node.runtime import LAYOUTS
 from vla_node.runtime.windows import PANDA_JOINTS
 from vla_node.tools.bag_io import Bag, ObservationStream, resolve_inputs
 from vla_node.tools.demo import NodeProcess, tiny_config
-from vla_node.tools.live import LiveOptions, replay_live
+from vla_node.tools.live import LiveOptions, logged_observations, replay_live
 
 TYPES = get_typestore(Stores.ROS2_HUMBLE)
 START_NS = 1_700_000_000 * 10**9
@@ -43,7 +41,6 @@ STEP_AT_S, STEP_BACK_S = 3.0, 1.0
 DURATION_S, HEIGHT, WIDTH = 8.0, 120, 160
 OFFSET_S = 8 / 15                # the tiny checkpoint's history offset (MolmoBot-DROID's)
 EXO_HZ = 60.0
-OBSERVATION = re.compile(r"observation (\d+): frames (\[.*?\]) state (\[.*?\]) stamped (\[.*?\])$")
 
 
 def write_bag(path: Path, variant: str) -> dict:
@@ -129,18 +126,13 @@ def offline(path: Path) -> tuple[dict, object]:
         return {f.stamp_ns: f for f in stream}, stream
 
 
-def live(path: Path, out: Path) -> tuple[dict, list]:
+def live(path: Path, out: Path, bag_stamps) -> tuple[dict, list]:
+    """The node's observations, on the bag's stamps."""
     with NodeProcess(tiny_config(), out / "node.log", {"camera_height": HEIGHT, "camera_width": WIDTH},
                      ("--log-level", "vla_node:=debug")) as node:
         summary = replay_live(LiveOptions(bag=path, out=out / "live", wait_s=120.0, abort_if=node.exited),
                               progress=lambda m: None)
-    observations = []
-    for line in (out / "node.log").read_text().splitlines():
-        match = OBSERVATION.search(line)
-        if match:
-            frames, state, stamps = (ast.literal_eval(match.group(k)) for k in (2, 3, 4))
-            observations.append((frames, np.array(state), np.array(stamps)))
-    return summary, observations
+    return summary, logged_observations((out / "node.log").read_text(), bag_stamps)[0]
 
 
 def main() -> None:
@@ -160,13 +152,9 @@ def main() -> None:
               "offline_stats": vars(stream.stats), "offline_last_wait": getattr(stream.last_wait, "reason", None),
               "offline_last_refusal": stream.last_refusal}
     if not args.offline_only:
-        summary, observations = live(path, args.out / f"live_{args.variant}")
-        # Live replay shifts every header stamp by one constant: the one that maps most newest frames onto offline's.
-        shifts = Counter(frames[-2][1] - stamp for frames, _, _ in observations for stamp in queries)
-        shift = shifts.most_common(1)[0][0] if shifts else 0
+        summary, observations = live(path, args.out / f"live_{args.variant}", queries)
         bad, same, differ, unmatched = Counter(), 0, [], 0
         for frames, state, stamps in observations:
-            frames, stamps = [(c, t - shift) for c, t in frames], stamps - shift
             bad.update(problems(truth, frames, state, stamps))
             query = queries.get(frames[-2][1])
             if query is None:

@@ -3,10 +3,6 @@ with stamp jitter, a 0.8 s wrist dropout, arm and gripper in separate joint stat
 shuffled and extra joints, an instruction change, every stamp and /clock stepping back 2 s) replayed
 live into a real node (`vla-node` process, DDS in between), with the node logging every observation
 it sends (--log-level debug), and compared with offline replay of the same bag."""
-import ast
-import re
-from collections import Counter
-
 import numpy as np
 import pytest
 
@@ -14,13 +10,12 @@ from vla_node.runtime import LAYOUTS
 from vla_node.runtime.windows import PANDA_JOINTS
 from vla_node.tools.bag_io import Bag, ObservationStream, resolve_inputs, stamp_ns
 from vla_node.tools.demo import NodeProcess, tiny_config
-from vla_node.tools.live import LiveOptions, replay_live
+from vla_node.tools.live import LiveOptions, logged_observations, replay_live
 from vla_node.tools.sample_bag import QUIRKS_BAG, START_NS, QuirksSpec
 
 SPEC = QuirksSpec()           # the recipe of the shipped bag
 STEP_S, BACK_S = SPEC.steps[0]
 SMALL = {"camera_height": SPEC.size[0], "camera_width": SPEC.size[1]}
-OBSERVATION = re.compile(r"observation (\d+): frames (\[.*?\]) state (\[.*?\]) stamped (\[.*?\])$")
 
 
 @pytest.fixture(scope="module")
@@ -50,40 +45,27 @@ def offline():
 
 
 @pytest.fixture(scope="module")
-def wall_clock(tmp_path_factory):
-    """The bag replayed into a node on the wall clock: header stamps shifted to playback time."""
+def wall_clock(tmp_path_factory, offline):
+    """The bag replayed into a node on the wall clock (header stamps shifted to playback time),
+    and the observations the node logged, shifted back onto the bag's stamps."""
     out = tmp_path_factory.mktemp("quirks_live")
     with NodeProcess(tiny_config(), out / "node.log", SMALL, ("--log-level", "vla_node:=debug")) as node:
         live = replay_live(LiveOptions(bag=QUIRKS_BAG, out=out / "live", wait_s=120.0, abort_if=node.exited),
                            progress=lambda m: None)
     text = (out / "node.log").read_text()
-    observations = []
-    for line in text.splitlines():
-        match = OBSERVATION.search(line)
-        if match:
-            frames, state, stamps = (ast.literal_eval(match.group(k)) for k in (2, 3, 4))
-            observations.append((frames, np.array(state), np.array(stamps)))
-    return live, text, observations
-
-
-def unshift(observations, offline):
-    """The replay shifted every header stamp by one constant (rate 1): the one that maps the
-    node's newest exterior frames onto the bag's."""
-    shifts = Counter(frames[-2][1] - stamp for frames, _, _ in observations for stamp in offline)
-    shift, hits = shifts.most_common(1)[0]
-    assert hits >= len(observations) // 2
-    return [([(camera, t - shift) for camera, t in frames], state, stamps - shift)
-            for frames, state, stamps in observations]
+    observations, hits = logged_observations(text, offline)
+    return live, text, observations, hits
 
 
 def test_the_node_sends_what_offline_replay_sends(wall_clock, offline, truth):
     """Same frame stamps and same state for every query both make; the state assembled from the
     arm's and the gripper's separate messages is the one written to the bag."""
-    live, _, observations = wall_clock
+    live, _, observations, hits = wall_clock
     log, positions = truth
     assert len(observations) > 25      # one per replan_threshold ticks (160 ms) while inputs are good
+    assert hits >= len(observations) // 2
     compared = 0
-    for frames, state, stamps in unshift(observations, offline):
+    for frames, state, stamps in observations:
         written = [positions[name, int(t)] for name, t in zip(PANDA_JOINTS, stamps)]
         np.testing.assert_array_equal(state, written)
         query = offline.get(frames[-2][1])
@@ -99,13 +81,14 @@ def test_the_node_sends_what_offline_replay_sends(wall_clock, offline, truth):
     assert compared >= len(observations) * 0.8, f"{compared} of {len(observations)} observations offline made too"
 
 
-def test_the_node_never_mixes_timelines(wall_clock, offline, truth):
+def test_the_node_never_mixes_timelines(wall_clock, truth):
     """Every frame and joint sample of an observation was recorded on one side of the step back."""
-    live, text, observations = wall_clock
+    live, text, observations, hits = wall_clock
     log, _ = truth
+    assert hits >= len(observations) // 2
     step_ns = START_NS + int(STEP_S * 1e9)
     sides = []
-    for frames, _, stamps in unshift(observations, offline):
+    for frames, _, stamps in observations:
         keys = frames + list(zip(PANDA_JOINTS, stamps.tolist()))
         after = {log[key] >= step_ns for key in keys}
         assert len(after) == 1, f"an observation mixes the timelines: {keys}"
@@ -118,7 +101,7 @@ def test_the_node_never_mixes_timelines(wall_clock, offline, truth):
 def test_holds_name_their_cause_and_diagnostics_keep_their_rate(wall_clock):
     """During the wrist camera's dropout the node holds for the camera (it used to blame
     inference), and /diagnostics stays near 1 Hz (the split joint states made it ~100 Hz)."""
-    live, text, _ = wall_clock
+    live, text, _, _ = wall_clock
     dropout = [c["status"] for c in live["holds"]["changes"] if SPEC.dropout_s[0] < c["t_s"] < SPEC.dropout_s[1] + 0.3]
     assert any("camera 'wrist'" in status for status in dropout), dropout
     assert not any("inference" in status for status in dropout), dropout

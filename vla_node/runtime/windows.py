@@ -308,9 +308,10 @@ class JointStates:
                 i = bisect.bisect_left(times, stamp_ns)
                 if i < len(times) and times[i] == stamp_ns:
                     j = i
-                elif i == len(times):   # nothing after it yet: a later sample may be nearer
-                    due = slop_ns + (frame_interval_ns(times, len(times) - 1) or 0)   # a slow joint's next one
-                    (pending if stamp_ns - times[-1] <= due else stopped).append(self.names[w])
+                elif i == len(times):   # nothing after it yet: a later sample may be nearer, or is due (a slow joint)
+                    behind = stamp_ns - times[-1]   # the median interval only when the slop alone says stopped
+                    due = behind <= slop_ns or behind <= slop_ns + (frame_interval_ns(times, len(times) - 1) or 0)
+                    (pending if due else stopped).append(self.names[w])
                     continue
                 else:
                     j = i if i == 0 or times[i] - stamp_ns <= stamp_ns - times[i - 1] else i - 1

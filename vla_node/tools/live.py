@@ -16,15 +16,18 @@ unless the bag's own clock steps back), on the node's wall clock without.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import multiprocessing as mp
 import os
+import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -159,6 +162,28 @@ def plan_playback(bag: Bag, params: dict, options: LiveOptions, clock_on: bool, 
                         restamp=not clock_on,
                         instruction=options.instruction, instruction_topic=instruction_topic,
                         tail_s=options.tail_s, wait_s=options.wait_s, joint_names=tuple(params["joint_names"]))
+
+
+# The line EngineLink.send logs at debug level (--log-level vla_node:=debug): what the policy was shown.
+_OBSERVATION_LINE = re.compile(r"observation (\d+): frames (\[.*?\]) state (\[.*?\]) stamped (\[.*?\])$")
+
+
+def logged_observations(log_text: str, bag_stamps: Iterable[int]) -> tuple[list, int]:
+    """The observations a node logged while this replay (without /clock, rate 1) fed it, on the
+    bag's stamps: [(frame ids, state, state stamps)], and how many of them support the shift. The
+    player shifted every header stamp by one constant, taken as the one that maps the most newest
+    first-camera frames (frame ids[-2], two cameras) onto `bag_stamps`."""
+    observations = []
+    for line in log_text.splitlines():
+        match = _OBSERVATION_LINE.search(line)
+        if match:
+            frames, state, stamps = (ast.literal_eval(match.group(k)) for k in (2, 3, 4))
+            observations.append((frames, np.array(state), np.array(stamps)))
+    bag_stamps = list(bag_stamps)
+    shifts = Counter(frames[-2][1] - stamp for frames, _, _ in observations for stamp in bag_stamps)
+    shift, hits = shifts.most_common(1)[0] if shifts else (0, 0)
+    return [([(camera, t - shift) for camera, t in frames], state, stamps - shift)
+            for frames, state, stamps in observations], hits
 
 
 # -- the player (child process) ------------------------------------------------------------------
