@@ -1,20 +1,25 @@
-"""The action expert's velocity in 6 Triton launches per block (kernels/expert_block.py) instead
-of ~14 library kernels: a drop-in for ActionExpert.velocity in the flow loop.
+"""The action expert's flow loop on one fused Triton kernel (kernels/expert_flow.py): a drop-in
+for the reference loop (model.action_expert.euler over ActionExpert.velocity).
 
-Per flow step: action_in (1 launch), per block qkv / self_out / cross / cross_out / fc1 / fc2
-(6; 7 with project_in_attention=False, which runs the cross-attention's q projection as its own
-linear), final LayerNorm + action_out (1). The residual stream and all intermediates stay in
-fp32 scratch buffers made once per (batch, horizon, context length), so a call allocates only
-its output and can be captured in a CUDA graph (no host syncs). Exposed as the custom op
-`vla::fused_expert_velocity`, opaque to torch.compile.
+    fused = FusedExpert(expert)                           # weights stacked once per kind
+    inputs = fused.schedule(mod_table, reuse)             # per flow-step schedule, once
+    actions = fused.flow(noise, inputs, kv, ctx_mask)     # the whole loop, one launch
+    v = fused.velocity(x, mods, kv, ctx_mask)             # one step (adaptive action caching)
 
-Optional fp8: every block linear in e4m3 with an fp32 scale per output channel (runtime/fp8.py's
-row-wise quantize), dequantised in the kernels; activations stay in the model dtype. It changes
-the numbers: report its deviation (scripts/bench_expert_gpu.py does).
+On the GPU the loop is one persistent launch of one program per SM (grid barriers between a
+block's phases); with Tiling(persistent=False), and always under TRITON_INTERPRET, every phase
+is its own launch. Both compute the same thing in the same order. Scratch is made once per
+(batch, context length), so calls allocate nothing but what they return and can be captured
+in a CUDA graph.
+
+Weights: each kind's weights of all blocks stacked into one [depth, N, K] tensor (a copy: the
+kernel indexes block j at a fixed stride), bf16/fp32 as the model, or e4m3 with an fp32 scale per
+output channel (opt-in: it changes the numbers; scripts/bench_expert_gpu.py reports by how much).
 """
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -22,71 +27,117 @@ from typing import Callable, Optional
 import torch
 import triton
 
-from ..model.action_expert import LN_EPS, ActionExpert, ExpertBlock
+from ..model.action_expert import LN_EPS, ActionExpert
 from ..model.layers import FusableProjection
 from .fp8 import quantize
-from .kernels.expert_block import (
-    SplitScratch,
-    Tiling,
-    block_rows,
-    cross_attention,
-    cross_partials,
-    head_linear,
-    linear,
-    linear_splits,
+from .kernels.expert_flow import (
+    CROSS,
+    CROSS_OUT,
+    CROSS_Q,
+    FC1,
+    FC2,
+    IN,
+    OUT,
+    PERSISTENT,
+    PHASE_NAMES,
+    QKV,
+    REUSE,
+    SELF,
+    flow_kernel,
 )
 
+BLOCK_PHASES = (QKV, SELF, CROSS_Q, CROSS, CROSS_OUT, FC1, FC2)
+MAX_ROWS = 128          # batch entries x horizon the kernel takes (8 observations of 16 actions)
+SPIN_LIMIT = 1 << 22    # polls of a grid barrier before it gives up (~seconds): see flow_kernel
 
-@dataclass
-class KernelWeights:
-    """One linear for the kernels: weight [N, K] as the module holds it (no copy) or in e4m3
-    with scale [N] (fp32, per output channel)."""
-    weight: torch.Tensor
-    bias: torch.Tensor
-    scale: Optional[torch.Tensor] = None
 
-    @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor, fp8: bool) -> "KernelWeights":
-        if not fp8:
-            return cls(weight.detach(), bias.detach())
-        values, scale = quantize(weight.detach(), rowwise=True)
-        return cls(values, bias.detach(), scale.reshape(-1).contiguous())
+@dataclass(frozen=True)
+class Tiling:
+    """How the work is cut. `programs` 0: one per SM (the GPU), 5 under the interpreter."""
+    programs: int = 0
+    x_tile: int = 64          # columns of the residual stream per tile (its writers, the LN statistics)
+    block_k: int = 256        # K chunk of the LayerNorm linears at 16 rows (halved per doubling of rows)
+    fc2_block_k: int = 128
+    block_keys: int = 64
+    num_warps: int = 8
+    persistent: bool = True   # one launch per loop (GPU only); False: one launch per phase
+    prefetch_l2: bool = True  # ask L2 for the next phase's weights before each barrier (GPU only)
+    cooperative: bool = True  # a cooperative launch: CUDA guarantees every program is resident
 
-    def dequantized(self) -> torch.Tensor:
-        return self.weight if self.scale is None else (self.weight.float() * self.scale[:, None])
+
+def interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
 
 
 def _projection(proj: FusableProjection) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused q/k/v weight: runtime.fusion's shared buffer when fused, else one concatenated
-    copy made here (once)."""
     if proj.fused_weight is not None:
         return proj.fused_weight, proj.fused_bias
     linears = [getattr(proj, n) for n in proj.names]
     return torch.cat([lin.weight for lin in linears]), torch.cat([lin.bias for lin in linears])
 
 
-class BlockWeights:
-    def __init__(self, blk: ExpertBlock, fp8: bool):
-        self.qkv = KernelWeights.of(*_projection(blk.self_qkv), fp8)
-        self.self_out = KernelWeights.of(blk.self_out.weight, blk.self_out.bias, fp8)
-        self.cross_q = KernelWeights.of(blk.cross_q.weight, blk.cross_q.bias, fp8)
-        self.cross_out = KernelWeights.of(blk.cross_out.weight, blk.cross_out.bias, fp8)
-        self.fc1 = KernelWeights.of(blk.fc1.weight, blk.fc1.bias, fp8)
-        self.fc2 = KernelWeights.of(blk.fc2.weight, blk.fc2.bias, fp8)
+@dataclass
+class Stack:
+    """One kind of linear of every block: weight [depth, N, K], bias [depth, N], scale [depth, N]
+    (fp32, e4m3 only; else None)."""
+    weight: torch.Tensor
+    bias: torch.Tensor
+    scale: Optional[torch.Tensor] = None
 
-    def linears(self) -> list[KernelWeights]:
-        return [self.qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2]
+    @classmethod
+    def of(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]], fp8: bool) -> "Stack":
+        weight = torch.stack([w.detach() for w, _ in pairs]).contiguous()
+        bias = torch.stack([b.detach() for _, b in pairs]).contiguous()
+        if not fp8:
+            return cls(weight, bias)
+        values, scale = quantize(weight, rowwise=True)
+        return cls(values.contiguous(), bias, scale.reshape(weight.shape[:2]).contiguous())
+
+    def dequantized(self, j: int) -> torch.Tensor:
+        w = self.weight[j]
+        return w if self.scale is None else w.float() * self.scale[j][:, None]
+
+
+@dataclass
+class FlowInputs:
+    """What one flow schedule gives the kernel: modulations of every step and block [steps,
+    depth, 9w] and of the final layer [steps, 2w] (model dtype), and per step the step whose
+    velocity it reuses or -1 (int32 on the device, and on the host for the per-phase loop)."""
+    mods: torch.Tensor
+    final_mods: torch.Tensor
+    reuse: torch.Tensor
+    reuse_host: tuple[int, ...]
+
+    @property
+    def steps(self) -> int:
+        return len(self.reuse_host)
 
 
 @dataclass
 class Buffers:
-    """Scratch of one (batch, horizon, context length): fp32 rows [batch * horizon, *]."""
-    x: torch.Tensor          # the residual stream [M, w]
-    qkv: torch.Tensor        # [M, 3w]
-    q: torch.Tensor          # cross-attention queries [M, w] (project_in_attention=False)
-    hidden: torch.Tensor     # GELU(fc1) [M, mlp]
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    scratch: SplitScratch
+    """Scratch of one (batch entries, context keys): everything the kernel writes."""
+    plan: dict
+    xa: torch.Tensor       # [M, A] fp32 the actions being integrated
+    vel: torch.Tensor      # [steps, M, A] each computed step's velocity (model dtype)
+    x: torch.Tensor        # [M, w] fp32 the residual stream
+    stats: torch.Tensor    # [2, x tiles, BLOCK_M] per tile mean and M2
+    qkv: torch.Tensor      # [M, 3w]
+    q: torch.Tensor        # [M, w] cross-attention queries
+    y: torch.Tensor        # [M, w] cross-attention output
+    hidden: torch.Tensor   # [M, mlp]
+    o_part: torch.Tensor   # cross-attention partials [entries * heads * splits, BLOCK_H, BLOCK_D]
+    m_part: torch.Tensor
+    l_part: torch.Tensor
+    part: torch.Tensor     # x-tile partial sums (over heads or K splits)
+    counter: torch.Tensor  # int32, left at zero by every phase
+    barrier: torch.Tensor  # int32 [1], zeroed before each persistent launch
+    error: torch.Tensor    # int32 [1], set when a grid barrier timed out (sticky)
+    kv: torch.Tensor       # [depth, 2, entries, heads, keys, hd] the context K/V, packed per call
 
 
 _INSTANCES: "weakref.WeakValueDictionary[int, FusedExpert]" = weakref.WeakValueDictionary()
@@ -94,110 +145,242 @@ _IDS = itertools.count()
 
 
 class FusedExpert:
-    """expert.velocity on the fused kernels. Holds views of expert's weights (or their e4m3
-    copies), so the expert must outlive it. Not re-entrant across streams: calls share scratch."""
+    """The expert's flow loop on the fused kernel. Not re-entrant across streams: calls share
+    scratch. The weights are copies: the expert may change afterwards without effect."""
 
-    def __init__(self, expert: ActionExpert, fp8: bool = False, project_in_attention: bool = True,
-                 tiling: Tiling = Tiling(), pdl: bool = False):
+    def __init__(self, expert: ActionExpert, fp8: bool = False, tiling: Tiling = Tiling()):
         cfg = expert.cfg
-        self.expert, self.fp8, self.tiling, self.pdl = expert, fp8, tiling, pdl
-        self.project_in_attention = project_in_attention
+        self.expert, self.fp8, self.tiling = expert, fp8, tiling
         self.width, self.heads, self.mlp, self.action_dim = cfg.width, cfg.heads, cfg.mlp, cfg.action_dim
+        self.head_dim = cfg.width // cfg.heads
+        if self.width % 16 or self.head_dim % 8:
+            raise ValueError(f"the fused expert needs a width divisible by 16 and head_dim by 8, got {self.width} "
+                             f"and {self.head_dim}")
+        self.depth = len(expert.blocks)
         self.dtype = expert.action_pos.dtype
-        self.blocks = [BlockWeights(blk, fp8) for blk in expert.blocks]
+        blocks = expert.blocks
+        self.qkv = Stack.of([_projection(b.self_qkv) for b in blocks], fp8)
+        self.self_out = Stack.of([(b.self_out.weight, b.self_out.bias) for b in blocks], fp8)
+        self.cross_q = Stack.of([(b.cross_q.weight, b.cross_q.bias) for b in blocks], fp8)
+        self.cross_out = Stack.of([(b.cross_out.weight, b.cross_out.bias) for b in blocks], fp8)
+        self.fc1 = Stack.of([(b.fc1.weight, b.fc1.bias) for b in blocks], fp8)
+        self.fc2 = Stack.of([(b.fc2.weight, b.fc2.bias) for b in blocks], fp8)
         self._buffers: dict[tuple, Buffers] = {}
         self.handle = next(_IDS)
         _INSTANCES[self.handle] = self
 
+    def stacks(self) -> list[Stack]:
+        return [self.qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2]
+
     def weight_bytes(self) -> int:
-        """Bytes of block weights one flow step reads (plus scales)."""
-        return sum(t.numel() * t.element_size() for b in self.blocks for lin in b.linears()
-                   for t in (lin.weight, lin.scale) if t is not None)
+        """Bytes of block weights (and scales) one flow step reads."""
+        return sum(t.numel() * t.element_size() for s in self.stacks() for t in (s.weight, s.scale) if t is not None)
+
+    @property
+    def persistent(self) -> bool:
+        return self.tiling.persistent and not interpreting()
+
+    # -- inputs --------------------------------------------------------------------------------
+    def schedule(self, mod_table: list, reuse: Optional[dict[int, int]] = None) -> FlowInputs:
+        """FlowInputs of ActionExpert.modulations per flow step (mod_table[i] = (block mods
+        [1, 9w] each, final [1, 2w])) and an action-cache reuse map {step: computed step}."""
+        reuse = reuse or {}
+        host = tuple(reuse.get(i, -1) for i in range(len(mod_table)))
+        device = mod_table[0][1].device
+        return FlowInputs(torch.stack([torch.cat(blocks) for blocks, _ in mod_table]).contiguous(),
+                          torch.cat([final for _, final in mod_table]).contiguous(),
+                          torch.tensor(host, dtype=torch.int32, device=device), host)
+
+    def _compute_dtype(self) -> torch.dtype:
+        """Of the intermediates the dots read: the dots' operand type (fp32 under the interpreter)."""
+        return torch.float32 if interpreting() else self.dtype
+
+    def _programs(self, device) -> int:
+        if self.tiling.programs:
+            return self.tiling.programs
+        if interpreting() or torch.device(device).type != "cuda":
+            return 5
+        return torch.cuda.get_device_properties(device).multi_processor_count
+
+    def _plan(self, entries: int, tokens: int, n_keys: int, device) -> dict:
+        """The kernel's tiling constants for a shape."""
+        t, w, m = self.tiling, self.width, entries * tokens
+        if m > MAX_ROWS:
+            raise ValueError(f"the fused expert takes at most {MAX_ROWS} rows (batch * horizon), got {m}")
+        programs = self._programs(device)
+        block_m = _pow2(m)
+        shrink = block_m // 16          # keep K chunks of the row tiles at 16 rows' register size
+        bk = max(16, t.block_k // shrink)
+        while w % bk:
+            bk //= 2
+        xt = min(t.x_tile, _pow2(w))
+        nt = triton.cdiv(w, xt)
+
+        def cols(n: int) -> tuple[int, int]:
+            c = triton.cdiv(n, programs)
+            return c, _pow2(c)
+
+        fc2_splits = max(1, programs // nt)
+        fc2_k = 16 * triton.cdiv(triton.cdiv(self.mlp, fc2_splits), 16)
+        fc2_splits = triton.cdiv(self.mlp, fc2_k)
+        key_splits = 1 << max(0, (programs // (entries * self.heads)).bit_length() - 1)
+        keys_per_split = 16 * triton.cdiv(triton.cdiv(n_keys, key_splits), 16)
+        (qkv_cols, qkv_bn), (cq_cols, cq_bn), (fc1_cols, fc1_bn) = cols(3 * w), cols(w), cols(self.mlp)
+        line = 128 // self.qkv.weight.element_size()
+        lines = lambda n: triton.next_power_of_2(triton.cdiv(n, line))  # noqa: E731 (prefetch addresses)
+        return dict(
+            programs=programs, keys_per_split=keys_per_split,
+            ENTRIES=entries, W=w, HEADS=self.heads, HD=self.head_dim, MLP=self.mlp, A=self.action_dim,
+            TOKENS=tokens, DEPTH=self.depth, XT=xt, NT=nt, NT_P2=_pow2(nt, 2), BLOCK_M=block_m,
+            BLOCK_H=_pow2(tokens), BLOCK_D=_pow2(self.head_dim), BLOCK_A=_pow2(self.action_dim), BK=bk,
+            QKV_COLS=qkv_cols, QKV_BN=qkv_bn, CQ_COLS=cq_cols, CQ_BN=cq_bn, FC1_COLS=fc1_cols, FC1_BN=fc1_bn,
+            FC2_SPLITS=fc2_splits, FC2_K=fc2_k, FC2_BK=max(16, min(t.fc2_block_k // shrink, _pow2(fc2_k))),
+            KEY_SPLITS=key_splits, BLOCK_KEYS=t.block_keys,
+            # One prefetch address per 128-byte line; a row slice that does not start on a line
+            # boundary touches one line more.
+            LINE=line, LINES_W=lines(w), LINES_HD=lines(self.head_dim + line), LINES_FC2=lines(fc2_k + line))
+
+    def buffers(self, entries: int, tokens: int, n_keys: int, steps: int, device) -> Buffers:
+        """The scratch of a shape, made on its first call (warm up before capturing a graph, as
+        the runner does, so nothing is allocated inside the capture)."""
+        key = (entries, tokens, n_keys, steps, torch.device(device))
+        if key not in self._buffers:
+            plan = self._plan(entries, tokens, n_keys, device)
+            m, w, heads, a = entries * tokens, self.width, self.heads, self.action_dim
+            parts = entries * heads * plan["KEY_SPLITS"] * plan["BLOCK_H"]
+            inner = self._compute_dtype()
+            with torch.device(device):
+                f32 = dict(dtype=torch.float32)
+                self._buffers[key] = Buffers(
+                    plan=plan, xa=torch.empty((m, a), **f32), vel=torch.empty((steps, m, a), dtype=self.dtype),
+                    x=torch.empty((m, w), **f32), stats=torch.empty((2, plan["NT"], plan["BLOCK_M"]), **f32),
+                    qkv=torch.empty((m, 3 * w), dtype=inner), q=torch.empty((m, w), dtype=inner),
+                    y=torch.empty((m, w), dtype=inner), hidden=torch.empty((m, self.mlp), dtype=inner),
+                    o_part=torch.empty((parts, plan["BLOCK_D"]), **f32), m_part=torch.empty(parts, **f32),
+                    l_part=torch.empty(parts, **f32),
+                    part=torch.empty(plan["NT"] * max(heads, plan["FC2_SPLITS"]) * plan["BLOCK_M"] * plan["XT"],
+                                     **f32),
+                    counter=torch.zeros(max(plan["NT"], entries * heads), dtype=torch.int32),
+                    barrier=torch.zeros(1, dtype=torch.int32), error=torch.zeros(1, dtype=torch.int32),
+                    kv=torch.empty((self.depth, 2, entries, heads, n_keys, self.head_dim), dtype=self.dtype))
+        return self._buffers[key]
+
+    def barrier_timed_out(self) -> bool:
+        """Whether a persistent launch ever gave up waiting at a grid barrier (its programs were
+        not all resident: the results of that launch are wrong). Syncs: call it after warm-up."""
+        return any(bool(b.error.item()) for b in self._buffers.values())
+
+    # -- calls ---------------------------------------------------------------------------------
+    def flow(self, noise: torch.Tensor, inputs: FlowInputs, kv: list[tuple[torch.Tensor, torch.Tensor]],
+             ctx_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The Euler loop of ActionExpert from noise [B, H, A] (fp32) over inputs.steps steps:
+        kv from ActionExpert.context_kv ([B, heads, T+1, hd] each), ctx_mask [B|1, 1, 1, T+1]
+        bool -> actions [B, H, A] fp32 (a view of scratch, valid until the next call)."""
+        buf = self.prepare(noise, inputs.steps, kv)
+        self._run(buf, inputs, ctx_mask, euler=True)
+        return buf.xa.view(noise.shape)
 
     def velocity(self, x: torch.Tensor, mods: tuple[list[torch.Tensor], torch.Tensor],
                  kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """As ActionExpert.velocity: x [B, H, action_dim] (fp32 or model dtype), mods from
-        ActionExpert.modulations, kv from ActionExpert.context_kv ([B, heads, T+1, hd] each),
-        ctx_mask [B|1, 1, 1, T+1] bool -> velocity [B, H, action_dim] in the model dtype."""
+        """As ActionExpert.velocity: x [B, H, A], mods from ActionExpert.modulations -> velocity
+        [B, H, A] in the model dtype."""
         block_mods, final_mod = mods
         return fused_expert_velocity(self.handle, x, list(block_mods), final_mod, [k for k, _ in kv],
                                      [v for _, v in kv], ctx_mask)
 
-    def buffers(self, entries: int, tokens: int, n_keys: int, device) -> Buffers:
-        """The scratch of a shape, made on its first call (warm up before capturing a graph, as the
-        runner does, so it is not allocated inside the capture)."""
-        key = (entries, tokens, n_keys, torch.device(device))
-        if key not in self._buffers:
-            m, w, t = entries * tokens, self.width, self.tiling
-            # Split scratch for the largest launch: linears by K, self_out / cross_out by head.
-            blk = self.blocks[0]
-            tiles_parts = [(triton.cdiv(lin.weight.shape[0], t.block_n),
-                            linear_splits(lin.weight.shape[0], lin.weight.shape[1], t) * t.block_n)
-                           for lin in (blk.qkv, blk.cross_q, blk.fc1, blk.fc2, self.expert.action_out)]
-            tiles_parts.append((triton.cdiv(w, t.head_block_n), self.heads * t.head_block_n))
-            tiles = max(n for n, _ in tiles_parts)
-            floats = max(n * per for n, per in tiles_parts) * block_rows(m)
-            f32 = dict(dtype=torch.float32, device=device)
-            self._buffers[key] = Buffers(
-                x=torch.empty((m, w), **f32), qkv=torch.empty((m, 3 * w), **f32), q=torch.empty((m, w), **f32),
-                hidden=torch.empty((m, self.mlp), **f32),
-                partials=cross_partials(entries, self.heads, tokens, w // self.heads, n_keys, t, device),
-                scratch=SplitScratch.create(tiles, floats, device))
-        return self._buffers[key]
+    def prepare(self, x: torch.Tensor, steps: int, kv: list) -> Buffers:
+        """The scratch for actions x [B, H, A], with x and the context K/V copied in (K and V of
+        every block into the kernel's layout in one batched copy)."""
+        buf = self.buffers(x.shape[0], x.shape[1], kv[0][0].shape[2], steps, x.device)
+        torch.stack([t for pair in kv for t in pair], out=buf.kv.view(-1, *buf.kv.shape[2:]))
+        buf.xa.copy_(x.reshape(buf.xa.shape))
+        return buf
 
-    def run(self, x: torch.Tensor, block_mods: list[torch.Tensor], final_mod: torch.Tensor,
-            keys: list[torch.Tensor], values: list[torch.Tensor], ctx_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """The launches of one velocity (the custom op's body)."""
-        entries, tokens, _ = x.shape
-        m, e = entries * tokens, self.expert
-        buf = self.buffers(entries, tokens, keys[0].shape[2], x.device)
-        mask = ctx_mask.reshape(ctx_mask.shape[0], -1).contiguous() if ctx_mask is not None else None
-        opts = dict(compute=self.dtype, tiling=self.tiling, pdl=self.pdl)
-        linear(x.contiguous().view(m, -1), e.action_in.weight, e.action_in.bias, buf.x, buf.scratch,
-               residual=e.action_pos[:tokens], **opts)
-        for j, (mod, k, v) in enumerate(zip(block_mods, keys, values)):
-            for _, launch in self.block_stages(buf, j, mod, k, v, mask, tokens):
-                launch()
-        out = torch.empty((m, self.action_dim), dtype=self.dtype, device=x.device)
-        linear(buf.x, e.action_out.weight, e.action_out.bias, out, buf.scratch, mod=final_mod, norm=(0, self.width),
-               tokens=tokens, eps=LN_EPS, **opts)
-        return out.view(entries, tokens, self.action_dim)
+    def _run(self, buf: Buffers, inputs: FlowInputs, ctx_mask: Optional[torch.Tensor], euler: bool) -> None:
+        if self.persistent:
+            buf.barrier.zero_()
+            self._launch(buf, inputs, ctx_mask, PERSISTENT, 0, inputs.steps, 0, euler)
+            return
+        for _, _, launch in self.phase_launches(buf, inputs, ctx_mask, euler):
+            launch()
 
-    def block_stages(self, buf: Buffers, j: int, mod: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: Optional[torch.Tensor], tokens: int) -> list[tuple[str, Callable[[], None]]]:
-        """Block j's launches in order, named (the benchmark times each): mod [B|1, 9w] holds
-        (shift, scale, gate) for self-attention, cross-attention and MLP; mask [B|1, T+1]."""
-        blk, w, s, heads = self.blocks[j], self.width, buf.scratch, self.heads
-        opts = dict(compute=self.dtype, tiling=self.tiling, pdl=self.pdl)
-        stages = [
-            ("qkv", lambda: linear(buf.x, blk.qkv.weight, blk.qkv.bias, buf.qkv, s, weight_scale=blk.qkv.scale,
-                                   mod=mod, norm=(0, w), tokens=tokens, eps=LN_EPS, **opts)),
-            ("self_out", lambda: head_linear(buf.x, blk.self_out.weight, blk.self_out.bias, mod, 2 * w, s, heads=heads,
-                                             tokens=tokens, qkv=buf.qkv, weight_scale=blk.self_out.scale, **opts))]
-        if self.project_in_attention:
-            stages.append(("cross", lambda: cross_attention(
-                buf.x, k, v, mask, buf.partials, tokens=tokens, q_weight=blk.cross_q.weight, q_bias=blk.cross_q.bias,
-                q_scale=blk.cross_q.scale, mod=mod, norm=(3 * w, 4 * w), eps=LN_EPS, **opts)))
-        else:
-            stages.append(("cross_q", lambda: linear(buf.x, blk.cross_q.weight, blk.cross_q.bias, buf.q, s,
-                                                     weight_scale=blk.cross_q.scale, mod=mod, norm=(3 * w, 4 * w),
-                                                     tokens=tokens, eps=LN_EPS, **opts)))
-            stages.append(("cross", lambda: cross_attention(buf.q, k, v, mask, buf.partials, tokens=tokens, **opts)))
-        return stages + [
-            ("cross_out", lambda: head_linear(buf.x, blk.cross_out.weight, blk.cross_out.bias, mod, 5 * w, s,
-                                              heads=heads, tokens=tokens, partials=buf.partials,
-                                              weight_scale=blk.cross_out.scale, **opts)),
-            ("fc1", lambda: linear(buf.x, blk.fc1.weight, blk.fc1.bias, buf.hidden, s, weight_scale=blk.fc1.scale,
-                                   mod=mod, norm=(6 * w, 7 * w), gelu=True, tokens=tokens, eps=LN_EPS, **opts)),
-            ("fc2", lambda: linear(buf.hidden, blk.fc2.weight, blk.fc2.bias, buf.x, s, weight_scale=blk.fc2.scale,
-                                   mod=mod, gate=8 * w, residual=buf.x, tokens=tokens, **opts))]
+    def phase_launches(self, buf: Buffers, inputs: FlowInputs, ctx_mask: Optional[torch.Tensor],
+                       euler: bool = True) -> list[tuple[str, int, Callable[[], None]]]:
+        """The loop as one launch per phase, in order, each named (phase, block): what the
+        persistent kernel runs between its barriers (the benchmark times each phase alone)."""
+        calls = []
+
+        def add(phase, step: int, block: int = 0) -> None:
+            calls.append((PHASE_NAMES[phase], block,
+                          lambda: self._launch(buf, inputs, ctx_mask, phase, step, step + 1, block, euler)))
+
+        for i in range(inputs.steps):
+            if inputs.reuse_host[i] >= 0:
+                add(REUSE, i)
+                continue
+            add(IN, i)
+            for j in range(self.depth):
+                for phase in BLOCK_PHASES:
+                    add(phase, i, j)
+            add(OUT, i)
+        return calls
+
+    def _launch(self, buf: Buffers, inputs: FlowInputs, ctx_mask: Optional[torch.Tensor], phase, lo: int, hi: int,
+                block: int, euler: bool) -> None:
+        e, plan, t = self.expert, buf.plan, self.tiling
+        mask = ctx_mask.reshape(ctx_mask.shape[0], -1) if ctx_mask is not None else None
+        constants = {k: v for k, v in plan.items() if k.isupper()}
+        dot = torch.float32 if interpreting() or self.dtype == torch.float32 else self.dtype
+        options = dict(num_warps=t.num_warps, num_stages=1)
+        if phase == PERSISTENT and t.cooperative and _has_cooperative_launch():
+            options["launch_cooperative_grid"] = True
+        scales = [s.scale if s.scale is not None else s.bias for s in self.stacks()]
+        weights = [x for s, scale in zip(self.stacks(), scales) for x in (s.weight, s.bias, scale)]
+        flow_kernel[(plan["programs"],)](
+            buf.xa, buf.vel, inputs.reuse, *weights,
+            e.action_in.weight, e.action_in.bias, e.action_pos, e.action_out.weight, e.action_out.bias,
+            inputs.mods, inputs.final_mods, buf.kv, mask if mask is not None else buf.kv,
+            buf.kv.shape[4] if mask is not None and mask.shape[0] > 1 else 0,
+            buf.x, buf.stats, buf.qkv, buf.q, buf.y, buf.hidden, buf.o_part, buf.m_part, buf.l_part, buf.part,
+            buf.counter, buf.barrier, buf.error,
+            buf.xa.shape[0], buf.kv.shape[4], plan["keys_per_split"], lo, hi, block, 1.0 / inputs.steps, LN_EPS,
+            1.0 / math.sqrt(self.head_dim),
+            PHASE=phase, EULER=euler, HAS_MASK=mask is not None, DOT=_triton_dtype(dot),
+            PREC="ieee" if dot == torch.float32 else "tf32", SCALED=self.fp8,
+            PREFETCH=t.prefetch_l2 and not interpreting(), SPIN_LIMIT=SPIN_LIMIT, **constants, **options)
+
+    def run_velocity(self, x: torch.Tensor, block_mods: list[torch.Tensor], final_mod: torch.Tensor,
+                     keys: list[torch.Tensor], values: list[torch.Tensor],
+                     ctx_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """One flow step's velocity (the custom op's body)."""
+        inputs = FlowInputs(torch.cat(block_mods).unsqueeze(0), final_mod.reshape(1, -1),
+                            self._no_reuse(x.device), (-1,))
+        buf = self.prepare(x, 1, list(zip(keys, values)))
+        self._run(buf, inputs, ctx_mask, euler=False)
+        return buf.vel[0].view(x.shape).clone()
+
+    def _no_reuse(self, device) -> torch.Tensor:
+        if not hasattr(self, "_reuse_none"):
+            self._reuse_none = torch.full((1,), -1, dtype=torch.int32, device=device)
+        return self._reuse_none
+
+
+def _triton_dtype(dtype: torch.dtype):
+    import triton.language as tl
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _has_cooperative_launch() -> bool:
+    """Whether this Triton can launch a cooperative grid (3.3 and later)."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+    return "launch_cooperative_grid" in CUDAOptions.__dataclass_fields__
 
 
 @torch.library.custom_op("vla::fused_expert_velocity", mutates_args=())
 def fused_expert_velocity(handle: int, x: torch.Tensor, block_mods: list[torch.Tensor], final_mod: torch.Tensor,
                           keys: list[torch.Tensor], values: list[torch.Tensor],
                           ctx_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    return _INSTANCES[handle].run(x, block_mods, final_mod, keys, values, ctx_mask)
+    return _INSTANCES[handle].run_velocity(x, block_mods, final_mod, keys, values, ctx_mask)
 
 
 @fused_expert_velocity.register_fake

@@ -49,13 +49,13 @@ class StaticRunner:
             self.staging = DeviceStaging(nb, cfg.camera_height, cfg.camera_width, dev)
         else:
             self.pixels = torch.zeros((nb, 3, self.size, self.size), dtype=engine.dtype, device=dev)
-        self.mod_table = None
-        if cfg.ctx_kv_once:
-            self.mod_table = self._modulation_table()
         self.fused_expert = None
         if cfg.fused_expert:
             from .fused_expert import FusedExpert
             self.fused_expert = FusedExpert(m.expert, fp8=cfg.expert_fp8)
+        self.mod_table = self.flow_inputs = None
+        if cfg.ctx_kv_once:
+            self._make_modulation_table()
         self.regions = compile_regions(m) if cfg.compile else []
         self.graphs_on = cfg.cuda_graphs
         self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
@@ -81,10 +81,14 @@ class StaticRunner:
                 b.stream.last_ids = None
 
     @torch.inference_mode()
-    def _modulation_table(self) -> list:
-        """adaLN parameters of every flow step: they depend on t alone, so they are computed once."""
+    def _make_modulation_table(self) -> None:
+        """adaLN parameters of every flow step: they depend on t alone, so they are computed once
+        (and, for the fused expert, packed with the schedule's reuse map)."""
         e = self.engine
-        return [e.model.expert.modulations(torch.full((1,), t, device=e.device)) for t in flow_times(self.steps)]
+        self.mod_table = [e.model.expert.modulations(torch.full((1,), t, device=e.device))
+                          for t in flow_times(self.steps)]
+        if self.fused_expert is not None:
+            self.flow_inputs = self.fused_expert.schedule(self.mod_table, self.schedule.reuse_map)
 
     # -- stages: read and write only static buffers ------------------------------------------
     def _vision_stage(self, batch: int) -> None:
@@ -124,7 +128,10 @@ class StaticRunner:
         return expert.velocity(x.to(e.dtype), mods, kv, b.ctx_mask).float()
 
     def _action_stage(self, b: Bucket) -> None:
-        """The whole flow loop with a static schedule (one graph)."""
+        """The whole flow loop with a static schedule (one graph; one kernel when fused)."""
+        if self.fused_expert is not None:
+            b.out = self.fused_expert.flow(b.noise, self.flow_inputs, b.kv, b.ctx_mask)
+            return
         b.out = euler(lambda x, i: self._velocity(b, x, i), b.noise, self.steps, self.schedule.reuse_map)
 
     def _flow_step_stage(self, b: Bucket, i: int) -> None:
@@ -263,7 +270,7 @@ class StaticRunner:
         (the compiled blocks are shape-independent of both, so no recompile)."""
         self.steps, self.schedule = steps, schedule
         if self.mod_table is not None:
-            self.mod_table = self._modulation_table()
+            self._make_modulation_table()
         if self.graphs_on:
             with torch.inference_mode():
                 for b in self.buckets.values():

@@ -57,18 +57,22 @@ def merge_partials(OPart, MPart, LPart, row0, split_rows, offs_d, d_ok, SPLITS: 
     """Softmax-weighted merge of split partials: split s of query m sits at row row0[m] + s *
     split_rows of MPart/LPart (and of OPart, rows of BLOCK_D); returns the normalised output
     [M, BLOCK_D]. Four splits per load: all at once spill registers, one at a time serialises
-    the loads (the loop is not software-pipelined)."""
+    the loads (the loop is not software-pipelined). Loads go through L2 only (.cg): in a
+    persistent kernel other programs wrote the partials, and an SM's L1 may hold older lines."""
     GROUP: tl.constexpr = 4 if SPLITS > 4 else SPLITS
     offs_g = tl.arange(0, GROUP)
-    m_max = tl.max(tl.load(MPart + row0[None, :] + tl.arange(0, SPLITS)[:, None] * split_rows), 0)
+    splits = row0[None, :] + tl.arange(0, SPLITS)[:, None] * split_rows
+    m_max = tl.max(tl.load(MPart + splits, cache_modifier=".cg"), 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     out = tl.zeros([row0.shape[0], BLOCK_D], tl.float32)
     denom = tl.zeros([row0.shape[0]], tl.float32)
     for g in range(0, SPLITS, GROUP):
         rows = row0[None, :] + (g + offs_g)[:, None] * split_rows                 # [GROUP, M]
-        w = tl.exp(tl.load(MPart + rows) - m_max[None, :])  # 0 for a split without valid keys (m = -inf)
-        denom += tl.sum(w * tl.load(LPart + rows), 0)
-        o = tl.load(OPart + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=d_ok[None, None, :], other=0.0)
+        # 0 for a split without valid keys (m = -inf)
+        w = tl.exp(tl.load(MPart + rows, cache_modifier=".cg") - m_max[None, :])
+        denom += tl.sum(w * tl.load(LPart + rows, cache_modifier=".cg"), 0)
+        o = tl.load(OPart + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=d_ok[None, None, :], other=0.0,
+                    cache_modifier=".cg")
         out += tl.sum(o * w[:, :, None], 0)
     return out / tl.where(denom == 0, 1.0, denom)[:, None]
 

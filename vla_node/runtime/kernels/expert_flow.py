@@ -1,0 +1,521 @@
+"""The action expert's flow loop as one persistent Triton kernel (or one launch per phase).
+
+Why: at batch 1 the expert's 36 blocks x 10 flow steps are 360 blocks of ~16 MB of weights
+each (~3.8 us at 4.3 TB/s), and on the H200 every kernel launch costs ~2.5-3 us of latency
+however few bytes it reads. So the whole loop runs in one launch of one program per SM; the
+phases of a block are separated by grid barriers (an atomic arrival counter each program spins
+on), and each program asks L2 for the weights of its next phase before it waits, so the weight
+traffic overlaps the barrier. With PHASE >= 0 the same code runs one phase per launch: the
+host's loop (and the CPU interpreter, which runs programs one after another and so cannot
+spin) puts the launch boundary where the barrier would be.
+
+Phases of one block j at flow step i (M rows = batch entries x horizon tokens; w width):
+
+    qkv     x -> LN1 + modulate -> QKV [M, 3w]                 items: column ranges
+    self    self-attention of head h -> y_h W_so[cols, h]^T     items: (x tile, head); the last
+            head to arrive sums the heads in order: x += g1 (. + b), and the tile's LN stats
+    cross_q x -> LN2 + modulate -> Q [M, w]                    items: column ranges
+    cross   flash-decoding partials of (entry, head, key split); the last split of an
+            (entry, head) merges them -> Y [M, w]
+    cross_out  y_h W_co[cols, h]^T, heads summed as in self:  x += g2 (. + b)
+    fc1     x -> LN3 + modulate -> GELU -> HID [M, mlp]         items: column ranges
+    fc2     HID[k split] W2[cols, k split]^T, splits summed:   x += g3 (. + b)
+
+and per step: `in` (x = action_in(actions) + pos, once) and `out` (final LN + modulate ->
+action_out -> v, and the Euler update actions += dt v), or `reuse` (actions += dt v_r of an
+earlier step: action caching). The residual stream x stays fp32; each x tile's writer stores
+its per-row mean and M2, which the LayerNorms combine (Chan's formula) instead of re-reading
+x twice. Sums over heads and splits run in a fixed order (a counter picks the last arrival,
+which adds every part), so graph replays are bit-identical. Everything the kernel writes and
+reads back within the launch is loaded with .cg (L2, not the SM's incoherent L1).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .few_query_attention import attend_keys, merge_partials
+
+INV_SQRT2 = tl.constexpr(0.7071067811865476)
+
+# Phase numbers (PHASE >= 0 runs that one phase; PERSISTENT runs the whole loop); a block's
+# phases are QKV .. FC2, in this order.
+PERSISTENT = tl.constexpr(-1)
+IN, QKV, SELF, CROSS_Q, CROSS, CROSS_OUT, FC1, FC2, OUT, REUSE = (tl.constexpr(p) for p in range(10))
+PHASE_NAMES = ("in", "qkv", "self", "cross_q", "cross", "cross_out", "fc1", "fc2", "out", "reuse")
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Bring the lines at ptrs into L2 (nothing lands in registers)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(Base, rows, row_ok, stride, col0, cols, LINE: tl.constexpr, LINES: tl.constexpr):
+    """L2 prefetch of elements col0 .. col0 + cols of the given rows, one address per line."""
+    offs = col0 + tl.arange(0, LINES) * LINE
+    ok = row_ok[:, None] & (offs < col0 + cols)[None, :]
+    _prefetch_l2(tl.where(ok, Base + rows[:, None] * stride + offs[None, :], Base))
+
+
+@triton.jit
+def _grid_sync(Bar, Err, nprog, SPIN_LIMIT: tl.constexpr):
+    """Every program waits until all have arrived. Barrier k's arrivals take tickets k * nprog ..
+    (k + 1) * nprog - 1 of the counter (zeroed before the launch). A spin that outlasts
+    SPIN_LIMIT polls (programs not all resident) sets Err and stops waiting, here and at every
+    later barrier of the launch: a wrong result the host detects instead of a hung GPU."""
+    tl.debug_barrier()  # this program's stores happen before its arrival (released below)
+    ticket = tl.atomic_add(Bar, 1, sem="acq_rel", scope="gpu")
+    target = (ticket // nprog + 1) * nprog
+    if tl.atomic_add(Err, 0, sem="relaxed", scope="gpu") == 0:
+        seen = tl.atomic_add(Bar, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (seen < target) & (spins < SPIN_LIMIT):
+            seen = tl.atomic_add(Bar, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if seen < target:
+            tl.atomic_xchg(Err, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _row_stats(Stats, rows, eps, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """LayerNorm mean and 1/std [BLOCK_M] of x's rows from its tiles' (mean, M2) (Chan's formula)."""
+    t = tl.arange(0, NT_P2)
+    t_ok = t < NT
+    count = tl.where(t_ok, tl.minimum(XT, W - t * XT), 0).to(tl.float32)
+    offs = t[:, None] * BLOCK_M + rows[None, :]
+    tile_mean = tl.load(Stats + offs, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+    tile_m2 = tl.load(Stats + NT * BLOCK_M + offs, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+    mean = tl.sum(count[:, None] * tile_mean, 0) / W
+    d = tile_mean - mean[None, :]
+    m2 = tl.sum(tile_m2 + count[:, None] * d * d, 0)
+    return mean, tl.rsqrt(m2 / W + eps)
+
+
+@triton.jit
+def _store_x_tile(x, ok, X, Stats, t, rows, cols, W: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """x tile t [BLOCK_M, XT] (final values) and its per-row mean and M2 over its valid columns."""
+    tl.store(X + rows[:, None] * W + cols[None, :], x, mask=ok)
+    count = tl.maximum(tl.sum(ok.to(tl.float32), 1), 1.0)
+    mean = tl.sum(tl.where(ok, x, 0.0), 1) / count
+    d = tl.where(ok, x - mean[:, None], 0.0)
+    tl.store(Stats + t * BLOCK_M + rows, mean)
+    tl.store(Stats + (NT + t) * BLOCK_M + rows, tl.sum(d * d, 1))
+
+
+@triton.jit
+def _ln_gemv(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, cols, col_ok, rows, row_ok, eps,
+             W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
+    """(LayerNorm(x) * (1 + scale) + shift) @ Wt[cols]^T (* w_scale) + bias: [BLOCK_M, BN] fp32.
+    Wt [N, W] row-major; BK divides W, so K needs no mask."""
+    mean, rstd = _row_stats(Stats, rows, eps, W, XT, NT, NT_P2, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BN], tl.float32)
+    for kc in tl.static_range(W // BK):  # unrolled: every chunk's weight loads in flight together
+        offs_k = kc * BK + tl.arange(0, BK)
+        x = tl.load(X + rows[:, None] * W + offs_k[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        shift = tl.load(ModRow + shift_off + offs_k).to(tl.float32)
+        scale = tl.load(ModRow + scale_off + offs_k).to(tl.float32)
+        a = tl.where(row_ok[:, None], (x - mean[:, None]) * rstd[:, None] * (1.0 + scale[None, :]) + shift[None, :],
+                     0.0)
+        w = tl.load(Wt + cols[:, None] * W + offs_k[None, :], mask=col_ok[:, None], other=0.0)
+        acc += tl.dot(a.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
+    if SCALED:
+        acc *= tl.load(WScale + cols, mask=col_ok, other=0.0)[None, :]
+    return acc + tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _ln_linear_phase(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, Out, pid, nprog, rows, row_ok, eps,
+                     N: tl.constexpr, COLS: tl.constexpr, GELU: tl.constexpr,
+                     W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                     SCALED: tl.constexpr):
+    """Out [M, N] = act(LN-modulated x @ Wt^T + b): items of COLS output columns (qkv, cross_q, fc1)."""
+    lane = tl.arange(0, BN)
+    for item in range(pid, tl.cdiv(N, COLS), nprog):
+        cols = item * COLS + lane
+        col_ok = (lane < COLS) & (cols < N)
+        y = _ln_gemv(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, cols, col_ok, rows, row_ok, eps,
+                     W, XT, NT, NT_P2, BLOCK_M, BN, BK, DOT, PREC, SCALED)
+        if GELU:  # exact (erf) GELU, as nn.functional.gelu
+            y = 0.5 * y * (1.0 + tl.math.erf(y * INV_SQRT2))
+        tl.store(Out + rows[:, None] * N + cols[None, :], y.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _prefetch_linear(Wt, pid, nprog, N: tl.constexpr, K: tl.constexpr, COLS: tl.constexpr, BN: tl.constexpr,
+                     LINE: tl.constexpr, LINES: tl.constexpr):
+    """L2 prefetch of the weight rows this program's items of a column-range phase read."""
+    lane = tl.arange(0, BN)
+    for item in range(pid, tl.cdiv(N, COLS), nprog):
+        cols = item * COLS + lane
+        _prefetch_rows(Wt, cols, (lane < COLS) & (cols < N), K, 0, K, LINE, LINES)
+
+
+@triton.jit
+def _finish_x(acc, t, part, PARTS: tl.constexpr, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off,
+              rows, row_ok, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr,
+              SCALED: tl.constexpr):
+    """Part `part` of x tile t's update. The last of its PARTS to arrive adds them in order:
+    x += gate * (sum * w_scale + bias), and stores the tile with its LN stats."""
+    lane = tl.arange(0, XT)
+    offs = rows[:, None] * XT + lane[None, :]
+    tl.store(Part + (t * PARTS + part) * (BLOCK_M * XT) + offs, acc)
+    tl.debug_barrier()  # the whole tile is written before this program arrives
+    if tl.atomic_add(Counter + t, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
+        total = tl.zeros([BLOCK_M, XT], tl.float32)
+        for p in tl.static_range(PARTS):
+            total += tl.load(Part + (t * PARTS + p) * (BLOCK_M * XT) + offs, cache_modifier=".cg")
+        tl.store(Counter + t, 0)
+        cols = t * XT + lane
+        col_ok = cols < W
+        if SCALED:
+            total *= tl.load(WScale + cols, mask=col_ok, other=0.0)[None, :]
+        y = total + tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        gate = tl.load(ModRow + gate_off + cols, mask=col_ok, other=0.0).to(tl.float32)
+        ok = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * W + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        _store_x_tile(x + gate[None, :] * y, ok, X, Stats, t, rows, cols, W, NT, BLOCK_M)
+
+
+@triton.jit
+def _self_attention(Qkv, rows, row_ok, h, scale, offs_d, d_ok, W: tl.constexpr, HD: tl.constexpr,
+                    TOKENS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Softmax attention of head h among the rows of the same batch entry: [BLOCK_M, BLOCK_D] fp32."""
+    ok = row_ok[:, None] & d_ok[None, :]
+    base = Qkv + rows[:, None] * (3 * W) + h * HD + offs_d[None, :]
+    q = tl.load(base, mask=ok, other=0.0, cache_modifier=".cg")
+    k = tl.load(base + W, mask=ok, other=0.0, cache_modifier=".cg")
+    v = tl.load(base + 2 * W, mask=ok, other=0.0, cache_modifier=".cg")
+    s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC) * scale
+    same = ((rows // TOKENS)[:, None] == (rows // TOKENS)[None, :]) & row_ok[None, :]
+    s = tl.where(same, s, float("-inf"))
+    m = tl.max(s, 1)
+    p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    l = tl.sum(p, 1)
+    return tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC) / tl.where(l == 0, 1.0, l)[:, None]
+
+
+@triton.jit
+def _head_out_phase(Src, Wo, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, pid, nprog, rows, row_ok,
+                    scale, ATTEND: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
+                    TOKENS: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
+    """x += gate * (y @ Wo^T + b) with items (x tile, head): y_h is the self-attention of the
+    fused q/k/v rows Src (ATTEND) or the merged cross-attention rows Src [M, w]."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HD
+    lane = tl.arange(0, XT)
+    for item in range(pid, HEADS * NT, nprog):
+        h = item % HEADS
+        t = item // HEADS
+        cols = t * XT + lane
+        col_ok = cols < W
+        w = tl.load(Wo + cols[:, None] * W + h * HD + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        if ATTEND:
+            y = _self_attention(Src, rows, row_ok, h, scale, offs_d, d_ok, W, HD, TOKENS, DOT, PREC)
+        else:
+            y = tl.load(Src + rows[:, None] * W + h * HD + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                        other=0.0, cache_modifier=".cg")
+        acc = tl.dot(y.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
+        _finish_x(acc, t, h, HEADS, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off, rows, row_ok,
+                  W, XT, NT, BLOCK_M, SCALED)
+
+
+@triton.jit
+def _prefetch_head_out(Wo, pid, nprog, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
+                       XT: tl.constexpr, NT: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
+    lane = tl.arange(0, XT)
+    for item in range(pid, HEADS * NT, nprog):
+        cols = (item // HEADS) * XT + lane
+        _prefetch_rows(Wo, cols, cols < W, W, (item % HEADS) * HD, HD, LINE, LINES)
+
+
+@triton.jit
+def _cross_phase(Q, KVj, Mask, msb, OPart, MPart, LPart, Counter, Y, pid, nprog, n_keys, keys_per_split, scale,
+                 ENTRIES: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
+                 TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KEY_SPLITS: tl.constexpr,
+                 BLOCK_KEYS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr):
+    """Cross-attention of Q over block j's keys KVj [2, entries, heads, T, hd]: items (entry,
+    head, key split) make flash-decoding partials; the last split of an (entry, head) merges
+    them into Y."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HD
+    qi = tl.arange(0, BLOCK_H)
+    q_ok = qi < TOKENS
+    for item in range(pid, ENTRIES * HEADS * KEY_SPLITS, nprog):
+        split = item % KEY_SPLITS
+        bh = item // KEY_SPLITS
+        b = bh // HEADS
+        h = bh % HEADS
+        qrows = b * TOKENS + qi
+        ok = q_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + qrows[:, None] * W + h * HD + offs_d[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        head = bh * n_keys * HD
+        lo = split * keys_per_split
+        acc, m_i, l_i = attend_keys(q.to(DOT), KVj + head, KVj + ENTRIES * HEADS * n_keys * HD + head,
+                                    Mask + b * msb, HD, HD, lo, lo + keys_per_split, n_keys, scale, offs_d, d_ok,
+                                    BLOCK_KEYS, HAS_MASK)
+        base = (bh * KEY_SPLITS + split) * BLOCK_H
+        tl.store(OPart + (base + qi)[:, None] * BLOCK_D + offs_d[None, :], acc)
+        tl.store(MPart + base + qi, m_i)
+        tl.store(LPart + base + qi, l_i)
+        tl.debug_barrier()
+        if tl.atomic_add(Counter + bh, 1, sem="acq_rel", scope="gpu") == KEY_SPLITS - 1:
+            y = merge_partials(OPart, MPart, LPart, bh * KEY_SPLITS * BLOCK_H + qi, BLOCK_H, offs_d, d_ok,
+                               KEY_SPLITS, BLOCK_D)
+            tl.store(Counter + bh, 0)
+            tl.store(Y + qrows[:, None] * W + h * HD + offs_d[None, :], y.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _prefetch_keys(KVj, pid, nprog, n_keys, keys_per_split, ENTRIES: tl.constexpr, HEADS: tl.constexpr,
+                   HD: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, LINE: tl.constexpr,
+                   LINES: tl.constexpr):
+    """The K and V rows of this program's key splits (each split's rows are contiguous)."""
+    keys = tl.arange(0, BLOCK_KEYS)
+    for item in range(pid, ENTRIES * HEADS * KEY_SPLITS, nprog):
+        head = (item // KEY_SPLITS) * n_keys * HD
+        lo = (item % KEY_SPLITS) * keys_per_split
+        for k0 in range(lo, lo + keys_per_split, BLOCK_KEYS):
+            ok = (keys + k0 < n_keys) & (keys + k0 < lo + keys_per_split)
+            for kv in tl.static_range(2):
+                _prefetch_rows(KVj + kv * ENTRIES * HEADS * n_keys * HD + head, keys + k0, ok, HD, 0, HD, LINE, LINES)
+
+
+@triton.jit
+def _fc2_phase(Hid, W2, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, pid, nprog, rows, row_ok,
+               W: tl.constexpr, MLP: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr,
+               SPLITS: tl.constexpr, SPLIT_K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+               PREC: tl.constexpr, SCALED: tl.constexpr):
+    """x += gate * (HID @ W2^T + b): items (x tile, K split of SPLIT_K), splits summed in order."""
+    lane = tl.arange(0, XT)
+    for item in range(pid, NT * SPLITS, nprog):
+        split = item % SPLITS
+        t = item // SPLITS
+        cols = t * XT + lane
+        col_ok = cols < W
+        acc = tl.zeros([BLOCK_M, XT], tl.float32)
+        for kc in tl.static_range((SPLIT_K + BK - 1) // BK):
+            offs_k = split * SPLIT_K + kc * BK + tl.arange(0, BK)
+            k_ok = (offs_k < (split + 1) * SPLIT_K) & (offs_k < MLP)
+            a = tl.load(Hid + rows[:, None] * MLP + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0, cache_modifier=".cg")
+            w = tl.load(W2 + cols[:, None] * MLP + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.dot(a.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
+        _finish_x(acc, t, split, SPLITS, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off, rows, row_ok,
+                  W, XT, NT, BLOCK_M, SCALED)
+
+
+@triton.jit
+def _prefetch_fc2(W2, pid, nprog, W: tl.constexpr, MLP: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
+                  SPLITS: tl.constexpr, SPLIT_K: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
+    lane = tl.arange(0, XT)
+    for item in range(pid, NT * SPLITS, nprog):
+        cols = (item // SPLITS) * XT + lane
+        k0 = (item % SPLITS) * SPLIT_K
+        _prefetch_rows(W2, cols, cols < W, MLP, k0, tl.minimum(SPLIT_K, MLP - k0), LINE, LINES)
+
+
+@triton.jit
+def _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M,
+              W: tl.constexpr, A: tl.constexpr, TOKENS: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """x = action_in(actions) + pos, tile by tile, with its LN stats."""
+    offs_a = tl.arange(0, BLOCK_A)
+    a_ok = offs_a < A
+    lane = tl.arange(0, XT)
+    for t in range(pid, NT, nprog):
+        cols = t * XT + lane
+        col_ok = cols < W
+        a = tl.load(XA + rows[:, None] * A + offs_a[None, :], mask=row_ok[:, None] & a_ok[None, :], other=0.0,
+                    cache_modifier=".cg")
+        w = tl.load(Win + cols[:, None] * A + offs_a[None, :], mask=col_ok[:, None] & a_ok[None, :], other=0.0)
+        y = tl.dot(a.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
+        y += tl.load(Bin + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        y += tl.load(Pos + (rows % TOKENS)[:, None] * W + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        _store_x_tile(y, ok, X, Stats, t, rows, cols, W, NT, BLOCK_M)
+
+
+@triton.jit
+def _out_phase(X, Stats, FModRow, Wout, Bout, XA, VelOut, pid, rows, row_ok, dt, eps, EULER: tl.constexpr,
+               W: tl.constexpr, A: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+               PREC: tl.constexpr):
+    """v = action_out(LN(x) * (1 + scale) + shift) in the model dtype (as the reference loop
+    rounds it), and with EULER actions += dt * v. One program: it is 8 outputs."""
+    if pid == 0:
+        offs_a = tl.arange(0, BLOCK_A)
+        a_ok = offs_a < A
+        v = _ln_gemv(X, Stats, FModRow, 0, W, Wout, Bout, Bout, offs_a, a_ok, rows, row_ok, eps,
+                     W, XT, NT, NT_P2, BLOCK_M, BLOCK_A, BK, DOT, PREC, False)
+        ok = row_ok[:, None] & a_ok[None, :]
+        v = v.to(VelOut.dtype.element_ty)
+        tl.store(VelOut + rows[:, None] * A + offs_a[None, :], v, mask=ok)
+        if EULER:
+            offs = rows[:, None] * A + offs_a[None, :]
+            xa = tl.load(XA + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(XA + offs, xa + dt * v.to(tl.float32), mask=ok)
+
+
+@triton.jit
+def _reuse_phase(XA, Vel, pid, rows, row_ok, dt, A: tl.constexpr, BLOCK_A: tl.constexpr):
+    """actions += dt * v of an earlier step (action caching)."""
+    if pid == 0:
+        offs_a = tl.arange(0, BLOCK_A)
+        ok = row_ok[:, None] & (offs_a < A)[None, :]
+        offs = rows[:, None] * A + offs_a[None, :]
+        v = tl.load(Vel + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        xa = tl.load(XA + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(XA + offs, xa + dt * v, mask=ok)
+
+
+@triton.jit
+def _block_phase(phase, i, j, pid, nprog, rows, row_ok,
+                 Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
+                 Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter,
+                 n_keys, keys_per_split, eps, attn_scale,
+                 ENTRIES: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr, MLP: tl.constexpr,
+                 TOKENS: tl.constexpr, DEPTH: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
+                 NT_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BK: tl.constexpr, QKV_COLS: tl.constexpr, QKV_BN: tl.constexpr, CQ_COLS: tl.constexpr,
+                 CQ_BN: tl.constexpr, FC1_COLS: tl.constexpr, FC1_BN: tl.constexpr, FC2_SPLITS: tl.constexpr,
+                 FC2_K: tl.constexpr, FC2_BK: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+                 HAS_MASK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
+    """Phase `phase` of block j at flow step i."""
+    mod = Mods + (i * DEPTH + j) * (9 * W)
+    if phase == QKV:
+        _ln_linear_phase(X, Stats, mod, 0, W, Wqkv + j * (3 * W * W), Bqkv + j * 3 * W, Sqkv + j * 3 * W, QkvBuf,
+                         pid, nprog, rows, row_ok, eps, 3 * W, QKV_COLS, False, W, XT, NT, NT_P2, BLOCK_M, QKV_BN,
+                         BK, DOT, PREC, SCALED)
+    elif phase == SELF:
+        _head_out_phase(QkvBuf, Wso + j * (W * W), Bso + j * W, Sso + j * W, Part, Counter, X, Stats, mod, 2 * W,
+                        pid, nprog, rows, row_ok, attn_scale, True, W, HEADS, HD, TOKENS, XT, NT, BLOCK_M,
+                        BLOCK_D, DOT, PREC, SCALED)
+    elif phase == CROSS_Q:
+        _ln_linear_phase(X, Stats, mod, 3 * W, 4 * W, Wq + j * (W * W), Bq + j * W, Sq + j * W, Q,
+                         pid, nprog, rows, row_ok, eps, W, CQ_COLS, False, W, XT, NT, NT_P2, BLOCK_M, CQ_BN,
+                         BK, DOT, PREC, SCALED)
+    elif phase == CROSS:
+        _cross_phase(Q, KV + j * (2 * ENTRIES * HEADS * n_keys * HD), Mask, msb, OPart, MPart, LPart, Counter, Y,
+                     pid, nprog, n_keys, keys_per_split, attn_scale, ENTRIES, W, HEADS, HD, TOKENS, BLOCK_H,
+                     BLOCK_D, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, DOT)
+    elif phase == CROSS_OUT:
+        _head_out_phase(Y, Wco + j * (W * W), Bco + j * W, Sco + j * W, Part, Counter, X, Stats, mod, 5 * W,
+                        pid, nprog, rows, row_ok, attn_scale, False, W, HEADS, HD, TOKENS, XT, NT, BLOCK_M,
+                        BLOCK_D, DOT, PREC, SCALED)
+    elif phase == FC1:
+        _ln_linear_phase(X, Stats, mod, 6 * W, 7 * W, W1 + j * (MLP * W), B1 + j * MLP, S1 + j * MLP, Hid,
+                         pid, nprog, rows, row_ok, eps, MLP, FC1_COLS, True, W, XT, NT, NT_P2, BLOCK_M, FC1_BN,
+                         BK, DOT, PREC, SCALED)
+    elif phase == FC2:
+        _fc2_phase(Hid, W2 + j * (W * MLP), B2 + j * W, S2 + j * W, Part, Counter, X, Stats, mod, 8 * W,
+                   pid, nprog, rows, row_ok, W, MLP, XT, NT, BLOCK_M, FC2_SPLITS, FC2_K, FC2_BK, DOT, PREC, SCALED)
+
+
+@triton.jit
+def _prefetch_phase(phase, j, pid, nprog, Wqkv, Wso, Wq, Wco, W1, W2, KV, n_keys, keys_per_split,
+                    ENTRIES: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
+                    MLP: tl.constexpr, DEPTH: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
+                    QKV_COLS: tl.constexpr, QKV_BN: tl.constexpr, CQ_COLS: tl.constexpr, CQ_BN: tl.constexpr,
+                    FC1_COLS: tl.constexpr, FC1_BN: tl.constexpr, FC2_SPLITS: tl.constexpr, FC2_K: tl.constexpr,
+                    KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, LINE: tl.constexpr, LINES_W: tl.constexpr,
+                    LINES_HD: tl.constexpr, LINES_FC2: tl.constexpr):
+    """Ask L2 for what this program reads in phase `phase` of block j (none past the last block)."""
+    if j < DEPTH:
+        if phase == QKV:
+            _prefetch_linear(Wqkv + j * (3 * W * W), pid, nprog, 3 * W, W, QKV_COLS, QKV_BN, LINE, LINES_W)
+        elif phase == SELF:
+            _prefetch_head_out(Wso + j * (W * W), pid, nprog, W, HEADS, HD, XT, NT, LINE, LINES_HD)
+        elif phase == CROSS_Q:
+            _prefetch_linear(Wq + j * (W * W), pid, nprog, W, W, CQ_COLS, CQ_BN, LINE, LINES_W)
+        elif phase == CROSS:
+            _prefetch_keys(KV + j * (2 * ENTRIES * HEADS * n_keys * HD), pid, nprog, n_keys, keys_per_split, ENTRIES,
+                           HEADS, HD, KEY_SPLITS, BLOCK_KEYS, LINE, LINES_HD)
+        elif phase == CROSS_OUT:
+            _prefetch_head_out(Wco + j * (W * W), pid, nprog, W, HEADS, HD, XT, NT, LINE, LINES_HD)
+        elif phase == FC1:
+            _prefetch_linear(W1 + j * (MLP * W), pid, nprog, MLP, W, FC1_COLS, FC1_BN, LINE, LINES_W)
+        elif phase == FC2:
+            _prefetch_fc2(W2 + j * (W * MLP), pid, nprog, W, MLP, XT, NT, FC2_SPLITS, FC2_K, LINE, LINES_FC2)
+
+
+@triton.jit
+def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
+                Win, Bin, Pos, Wout, Bout, Mods, FMods, KV, Mask, msb,
+                X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter, Bar, Err,
+                M, n_keys, keys_per_split, step_lo, step_hi, block, dt, eps, attn_scale,
+                PHASE: tl.constexpr, EULER: tl.constexpr, ENTRIES: tl.constexpr, W: tl.constexpr,
+                HEADS: tl.constexpr, HD: tl.constexpr, MLP: tl.constexpr, A: tl.constexpr, TOKENS: tl.constexpr,
+                DEPTH: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_A: tl.constexpr,
+                BK: tl.constexpr, QKV_COLS: tl.constexpr, QKV_BN: tl.constexpr, CQ_COLS: tl.constexpr,
+                CQ_BN: tl.constexpr, FC1_COLS: tl.constexpr, FC1_BN: tl.constexpr, FC2_SPLITS: tl.constexpr,
+                FC2_K: tl.constexpr, FC2_BK: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+                HAS_MASK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr,
+                PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES_W: tl.constexpr, LINES_HD: tl.constexpr,
+                LINES_FC2: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+    """Flow steps step_lo .. step_hi - 1 of the expert on actions XA [M, A] (fp32, updated in
+    place when EULER; Vel [steps, M, A] gets each computed step's velocity). PERSISTENT: the
+    whole range in this launch, Reuse [steps] (int32, -1 or the step whose velocity a step
+    takes) read on the device; else one phase of step step_lo (and `block`)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    if PHASE == PERSISTENT:
+        for i in range(step_lo, step_hi):
+            source = tl.load(Reuse + i)
+            if source >= 0:
+                _reuse_phase(XA, Vel + source * M * A, pid, rows, row_ok, dt, A, BLOCK_A)
+            else:
+                if PREFETCH:
+                    _prefetch_phase(QKV, 0, pid, nprog, Wqkv, Wso, Wq, Wco, W1, W2, KV, n_keys, keys_per_split,
+                                    ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, NT, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN,
+                                    FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, KEY_SPLITS, BLOCK_KEYS, LINE, LINES_W,
+                                    LINES_HD, LINES_FC2)
+                _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M, W, A, TOKENS, XT, NT, BLOCK_M,
+                          BLOCK_A, DOT, PREC)
+                _grid_sync(Bar, Err, nprog, SPIN_LIMIT)
+                for j in range(DEPTH):
+                    for phase in range(QKV, FC2 + 1):  # a uniform branch per phase: one code copy
+                        _block_phase(phase, i, j, pid, nprog, rows, row_ok,
+                                     Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2,
+                                     S2, Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part,
+                                     Counter, n_keys, keys_per_split, eps, attn_scale, ENTRIES, W, HEADS, HD, MLP,
+                                     TOKENS, DEPTH, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_D, BK, QKV_COLS, QKV_BN,
+                                     CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS,
+                                     BLOCK_KEYS, HAS_MASK, DOT, PREC, SCALED)
+                        if PREFETCH:  # the next phase's weights stream into L2 while the others finish this one
+                            _prefetch_phase(phase % FC2 + 1, j + phase // FC2, pid, nprog, Wqkv, Wso, Wq, Wco, W1,
+                                            W2, KV, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, NT,
+                                            QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K,
+                                            KEY_SPLITS, BLOCK_KEYS, LINE, LINES_W, LINES_HD, LINES_FC2)
+                        _grid_sync(Bar, Err, nprog, SPIN_LIMIT)
+                _out_phase(X, Stats, FMods + i * (2 * W), Wout, Bout, XA, Vel + i * M * A, pid, rows, row_ok, dt, eps,
+                           EULER, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_A, BK, DOT, PREC)
+            _grid_sync(Bar, Err, nprog, SPIN_LIMIT)
+    elif PHASE == IN:
+        _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M, W, A, TOKENS, XT, NT, BLOCK_M, BLOCK_A,
+                  DOT, PREC)
+    elif PHASE == OUT:
+        _out_phase(X, Stats, FMods + step_lo * (2 * W), Wout, Bout, XA, Vel + step_lo * M * A, pid, rows, row_ok, dt,
+                   eps, EULER, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_A, BK, DOT, PREC)
+    elif PHASE == REUSE:
+        _reuse_phase(XA, Vel + tl.load(Reuse + step_lo) * M * A, pid, rows, row_ok, dt, A, BLOCK_A)
+    else:
+        _block_phase(PHASE, step_lo, block, pid, nprog, rows, row_ok,
+                     Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
+                     Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter,
+                     n_keys, keys_per_split, eps, attn_scale, ENTRIES, W, HEADS, HD, MLP, TOKENS, DEPTH, XT, NT,
+                     NT_P2, BLOCK_M, BLOCK_H, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN,
+                     FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, DOT, PREC, SCALED)
+
