@@ -23,13 +23,15 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, euler, flow_times
 from vla_node.runtime.compile import uncompile
-from vla_node.runtime.fused_expert import FusedExpert, Tiling
+from vla_node.runtime.fused_expert import SPIN_LIMIT, FusedExpert, Tiling
 from vla_node.runtime.fusion import fuse_projections
+from vla_node.runtime.kernels.expert_flow import _grid_arrive, _grid_wait
 from vla_node.runtime.kernels.few_query_attention import few_query_attention
 
 BANDWIDTH = 4.3e12  # bytes/s, the H200's measured copy bandwidth
@@ -37,6 +39,14 @@ STEPS = 10
 BF16 = torch.bfloat16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPLAYS = 50 if DEVICE == "cuda" else 1  # compared bit for bit with the first
+
+
+@triton.jit
+def barriers_kernel(Bar, Err, n, SPIN_LIMIT: tl.constexpr):
+    """n grid barriers of the persistent kernel and nothing else: what a barrier costs."""
+    for k in range(1, n + 1):
+        _grid_arrive(Bar)
+        _grid_wait(Bar, Err, k * tl.num_programs(0), SPIN_LIMIT)
 
 
 class _Call:
@@ -196,6 +206,29 @@ class Bench:
             print(f"phases failed:\n{traceback.format_exc()}", flush=True)
         self.save()
 
+    def barriers(self):
+        """The grid barrier alone, as many as a 10-step loop has (36 x 7 + 2 per step)."""
+        if DEVICE == "cpu":
+            self.results["skipped"].append("barriers (spins: GPU only)")
+            return
+        try:
+            n = STEPS * (7 * len(self.expert.blocks) + 2)
+            bar, err = (torch.zeros(1, dtype=torch.int32, device=DEVICE) for _ in range(2))
+            programs = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+
+            def run():
+                bar.zero_()
+                barriers_kernel[(programs,)](bar, err, n, SPIN_LIMIT=SPIN_LIMIT, num_warps=8)
+            graph, _ = graph_of(run)
+            us = 1e3 * replay_ms(graph) / n
+            self.results["phases"].append(dict(context=0, phase="grid barrier", launches=n, us=us, bytes=0, gb_s=0,
+                                               floor_us=0, timed_out=bool(err.item())))
+            print(f"  grid barrier {us:6.2f} us ({programs} programs)", flush=True)
+        except Exception:
+            self.results["errors"]["barriers"] = traceback.format_exc()
+            print(f"barriers failed:\n{traceback.format_exc()}", flush=True)
+        self.save()
+
     def run(self):
         e = self.expert
         contexts = [self.context(int(t)) for t in self.args.contexts.split(",")]
@@ -210,6 +243,7 @@ class Bench:
             for name, fused in variants.items():
                 self.fused_loop(name, fused, ctx, needs_s=20)
         self.phases(contexts[0])
+        self.barriers()
         for entries in (2, 4, 8):
             self.fused_loop("fused persistent", self.fused, self.context(contexts[0]["tokens"], entries), needs_s=30)
         self.fused_loop("fused persistent, 4 warps", FusedExpert(e, tiling=Tiling(num_warps=4)), contexts[0],

@@ -13,6 +13,15 @@ echo "tests done after $(( $(date +%s) - t0 )) s"
 timeout "${EXPERT_S:-330}" python3 scripts/bench_expert_gpu.py --out "$OUT" --budget-s "${EXPERT_BUDGET_S:-280}" \
   ${EXPERT_ARGS:-} 2>&1 | grep -v Warning > "$OUT/expert.log"; tail -32 "$OUT/expert.log"
 echo "expert bench done after $(( $(date +%s) - t0 )) s"
+if [ -n "${NCU:-}" ]; then
+  NCUBIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  timeout "${NCU_S:-150}" "$NCUBIN" --clock-control none --profile-from-start off --launch-count 9 \
+    --section SpeedOfLight --section WarpStateStats --section LaunchStats python3 scripts/ncu_expert.py \
+    > "$OUT/ncu.txt" 2>&1
+  grep -E "flow_kernel|Duration|DRAM Throughput|Registers Per|Warp Cycles Per Issued|spends" "$OUT/ncu.txt" \
+    | grep -v "^==PROF" | sed "s/  */ /g" | cut -c1-230 | head -80
+  echo "ncu done after $(( $(date +%s) - t0 )) s"
+fi
 if [ -n "${MODES:-}" ]; then
   timeout "${BENCH_S:-200}" python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout "${LAYOUT:-droid}" \
     --iters 10 --dev-windows 3 --modes "$MODES" --json "$OUT/bench_4b_${LAYOUT:-droid}.json" 2>&1 \

@@ -65,7 +65,10 @@ def tiny():
     return expert_inputs("tiny", 1, 40)
 
 
-@pytest.mark.parametrize("tiling", [Tiling(), SMALL, Tiling(programs=3, x_tile=32, block_keys=16)])
+@pytest.mark.parametrize("tiling", [
+    Tiling(), SMALL, Tiling(programs=3, x_tile=32, block_keys=16),
+    Tiling(programs=32, block_keys=16),   # key splits of 8 keys: a key chunk reaches into the next split
+])
 def test_fused_velocity_matches_expert(tiny, tiling):
     expert, kv, mask, noise = tiny
     (mods,) = mod_table(expert, 1)

@@ -224,7 +224,7 @@ class FusedExpert:
         fc2_k = 16 * triton.cdiv(triton.cdiv(self.mlp, fc2_splits), 16)
         fc2_splits = triton.cdiv(self.mlp, fc2_k)
         key_splits = 1 << max(0, (programs // (entries * self.heads)).bit_length() - 1)
-        keys_per_split = 16 * triton.cdiv(triton.cdiv(n_keys, key_splits), 16)
+        keys_per_split = 8 * triton.cdiv(triton.cdiv(n_keys, key_splits), 8)  # 16-byte aligned rows
         (qkv_cols, qkv_bn), (cq_cols, cq_bn), (fc1_cols, fc1_bn) = cols(3 * w), cols(w), cols(self.mlp)
         line = 128 // self.qkv.weight.element_size()
         lines = lambda n: triton.next_power_of_2(triton.cdiv(n, line))  # noqa: E731 (prefetch addresses)
@@ -235,7 +235,7 @@ class FusedExpert:
             BLOCK_H=_pow2(tokens), BLOCK_D=_pow2(self.head_dim), BLOCK_A=_pow2(self.action_dim), BK=bk,
             QKV_COLS=qkv_cols, QKV_BN=qkv_bn, CQ_COLS=cq_cols, CQ_BN=cq_bn, FC1_COLS=fc1_cols, FC1_BN=fc1_bn,
             FC2_SPLITS=fc2_splits, FC2_K=fc2_k, FC2_BK=max(16, min(t.fc2_block_k // shrink, _pow2(fc2_k))),
-            KEY_SPLITS=key_splits, BLOCK_KEYS=t.block_keys,
+            KEY_SPLITS=key_splits, BLOCK_KEYS=min(t.block_keys, _pow2(keys_per_split)),
             # One prefetch address per 128-byte line; a row slice that does not start on a line
             # boundary touches one line more.
             LINE=line, LINES_W=lines(w), LINES_HD=lines(self.head_dim + line), LINES_FC2=lines(fc2_k + line))

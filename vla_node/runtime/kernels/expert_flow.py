@@ -61,14 +61,19 @@ def _prefetch_rows(Base, rows, row_ok, stride, col0, cols, LINE: tl.constexpr, L
 
 
 @triton.jit
-def _grid_sync(Bar, Err, nprog, SPIN_LIMIT: tl.constexpr):
-    """Every program waits until all have arrived. Barrier k's arrivals take tickets k * nprog ..
-    (k + 1) * nprog - 1 of the counter (zeroed before the launch). A spin that outlasts
-    SPIN_LIMIT polls (programs not all resident) sets Err and stops waiting, here and at every
-    later barrier of the launch: a wrong result the host detects instead of a hung GPU."""
-    tl.debug_barrier()  # this program's stores happen before its arrival (released below)
-    ticket = tl.atomic_add(Bar, 1, sem="acq_rel", scope="gpu")
-    target = (ticket // nprog + 1) * nprog
+def _grid_arrive(Bar):
+    """This program's arrival at the next grid barrier (its stores before it are released)."""
+    tl.debug_barrier()
+    tl.atomic_add(Bar, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _grid_wait(Bar, Err, target, SPIN_LIMIT: tl.constexpr):
+    """Wait until `target` arrivals (barrier k of a launch: k * programs; the counter is zeroed
+    before the launch). A wait that outlasts SPIN_LIMIT polls (programs not all resident) sets
+    Err and stops waiting, here and at every later barrier of the launch: a wrong result the
+    host detects instead of a hung GPU. Arrive and wait are apart so a program can ask L2 for
+    its next weights in between."""
     if tl.atomic_add(Err, 0, sem="relaxed", scope="gpu") == 0:
         seen = tl.atomic_add(Bar, 0, sem="acquire", scope="gpu")
         spins = 0
@@ -472,19 +477,22 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     if PHASE == PERSISTENT:
+        syncs = 0  # grid barriers passed
         for i in range(step_lo, step_hi):
             source = tl.load(Reuse + i)
             if source >= 0:
                 _reuse_phase(XA, Vel + source * M * A, pid, rows, row_ok, dt, A, BLOCK_A)
             else:
+                _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M, W, A, TOKENS, XT, NT, BLOCK_M,
+                          BLOCK_A, DOT, PREC)
+                syncs += 1
+                _grid_arrive(Bar)
                 if PREFETCH:
                     _prefetch_phase(QKV, 0, pid, nprog, Wqkv, Wso, Wq, Wco, W1, W2, KV, n_keys, keys_per_split,
                                     ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, NT, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN,
                                     FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, KEY_SPLITS, BLOCK_KEYS, LINE, LINES_W,
                                     LINES_HD, LINES_FC2)
-                _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M, W, A, TOKENS, XT, NT, BLOCK_M,
-                          BLOCK_A, DOT, PREC)
-                _grid_sync(Bar, Err, nprog, SPIN_LIMIT)
+                _grid_wait(Bar, Err, syncs * nprog, SPIN_LIMIT)
                 for j in range(DEPTH):
                     for phase in range(QKV, FC2 + 1):  # a uniform branch per phase: one code copy
                         _block_phase(phase, i, j, pid, nprog, rows, row_ok,
@@ -494,15 +502,19 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
                                      TOKENS, DEPTH, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_D, BK, QKV_COLS, QKV_BN,
                                      CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS,
                                      BLOCK_KEYS, HAS_MASK, DOT, PREC, SCALED)
+                        syncs += 1
+                        _grid_arrive(Bar)
                         if PREFETCH:  # the next phase's weights stream into L2 while the others finish this one
                             _prefetch_phase(phase % FC2 + 1, j + phase // FC2, pid, nprog, Wqkv, Wso, Wq, Wco, W1,
                                             W2, KV, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, NT,
                                             QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K,
                                             KEY_SPLITS, BLOCK_KEYS, LINE, LINES_W, LINES_HD, LINES_FC2)
-                        _grid_sync(Bar, Err, nprog, SPIN_LIMIT)
+                        _grid_wait(Bar, Err, syncs * nprog, SPIN_LIMIT)
                 _out_phase(X, Stats, FMods + i * (2 * W), Wout, Bout, XA, Vel + i * M * A, pid, rows, row_ok, dt, eps,
                            EULER, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_A, BK, DOT, PREC)
-            _grid_sync(Bar, Err, nprog, SPIN_LIMIT)
+            syncs += 1
+            _grid_arrive(Bar)
+            _grid_wait(Bar, Err, syncs * nprog, SPIN_LIMIT)
     elif PHASE == IN:
         _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M, W, A, TOKENS, XT, NT, BLOCK_M, BLOCK_A,
                   DOT, PREC)
