@@ -234,9 +234,8 @@ class Bench:
         contexts = [self.context(int(t)) for t in self.args.contexts.split(",")]
         variants = {"fused persistent": self.fused,
                     "fused per-phase": FusedExpert(e, tiling=Tiling(persistent=False)),
-                    "fused persistent, no prefetch": FusedExpert(e, tiling=Tiling(prefetch_l2=False)),
-                    "fused persistent fp8": FusedExpert(e, fp8=True),
-                    "fused persistent, not cooperative": FusedExpert(e, tiling=Tiling(cooperative=False))}
+                    "fused persistent, L2 prefetch": FusedExpert(e, tiling=Tiling(prefetch_l2=True)),
+                    "fused persistent fp8": FusedExpert(e, fp8=True)}
         # Most telling first; the budget cuts from the end.
         for ctx in contexts:
             self.loop("eager", self.reference_loop(e.velocity, ctx), ctx, self.bf16_weight_bytes)
@@ -244,10 +243,8 @@ class Bench:
                 self.fused_loop(name, fused, ctx, needs_s=20)
         self.phases(contexts[0])
         self.barriers()
-        for entries in (2, 4, 8):
+        for entries in (4, 2, 8):
             self.fused_loop("fused persistent", self.fused, self.context(contexts[0]["tokens"], entries), needs_s=30)
-        self.fused_loop("fused persistent, 4 warps", FusedExpert(e, tiling=Tiling(num_warps=4)), contexts[0],
-                        needs_s=30)
         if self.args.no_compile:
             self.results["skipped"].append("compiled blocks (--no-compile)")
         elif self.left_s() < 90:  # inductor needs about a minute for the block

@@ -113,22 +113,84 @@ def _store_x_tile(x, ok, X, Stats, t, rows, cols, W: tl.constexpr, NT: tl.conste
 
 
 @triton.jit
+def _chunk_loads(Src, src_stride, Wt, w_stride, k0, k_hi, rows, row_ok, cols, col_ok, ModRow, shift_off, scale_off,
+                 LN: tl.constexpr, BK: tl.constexpr):
+    """The loads of one K chunk: src rows [BLOCK_M, BK], weight rows [BN, BK], and with LN the
+    modulation's shift and scale (for every row)."""
+    offs_k = k0 + tl.arange(0, BK)
+    k_ok = offs_k < k_hi
+    a = tl.load(Src + rows[:, None] * src_stride + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                cache_modifier=".cg")
+    w = tl.load(Wt + cols[:, None] * w_stride + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    if LN:  # loaded per row, in a's layout: a broadcast of a [BK] load would pass through shared memory
+        m = ModRow + offs_k[None, :] + 0 * rows[:, None]
+        shift = tl.load(m + shift_off).to(tl.float32)
+        scale = tl.load(m + scale_off).to(tl.float32)
+    else:
+        shift = tl.zeros([1, BK], tl.float32)
+        scale = shift
+    return a, w, shift, scale
+
+
+@triton.jit
+def _chunk_dot(acc, a, w, shift, scale, mean, rstd, row_ok, LN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """acc += prologue(a) @ w^T; the prologue is LayerNorm + modulate with LN, else a as it is."""
+    if LN:
+        a = tl.where(row_ok[:, None], (a - mean[:, None]) * rstd[:, None] * (1.0 + scale) + shift, 0.0)
+    return acc + tl.dot(a.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
+
+
+@triton.jit
+def _rows_dot(Src, src_stride, Wt, w_stride, k_lo, k_hi, rows, row_ok, cols, col_ok, ModRow, shift_off, scale_off,
+              Stats, eps, LN: tl.constexpr, KC: tl.constexpr, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
+              NT_P2: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+              PREC: tl.constexpr):
+    """prologue(src[:, k_lo:k_hi]) @ Wt[cols, k_lo:k_hi]^T in KC chunks of BK: [BLOCK_M, BN] fp32;
+    the prologue with LN: LayerNorm from the x tiles' Stats, then modulate. The first four
+    chunks' loads are all issued before anything waits for one (the statistics, the first
+    dot): a dot's operands pass through shared memory behind a CTA barrier, and a load written
+    after it waits for it (one memory latency per chunk: the qkv phase took 8.4 us for 3.5 MB)."""
+    a0, w0, s0, c0 = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo, k_hi, rows, row_ok, cols, col_ok, ModRow,
+                                  shift_off, scale_off, LN, BK)
+    a1, w1, s1, c1 = a0, w0, s0, c0
+    a2, w2, s2, c2 = a0, w0, s0, c0
+    a3, w3, s3, c3 = a0, w0, s0, c0
+    if KC > 1:
+        a1, w1, s1, c1 = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo + BK, k_hi, rows, row_ok, cols, col_ok,
+                                      ModRow, shift_off, scale_off, LN, BK)
+    if KC > 2:
+        a2, w2, s2, c2 = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo + 2 * BK, k_hi, rows, row_ok, cols, col_ok,
+                                      ModRow, shift_off, scale_off, LN, BK)
+    if KC > 3:
+        a3, w3, s3, c3 = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo + 3 * BK, k_hi, rows, row_ok, cols, col_ok,
+                                      ModRow, shift_off, scale_off, LN, BK)
+    if LN:
+        mean, rstd = _row_stats(Stats, rows, eps, W, XT, NT, NT_P2, BLOCK_M)
+    else:
+        mean = tl.zeros([BLOCK_M], tl.float32)
+        rstd = mean
+    acc = _chunk_dot(tl.zeros([BLOCK_M, BN], tl.float32), a0, w0, s0, c0, mean, rstd, row_ok, LN, DOT, PREC)
+    if KC > 1:
+        acc = _chunk_dot(acc, a1, w1, s1, c1, mean, rstd, row_ok, LN, DOT, PREC)
+    if KC > 2:
+        acc = _chunk_dot(acc, a2, w2, s2, c2, mean, rstd, row_ok, LN, DOT, PREC)
+    if KC > 3:
+        acc = _chunk_dot(acc, a3, w3, s3, c3, mean, rstd, row_ok, LN, DOT, PREC)
+    for kc in tl.static_range(4, KC):  # more rows, smaller chunks: the rest one at a time
+        a, w, sh, sc = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo + kc * BK, k_hi, rows, row_ok, cols, col_ok,
+                                    ModRow, shift_off, scale_off, LN, BK)
+        acc = _chunk_dot(acc, a, w, sh, sc, mean, rstd, row_ok, LN, DOT, PREC)
+    return acc
+
+
+@triton.jit
 def _ln_gemv(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, cols, col_ok, rows, row_ok, eps,
              W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr, BLOCK_M: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
     """(LayerNorm(x) * (1 + scale) + shift) @ Wt[cols]^T (* w_scale) + bias: [BLOCK_M, BN] fp32.
-    Wt [N, W] row-major; BK divides W, so K needs no mask."""
-    mean, rstd = _row_stats(Stats, rows, eps, W, XT, NT, NT_P2, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BN], tl.float32)
-    for kc in tl.static_range(W // BK):  # unrolled: every chunk's weight loads in flight together
-        offs_k = kc * BK + tl.arange(0, BK)
-        x = tl.load(X + rows[:, None] * W + offs_k[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        shift = tl.load(ModRow + shift_off + offs_k).to(tl.float32)
-        scale = tl.load(ModRow + scale_off + offs_k).to(tl.float32)
-        a = tl.where(row_ok[:, None], (x - mean[:, None]) * rstd[:, None] * (1.0 + scale[None, :]) + shift[None, :],
-                     0.0)
-        w = tl.load(Wt + cols[:, None] * W + offs_k[None, :], mask=col_ok[:, None], other=0.0)
-        acc += tl.dot(a.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
+    Wt [N, W] row-major; BK divides W."""
+    acc = _rows_dot(X, W, Wt, W, 0, W, rows, row_ok, cols, col_ok, ModRow, shift_off, scale_off, Stats, eps,
+                    True, W // BK, W, XT, NT, NT_P2, BLOCK_M, BN, BK, DOT, PREC)
     if SCALED:
         acc *= tl.load(WScale + cols, mask=col_ok, other=0.0)[None, :]
     return acc + tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -307,14 +369,9 @@ def _fc2_phase(Hid, W2, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off,
         t = item // SPLITS
         cols = t * XT + lane
         col_ok = cols < W
-        acc = tl.zeros([BLOCK_M, XT], tl.float32)
-        for kc in tl.static_range((SPLIT_K + BK - 1) // BK):
-            offs_k = split * SPLIT_K + kc * BK + tl.arange(0, BK)
-            k_ok = (offs_k < (split + 1) * SPLIT_K) & (offs_k < MLP)
-            a = tl.load(Hid + rows[:, None] * MLP + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0, cache_modifier=".cg")
-            w = tl.load(W2 + cols[:, None] * MLP + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(a.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
+        k_lo = split * SPLIT_K
+        acc = _rows_dot(Hid, MLP, W2, MLP, k_lo, tl.minimum(k_lo + SPLIT_K, MLP), rows, row_ok, cols, col_ok, W2, 0, 0,
+                        Stats, 0.0, False, (SPLIT_K + BK - 1) // BK, W, XT, NT, 2, BLOCK_M, XT, BK, DOT, PREC)
         _finish_x(acc, t, split, SPLITS, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off, rows, row_ok,
                   W, XT, NT, BLOCK_M, SCALED)
 
