@@ -22,9 +22,10 @@ if [ -n "${NCU:-}" ]; then
     | grep -v "^==PROF" | sed "s/  */ /g" | cut -c1-230 | head -80
   echo "ncu done after $(( $(date +%s) - t0 )) s"
 fi
-if [ -n "${MODES:-}" ]; then
-  timeout "${BENCH_S:-200}" python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout "${LAYOUT:-droid}" \
-    --iters 10 --dev-windows 3 --modes "$MODES" --json "$OUT/bench_4b_${LAYOUT:-droid}.json" 2>&1 \
-    | grep -v Warning > "$OUT/bench.log"; tail -14 "$OUT/bench.log"
-fi
+for layout in ${LAYOUTS:-}; do
+  timeout "${BENCH_S:-200}" python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout "$layout" \
+    --iters 10 --dev-windows 3 --modes "${MODES:-eager,fast,fast+expert}" --json "$OUT/bench_4b_$layout.json" 2>&1 \
+    | grep -v Warning > "$OUT/bench_$layout.log"; tail -12 "$OUT/bench_$layout.log"
+  echo "vla-bench $layout done after $(( $(date +%s) - t0 )) s"
+done
 echo "total $(( $(date +%s) - t0 )) s"

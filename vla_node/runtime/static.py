@@ -243,6 +243,10 @@ class StaticRunner:
                            f"{time.perf_counter() - t0:.1f}s")
         self.compiled_graphs = compile_count() - compiled_before
         self.compiled_at_ready = compile_count()
+        if self.fused_expert is not None and self.fused_expert.barrier_timed_out():
+            raise RuntimeError("the fused expert's grid barrier timed out during warm-up: not all of its programs "
+                               "were resident on the GPU at once (another process sharing it?); its actions are "
+                               "wrong: run without fused_expert")
         self.reset()
         self.expert_calls = self.stream_steps = 0
 
