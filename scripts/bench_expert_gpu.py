@@ -236,16 +236,20 @@ class Bench:
                     "fused per-phase": FusedExpert(e, tiling=Tiling(persistent=False)),
                     "fused persistent, L2 prefetch": FusedExpert(e, tiling=Tiling(prefetch_l2=True)),
                     "fused persistent fp8": FusedExpert(e, fp8=True)}
+        parts = self.args.parts.split(",")
         # Most telling first; the budget cuts from the end.
-        for ctx in contexts:
+        for ctx in contexts if "loops" in parts else ():
             self.loop("eager", self.reference_loop(e.velocity, ctx), ctx, self.bf16_weight_bytes)
             for name, fused in variants.items():
                 self.fused_loop(name, fused, ctx, needs_s=20)
-        self.phases(contexts[0])
-        self.barriers()
-        for entries in (4, 2, 8):
+        if "phases" in parts:
+            self.phases(contexts[0])
+            self.barriers()
+        for entries in (1, 4, 2, 8) if "batch" in parts else ():
             self.fused_loop("fused persistent", self.fused, self.context(contexts[0]["tokens"], entries), needs_s=30)
-        if self.args.no_compile:
+        if "compiled" not in parts:
+            pass
+        elif self.args.no_compile:
             self.results["skipped"].append("compiled blocks (--no-compile)")
         elif self.left_s() < 90:  # inductor needs about a minute for the block
             self.results["skipped"].append("compiled blocks + fqa (time budget)")
@@ -292,6 +296,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip what is left after this many seconds")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant (the slowest to build)")
+    ap.add_argument("--parts", default="loops,phases,batch,compiled",
+                    help="what to measure: loops (every variant), phases (each kernel, the barrier), batch (B = 1-8), "
+                         "compiled (the engine's compiled blocks)")
     ap.add_argument("--preset", default="molmobot-4b", help="model preset (tiny: a CPU dry run of the script)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -82,14 +82,15 @@ _LADDER = {
     "compile": ("compile", "flex_attention"),
     "graphs": ("cuda_graphs",),
     "triton": ("triton_attention",),
-    "fast": ("vision_cache",),
+    "fast": ("fused_expert", "vision_cache"),
 }
 MODES: dict[str, tuple[str, ...]] = {}
 for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 GPU_FEATURES = ("flex_attention", "cuda_graphs", "triton_attention", "fused_expert")  # rungs a CPU engine skips
-# fused_expert is off the ladder: on the H200 its first kernels (33 ms per flow loop in the 8-image
-# query) lose to the compiled blocks with the triton attention (22 ms); BENCHMARKS.md has both.
+# fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
+# action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
+# blocks with the few-query attention kernel.
 
 
 def _modes_with(*features: str) -> str:
@@ -122,7 +123,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
-    fused_expert: bool = False            # the flow loop's expert in 6 Triton launches per block (runtime/fused_expert)
+    fused_expert: bool = False            # the whole flow loop in one persistent Triton kernel (runtime/fused_expert)
     vision_cache: bool = False
     vision_cache_frames: int = 64         # frames kept by the vision cache
     # Opt-in options that change the numbers (each reported with its deviation).
