@@ -56,7 +56,7 @@ class Tiling:
     """How the work is cut. `programs` 0: one per SM (the GPU), 5 under the interpreter."""
     programs: int = 0
     x_tile: int = 64          # columns of the residual stream per tile (its writers, the LN statistics)
-    block_k: int = 256        # K chunk of the LayerNorm linears at 16 rows (halved per doubling of rows)
+    block_k: int = 256        # K chunk of the LayerNorm linears (at most four chunks a row: larger if needed)
     fc2_block_k: int = 128
     block_keys: int = 64
     num_warps: int = 8
@@ -211,10 +211,12 @@ class FusedExpert:
             raise ValueError(f"the fused expert takes at most {MAX_ROWS} rows (batch * horizon), got {m}")
         programs = self._programs(device)
         block_m = _pow2(m)
-        shrink = block_m // 16          # keep K chunks of the row tiles at 16 rows' register size
-        bk = max(16, t.block_k // shrink)
-        while w % bk:
-            bk //= 2
+        # K chunks of BK columns (a power of two dividing the width), at most four: their loads are
+        # issued together (kernels/expert_flow.py). block_k, or the smallest chunk that makes four.
+        chunks = [c for c in (16 << i for i in range(8)) if w % c == 0 and w // c <= 4]
+        if not chunks:
+            raise ValueError(f"the fused expert needs a width that is at most 4 chunks of a power of two, got {w}")
+        bk = max([c for c in chunks if c <= t.block_k] or chunks[:1])
         xt = min(t.x_tile, _pow2(w))
         nt = triton.cdiv(w, xt)
 
@@ -236,7 +238,8 @@ class FusedExpert:
             TOKENS=tokens, DEPTH=self.depth, XT=xt, NT=nt, NT_P2=_pow2(nt, 2), BLOCK_M=block_m,
             BLOCK_H=_pow2(tokens), BLOCK_D=_pow2(self.head_dim), BLOCK_A=_pow2(self.action_dim), BK=bk,
             QKV_COLS=qkv_cols, QKV_BN=qkv_bn, CQ_COLS=cq_cols, CQ_BN=cq_bn, FC1_COLS=fc1_cols, FC1_BN=fc1_bn,
-            FC2_SPLITS=fc2_splits, FC2_K=fc2_k, FC2_BK=max(16, min(t.fc2_block_k // shrink, _pow2(fc2_k))),
+            FC2_SPLITS=fc2_splits, FC2_K=fc2_k,
+            FC2_BK=max(min(t.fc2_block_k, _pow2(fc2_k)), _pow2(triton.cdiv(fc2_k, 4))),  # at most four chunks
             KEY_SPLITS=key_splits, BLOCK_KEYS=min(t.block_keys, _pow2(keys_per_split)),
             # One prefetch address per 128-byte line; a row slice that does not start on a line
             # boundary touches one line more.

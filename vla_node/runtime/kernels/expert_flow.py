@@ -150,6 +150,7 @@ def _rows_dot(Src, src_stride, Wt, w_stride, k_lo, k_hi, rows, row_ok, cols, col
     chunks' loads are all issued before anything waits for one (the statistics, the first
     dot): a dot's operands pass through shared memory behind a CTA barrier, and a load written
     after it waits for it (one memory latency per chunk: the qkv phase took 8.4 us for 3.5 MB)."""
+    tl.static_assert(KC <= 4, "at most four K chunks (the plan picks the chunk size)")
     a0, w0, s0, c0 = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo, k_hi, rows, row_ok, cols, col_ok, ModRow,
                                   shift_off, scale_off, LN, BK)
     a1, w1, s1, c1 = a0, w0, s0, c0
@@ -176,10 +177,6 @@ def _rows_dot(Src, src_stride, Wt, w_stride, k_lo, k_hi, rows, row_ok, cols, col
         acc = _chunk_dot(acc, a2, w2, s2, c2, mean, rstd, row_ok, LN, DOT, PREC)
     if KC > 3:
         acc = _chunk_dot(acc, a3, w3, s3, c3, mean, rstd, row_ok, LN, DOT, PREC)
-    for kc in tl.static_range(4, KC):  # more rows, smaller chunks: the rest one at a time
-        a, w, sh, sc = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo + kc * BK, k_hi, rows, row_ok, cols, col_ok,
-                                    ModRow, shift_off, scale_off, LN, BK)
-        acc = _chunk_dot(acc, a, w, sh, sc, mean, rstd, row_ok, LN, DOT, PREC)
     return acc
 
 
