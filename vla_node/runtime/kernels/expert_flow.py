@@ -4,10 +4,13 @@ Why: at batch 1 the expert's 36 blocks x 10 flow steps are 360 blocks of ~16 MB 
 each (~3.8 us at 4.3 TB/s), and on the H200 every kernel launch costs ~2.5-3 us of latency
 however few bytes it reads. So the whole loop runs in one launch of one program per SM; the
 phases of a block are separated by grid barriers (an atomic arrival counter each program spins
-on), and each program asks L2 for the weights of its next phase before it waits, so the weight
-traffic overlaps the barrier. With PHASE >= 0 the same code runs one phase per launch: the
-host's loop (and the CPU interpreter, which runs programs one after another and so cannot
-spin) puts the launch boundary where the barrier would be.
+on; 0.87 us each on the H200), each phase spreads its weights evenly over all programs, and
+optionally (PREFETCH) a program asks L2 for its next phase's weights while it waits. With
+PHASE >= 0 the same code runs one phase per launch: the host's loop (and the CPU interpreter,
+which runs programs one after another and so cannot spin) puts the launch boundary where the
+barrier would be. Measured (BENCHMARKS.md, issue 22): a phase takes 5-10 us whatever its
+bytes, a chain of dependent memory round trips, so the loop is ~10x its bandwidth floor; the
+next step is loading each phase's weights into registers before its barrier.
 
 Phases of one block j at flow step i (M rows = batch entries x horizon tokens; w width):
 
