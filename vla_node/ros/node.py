@@ -15,6 +15,7 @@ in the log and on /diagnostics.
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import signal
 import sys
@@ -354,7 +355,19 @@ class VLANode(LifecycleNode):
         return level, message, values
 
 
+# Ctrl-C and SIGTERM end the node, its engine process and its threads within ~3 s on a busy
+# machine (the engine's STOP_GRACE_S is most of it; BENCHMARKS.md, "CI under load"). Whatever hangs
+# beyond this (a DDS participant's teardown), the process ends then with every thread's stack on
+# stderr and exit code 1, rather than never (main is the entry point: this covers the interpreter's
+# exit too).
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
 def main(args=None) -> int:
+    # SIGTERM (systemd, docker stop, a launch file's escalation) ends the node as Ctrl-C does, also
+    # while configure loads the model. rclpy's own handler, installed by init, shuts the context
+    # down and then calls this one.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     rclpy.init(args=args)
     node = executor = None
     try:
@@ -377,6 +390,8 @@ def main(args=None) -> int:
         # shutdown: it must not cut the release of the engine short (bounded: the engine process
         # is killed after a timeout).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        faulthandler.dump_traceback_later(SHUTDOWN_TIMEOUT_S, exit=True)
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
