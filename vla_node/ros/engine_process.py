@@ -178,9 +178,10 @@ class EngineProcess:
         self._conn.send(("schedule", schedule))
         self._schedules.append(schedule)
 
-    def poll(self) -> Optional[Result]:
-        """A result if one is waiting, without blocking. Raises EngineError if the worker died."""
-        if not self._conn.poll():
+    def poll(self, timeout_s: float = 0.0) -> Optional[Result]:
+        """A result if one is waiting or comes within timeout_s. Raises EngineError if the worker
+        died."""
+        if not self._conn.poll(timeout_s):
             return None
         kind, payload = self._receive()
         result = Result(kind=kind, **payload)

@@ -200,6 +200,8 @@ class VLANode(LifecycleNode):
     def _on_tick(self) -> None:
         started = time.perf_counter()
         now_ns = self.now_ns()
+        if self.settings.fixed_latency_s:   # reproducible: the tick sees every frame that came before it
+            self._inputs.decoder.drain()
         if self._inputs.timeline_ended.is_set():
             self._inputs.timeline_ended.clear()
             self._drop_old_timeline()
@@ -218,10 +220,16 @@ class VLANode(LifecycleNode):
         self._diagnostics.after_tick()
 
     def _collect(self) -> None:
-        """Take the engine's answer, if there is one."""
+        """Take the engine's answer, if there is one; with fixed_latency_s, at its due tick only,
+        waiting for it then."""
+        if self._control.answer_held_back():
+            return
+        due = self._control.answer_due()
+        result = self._engine.wait() if due else self._engine.poll()
         arrived = time.perf_counter()
-        result = self._engine.poll()
         if result is None:
+            if due:
+                self._control.answer_overdue()
             return
         request = self._control.answered(result.request_id)
         if request is not None:
@@ -269,7 +277,7 @@ class VLANode(LifecycleNode):
             return
         request.sent_at = time.perf_counter()
         request.send_ms = (request.sent_at - t0) * 1e3
-        control.sent(request)
+        control.sent(request, s.fixed_latency_ticks)
         self.telemetry.counts[Key.REQUESTS] += 1
 
     def _drop_old_timeline(self) -> None:
