@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -395,6 +397,19 @@ class Robot:
         stamp = self.h.stamp()
         msg = (self.joint_message or self.joint_state)(stamp)
         self.h.joint_pub.publish(msg)
+
+
+@contextmanager
+def busy_loops(n: int):
+    """`n` processes spinning `while True: pass` while the block runs: a busy machine, as CI's
+    (scripts/under_load.sh does the same around whole pytest runs)."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 def pid_alive(pid: int) -> bool:

@@ -3,31 +3,17 @@ busy machine: while it runs (also with an engine that answers nothing: it is kil
 grace) and while configure is still loading the model. Two busy loops run beside each case."""
 import os
 import signal
-import subprocess
-import sys
 import time
-from contextlib import contextmanager
 
 import pytest
 
-from ros_helpers import Harness, NodeProcess, Robot, pid_alive
+from ros_helpers import Harness, NodeProcess, Robot, busy_loops, pid_alive
 from vla_node.ros.diagnostics import Key
 from vla_node.tools.node_process import processes_with_env
 
 pytestmark = pytest.mark.timeout(180)
 
 SHUTDOWN_BOUND_S = 5.0    # README, "Shutdown"; measured 1.2-2.4 s under three busy loops (BENCHMARKS.md)
-
-
-@contextmanager
-def busy_loops(n: int = 2):
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
 
 
 def signal_and_time(node: NodeProcess, signum: int) -> tuple[int, float]:
@@ -42,7 +28,7 @@ def signal_and_time(node: NodeProcess, signum: int) -> tuple[int, float]:
 def test_a_running_node_ends_within_the_bound_even_if_its_engine_answers_nothing(signum):
     node = NodeProcess({"autostart": True})
     try:
-        with busy_loops():
+        with busy_loops(2):
             h = Harness(node)
             try:
                 Robot(h)
@@ -68,7 +54,7 @@ def test_sigterm_while_configure_loads_the_model_ends_the_node_and_the_loading_e
     finally:
         del os.environ["VLA_SHUTDOWN_CASE"]
     try:
-        with busy_loops():
+        with busy_loops(2):
             node.wait_for_line("configuring: ", timeout=120)
             code, seconds = signal_and_time(node, signal.SIGTERM)
     finally:

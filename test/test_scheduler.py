@@ -81,11 +81,11 @@ def test_a_fixed_latency_takes_the_chunk_at_its_due_tick_exactly():
     c.sent(request, fixed_latency_ticks=3)       # due at tick 4
     for _ in range(2):
         run_tick(c)                              # ticks 2, 3: an answer there now waits
-        assert c.answer_held_back() and not c.answer_due()
+        assert c.answer_held_back() and c.due_request() is None
     run_tick(c)                                  # tick 4: this tick takes it, waiting if need be
-    assert c.answer_due() and not c.answer_held_back()
+    assert c.due_request() is request and not c.answer_held_back()
     assert answer(c, request, chunk(100.0)) == TAKEN
-    assert not c.answer_due() and list(c.state.latency_ticks) == [3]
+    assert c.due_request() is None and list(c.state.latency_ticks) == [3]
     assert run_tick(c)[0] == 103.0               # tick 5 runs action 3 (action i is for tick 2 + i)
 
 
@@ -95,9 +95,9 @@ def test_an_overdue_fixed_latency_answer_is_no_longer_waited_for():
     request = c.request()
     c.sent(request, fixed_latency_ticks=1)
     run_tick(c)
-    assert c.answer_due()
+    assert c.due_request() is request
     c.answer_overdue()                           # the engine did not answer in the time allowed
-    assert not c.answer_due() and not c.answer_held_back() and c.state.in_flight is request
+    assert c.due_request() is None and not c.answer_held_back() and c.state.in_flight is request
 
 
 def test_a_chunk_after_its_last_action_is_late_and_the_arm_holds():

@@ -244,7 +244,7 @@ class ChunkScheduler:
         command(target, measured)               the command to publish (post-processed, safe)
         wants_observation()                     ask for the next chunk now?
         waiting(wait) / request(window) / sent(request)   it could not go / it goes
-        answer_held_back() / answer_due()       a fixed latency: not yet / now, wait for it
+        answer_held_back() / due_request()      a fixed latency: not yet / now, wait for it
         answered(request_id) -> take(request, actions)    TAKEN | LATE | STALE | NON_FINITE
 
     One request is in flight at a time. A new block (a fault, no instruction), a reset and a
@@ -371,11 +371,13 @@ class ChunkScheduler:
         request = self.state.in_flight
         return request is not None and request.due_tick is not None and self.state.tick < request.due_tick
 
-    def answer_due(self) -> bool:
-        """The request in flight has a fixed latency that is due now: this tick takes its answer,
-        however long the engine takes."""
+    def due_request(self) -> Optional[Request]:
+        """The request in flight if a fixed latency makes its answer due now: this tick takes it,
+        however long the engine takes; else None."""
         request = self.state.in_flight
-        return request is not None and request.due_tick is not None and self.state.tick >= request.due_tick
+        if request is not None and request.due_tick is not None and self.state.tick >= request.due_tick:
+            return request
+        return None
 
     def answer_overdue(self) -> None:
         """The engine did not answer at the due tick within the wait allowed: stop waiting for it

@@ -103,11 +103,15 @@ class EngineLink:
             self._node.faults.set("engine", f"inference failed: {result.reason}")
         return result
 
-    def wait(self) -> Optional[Result]:
-        """poll() for the answer a fixed latency makes due at this tick, waiting up to
-        FIXED_LATENCY_WAIT_S (the simulator waits for the tick meanwhile); fault "engine" if none
-        comes."""
-        result = self.poll(FIXED_LATENCY_WAIT_S)
+    def wait(self, request_id: int) -> Optional[Result]:
+        """poll() for the answer to `request_id`, which a fixed latency makes due at this tick,
+        waiting up to FIXED_LATENCY_WAIT_S (the simulator waits for the tick meanwhile). Answers
+        to older requests on the way are dropped: a restarted timeline forgot them, so they are
+        stale. Fault "engine" if the answer does not come."""
+        deadline = time.monotonic() + FIXED_LATENCY_WAIT_S
+        while (result := self.poll(max(0.0, deadline - time.monotonic()))) is not None:
+            if result.request_id == request_id:
+                break
         if result is None and self.serving:
             self._node.faults.set("engine", f"no answer from the engine {FIXED_LATENCY_WAIT_S:g} s after the tick "
                                             "fixed_latency_s made it due")

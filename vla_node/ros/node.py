@@ -224,11 +224,11 @@ class VLANode(LifecycleNode):
         waiting for it then."""
         if self._control.answer_held_back():
             return
-        due = self._control.answer_due()
-        result = self._engine.wait() if due else self._engine.poll()
+        due = self._control.due_request()
+        result = self._engine.poll() if due is None else self._engine.wait(due.id)
         arrived = time.perf_counter()
         if result is None:
-            if due:
+            if due is not None:
                 self._control.answer_overdue()
             return
         request = self._control.answered(result.request_id)
@@ -290,15 +290,19 @@ class VLANode(LifecycleNode):
 
     def _on_clock_jump(self, jump) -> None:
         """Time went backwards (a restarted simulation or bag): every stored stamp is from the
-        future now. Forget the frames, the joints, the plan and the last command, and the
-        engine's stream state too; the next complete window clears it."""
+        future now. Forget the frames, the joints and the engine's stream state, and start the
+        control loop over as an activation does (a reset: no plan, no last command, nothing in
+        flight waited for); the next complete window clears it."""
         if self._inputs is not None:
             self._inputs.forget()
-        self._drop_old_timeline()
+        if self._engine is not None:
+            self._engine.reset_stream()
         # A restarted simulation has moved the robot: the hold restarts from its next measured
-        # position, not from the last command of the old timeline. (Stamps stepping back without
-        # a clock jump keep the last command: every command stays within max_step_per_tick.)
-        self._control.state.last_command = None
+        # position, not from the last command of the old timeline (stamps stepping back without
+        # a clock jump keep it: every command stays within max_step_per_tick). Its first request
+        # goes out at once, as after an activation, so an episode runs the same whatever the last
+        # one left in flight (the engine answers that one first: stale, dropped).
+        self._control.reset()
         self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "
                                  f"inputs and plan discarded")
 

@@ -176,7 +176,7 @@ class ClosedLoop:
                                       f"seed {seed} t {step * self.period_s:.2f}s r{state.reward}"
                                       f"{' success' if state.success else ''}"))
             # collect
-            if in_flight is not None and control.answer_due():
+            if control.due_request() is not None:
                 request = control.answered(in_flight.request.id)
                 result.latency_ticks.append(tick - request.tick)
                 outcome = control.take(request, in_flight.chunk.actions)
