@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
+import pytest
 
 from vla_node.ros.messages import stamp_ns
 from vla_node.tools.node_process import interrupt, node_argv, ros_domain, ros_environment
@@ -109,6 +110,26 @@ class NodeProcess:
         """stop(), which must end with exit code 0 (else the error shows the node's last output)."""
         code = self.stop()
         assert code == 0, f"exit code {code}; node output:\n" + "\n".join(self.lines[-40:])
+
+
+def command_stamps_ns(h: "Harness", since: float = 0.0) -> np.ndarray:
+    """The node's stamps (its clock when each control tick published) of the ~/joint_command
+    messages received since `since` (publish_joint_command): rates checked on these do not depend
+    on when DDS delivered them here."""
+    return np.array([stamp_ns(m.header.stamp) for m in h.messages("joint_command", since)], np.int64)
+
+
+def assert_ticks_at(period_s: float, stamps_ns: np.ndarray) -> None:
+    """Control ticks stamped `stamps_ns` (in order) run at `period_s`: the median interval is the
+    period (a busy machine delays some ticks, and the timer then skips the ones it missed, but
+    most run on time), and no span holds more than one tick per period (a timer never runs ahead:
+    +2 for the ends, the first one stamped late)."""
+    assert len(stamps_ns) >= 10, f"only {len(stamps_ns)} ticks"
+    intervals_s = np.diff(stamps_ns) / 1e9
+    assert np.median(intervals_s) == pytest.approx(period_s, rel=0.1), \
+        f"median tick interval {np.median(intervals_s) * 1e3:.1f} ms, not {period_s * 1e3:.1f} ms"
+    span_s = (stamps_ns[-1] - stamps_ns[0]) / 1e9
+    assert len(stamps_ns) <= span_s / period_s + 2, f"{len(stamps_ns)} ticks in {span_s:.3f} s"
 
 
 def rgb_frame(height: int, width: int, seed: int) -> np.ndarray:

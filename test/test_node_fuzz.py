@@ -190,7 +190,7 @@ def test_random_malformed_input_is_reported_held_and_recovered_from(rig, bad):
     start = time.monotonic()
     restore = inject(bad, h, robot)
     try:
-        d = h.wait_diagnostics(lambda d: reported(d, bad), 15, f"{bad} reported", since=start)
+        d = h.wait_diagnostics(lambda d: reported(d, bad), 30, f"{bad} reported", since=start)
         assert d["_level"] == 2 and d["_message"].startswith("holding: ")
         assert node.proc.poll() is None
     finally:

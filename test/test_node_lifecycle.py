@@ -5,7 +5,18 @@ import time
 import numpy as np
 import pytest
 
-from ros_helpers import HOME, JOINTS, MAX_STEP, Harness, NodeProcess, Robot, pid_alive, stamp_ns
+from ros_helpers import (
+    HOME,
+    JOINTS,
+    MAX_STEP,
+    Harness,
+    NodeProcess,
+    Robot,
+    assert_ticks_at,
+    command_stamps_ns,
+    pid_alive,
+    stamp_ns,
+)
 from vla_node.ros.diagnostics import Key
 from vla_node.tools.node_process import dds_shm_of, dead_dds_shm
 
@@ -44,12 +55,10 @@ def test_active_node_commands_at_the_configured_rate_and_publishes_trajectories(
     assert h.transition("activate")
     h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run")
     since = time.monotonic()
-    h.wait_until(lambda: len(h.messages("trajectory", since)) >= 5, 30, "5 trajectories")
+    h.wait_until(lambda: len(h.messages("trajectory", since)) >= 5, 60, "5 trajectories")
     start = time.monotonic()
-    h.wait_commands(int(RATE * 3), since=start, timeout=30)
-    times = h.times("command", start)
-    rate = (len(times) - 1) / (times[-1] - times[0])
-    assert rate == pytest.approx(RATE, rel=0.1)
+    h.wait_until(lambda: len(h.messages("joint_command", start)) >= RATE * 3, 60, "3 s of commands")
+    assert_ticks_at(1.0 / RATE, command_stamps_ns(h, start))     # by the node's stamps
 
     commands = np.array([m.data for m in h.messages("command", since)])
     assert commands.shape[1] == len(JOINTS) and np.isfinite(commands).all()
@@ -64,10 +73,17 @@ def test_active_node_commands_at_the_configured_rate_and_publishes_trajectories(
         steps = [p.time_from_start.sec * 10**9 + p.time_from_start.nanosec for p in traj.points]
         assert steps == [i * 20_000_000 for i in range(len(steps))]
         assert all(len(p.positions) == len(JOINTS) for p in traj.points)
-    # The header stamp is when the first point executes: the next control tick.
-    last = h.messages("trajectory", since)[-1]
-    stamp = last.header.stamp.sec + last.header.stamp.nanosec * 1e-9
-    assert abs(stamp - time.time()) < 1.0
+    # The header stamp is when the first point executes: the next control tick, which commands
+    # at it or soon after (a busy machine delays some ticks). Most of them within half a period:
+    # a stamp of the tick that published it would be a period before.
+    ticks = np.sort(command_stamps_ns(h))
+    until_next_tick_s = []
+    for traj in h.messages("trajectory", since):
+        later = ticks[np.searchsorted(ticks, stamp_ns(traj.header.stamp)):]
+        if len(later):
+            until_next_tick_s.append((later[0] - stamp_ns(traj.header.stamp)) / 1e9)
+    assert len(until_next_tick_s) >= 5 and np.median(until_next_tick_s) < 0.5 / RATE, until_next_tick_s
+    assert abs(ticks[-1] / 1e9 - time.time()) < 60       # the ROS clock: the system's, not a steady one
 
 
 def test_commands_start_at_the_measured_position_and_stay_in_limits(running):
