@@ -82,7 +82,7 @@ class NodeProcess:
         with self._changed:
             return sum(text in line for line in self.lines)
 
-    def wait_for_line(self, text: str, timeout: float = 30.0, occurrence: int = 1) -> str:
+    def wait_for_line(self, text: str, timeout: float = 60.0, occurrence: int = 1) -> str:
         """The `occurrence`-th line containing `text`, once the node has printed it."""
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -265,7 +265,7 @@ class Harness:
         statuses = self.diagnostics_since(0.0)
         return statuses[-1] if statuses else None
 
-    def wait_matched(self, timeout: float = 20.0) -> None:
+    def wait_matched(self, timeout: float = 60.0) -> None:
         """Until DDS has matched the node's inputs and outputs with this node's."""
         def matched():
             pubs = [self.joint_pub, self.instruction_pub, self.estop_pub]
@@ -303,7 +303,7 @@ class Harness:
             return None
         return self.wait_until(find, timeout, what)
 
-    def wait_commands(self, count: int, timeout: float = 20.0, since: Optional[float] = None) -> list:
+    def wait_commands(self, count: int, timeout: float = 60.0, since: Optional[float] = None) -> list:
         since = time.monotonic() if since is None else since
         return self.wait_until(lambda: len(self.messages("command", since)) >= count and
                                self.messages("command", since), timeout, f"{count} commands")

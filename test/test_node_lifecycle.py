@@ -43,7 +43,7 @@ def test_starts_unconfigured_and_configure_loads_the_engine_in_a_process(running
     assert h.state() == "inactive"
     node.wait_for_line("loaded tiny on cpu")         # the engine's progress, forwarded to the log
     node.wait_for_line("ready in")
-    d = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 10, "inactive diagnostics", since=0)
+    d = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 30, "inactive diagnostics", since=0)
     assert pid_alive(int(d[Key.ENGINE_PID])) and int(d[Key.ENGINE_PID]) != node.proc.pid
     assert not h.messages("command")                 # configured is not commanding
 
@@ -99,8 +99,8 @@ def test_deactivate_stops_commands_and_cleanup_ends_the_engine_process(running):
     node, h = running
     pid = int(h.diagnostics_since(0)[-1][Key.ENGINE_PID])
     assert h.transition("deactivate")
-    inactive = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 10, "inactive diagnostics")
-    h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")   # time passes, on the node's clock
+    inactive = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 30, "inactive diagnostics")
+    h.wait_diagnostics(lambda d: True, 30, "another diagnostics message")   # time passes, on the node's clock
     # Nothing stamped by the node after it reported inactive (judged by the node's stamps: on a
     # loaded machine earlier commands may still be queued here).
     assert not [m for m in h.messages("joint_command")
@@ -131,7 +131,7 @@ def test_failed_load_fails_configure_with_the_reason(tmp_path):
         assert h.state() == "unconfigured"
         line = node.wait_for_line("configure failed")
         assert "does not exist" in line
-        d = h.wait_diagnostics(lambda d: "configure failed" in d["_message"], 10, "the failure on /diagnostics",
+        d = h.wait_diagnostics(lambda d: "configure failed" in d["_message"], 30, "the failure on /diagnostics",
                                since=0)
         assert "does not exist" in d["_message"] and d["_level"] == 2
         assert node.proc.poll() is None                      # still up, can be fixed and configured again
