@@ -8,6 +8,7 @@ the harness made for it.
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -130,6 +131,20 @@ def assert_ticks_at(period_s: float, stamps_ns: np.ndarray) -> None:
         f"median tick interval {np.median(intervals_s) * 1e3:.1f} ms, not {period_s * 1e3:.1f} ms"
     span_s = (stamps_ns[-1] - stamps_ns[0]) / 1e9
     assert len(stamps_ns) <= span_s / period_s + 2, f"{len(stamps_ns)} ticks in {span_s:.3f} s"
+
+
+def chunk_period_ticks(live: dict, replan_threshold: int = 8, period_s: float = 0.02) -> int:
+    """Control ticks per chunk that a node fed by `vla-replay live` could keep (`live`: the
+    replay's summary; config/tiny.yaml's replan_threshold and rate): one chunk per replan_threshold
+    ticks while inference is faster than that, one per inference where it is slower, as on a busy
+    machine (the plan then waits for each chunk). Its slowest request -> chunk time bounds it."""
+    return max(replan_threshold, math.ceil(live["round_trip_ms"]["max"] / 1e3 / period_s) + 1)
+
+
+def chunks_answered(live: dict) -> int:
+    """The chunks the node of a `vla-replay live` run published, and those it dropped because they
+    came after their last action (inference slower than the horizon)."""
+    return live["chunks"] + (live["node_late_chunks"] or 0)
 
 
 def rgb_frame(height: int, width: int, seed: int) -> np.ndarray:
