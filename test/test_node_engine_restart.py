@@ -12,7 +12,7 @@ import pytest
 from ros_helpers import Harness, NodeProcess, Robot, pid_alive, stamp_ns
 from vla_node.ros.diagnostics import Key
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 LOST = "engine lost: engine process exited (code -9)"
 

@@ -20,7 +20,7 @@ from ros_helpers import (
 from vla_node.ros.diagnostics import Key
 from vla_node.tools.node_process import dds_shm_of, dead_dds_shm
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 RATE = 50.0
 

@@ -23,7 +23,7 @@ from vla_node.ros.diagnostics import LOG_BURST, LOG_WINDOW_S, Key
 from vla_node.ros.outputs import DIAGNOSTICS_PERIOD_S
 from vla_node.ros.params import SPECS
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 

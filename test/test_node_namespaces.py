@@ -13,7 +13,7 @@ from vla_node.ros.params import SPECS
 
 INPUT_TOPICS = ("camera_topics", "joint_states_topic", "instruction_topic", "estop_topic")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 # The second robot stands elsewhere: a node hearing the wrong robot would command from there.
 HOME2 = HOME + np.array([0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, -0.1])

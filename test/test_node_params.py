@@ -10,7 +10,7 @@ from std_msgs.msg import String
 from ros_helpers import Harness, NodeProcess, Robot, assert_ticks_at, command_stamps_ns, stamp_ns
 from vla_node.ros.diagnostics import Key
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from ros_helpers import HOME, Harness, NodeProcess, Robot
 from vla_node.model import build_model, get_preset, init_random_, save_checkpoint
 from vla_node.ros.diagnostics import Key
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_non_finite_actions_are_never_published(tmp_path):

@@ -11,7 +11,7 @@ from ros_helpers import Harness, NodeProcess, Robot, busy_loops, pid_alive
 from vla_node.ros.diagnostics import Key
 from vla_node.tools.node_process import processes_with_env
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 SHUTDOWN_BOUND_S = 5.0    # README, "Shutdown"; measured 1.2-2.4 s under three busy loops (BENCHMARKS.md)
 

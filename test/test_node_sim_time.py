@@ -9,7 +9,7 @@ import pytest
 from ros_helpers import HOME, Harness, NodeProcess, Robot, assert_ticks_at, command_stamps_ns
 from vla_node.ros.diagnostics import Key
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 SIM_START_NS = 1000 * 10**9
 STEP_NS = 5_000_000          # simulated time per /clock message ...
