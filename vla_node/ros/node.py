@@ -281,9 +281,9 @@ class VLANode(LifecycleNode):
         self.telemetry.counts[Key.REQUESTS] += 1
 
     def _drop_old_timeline(self) -> None:
-        """An input's stamps stepped back or the clock jumped: forget the plan, drop the chunk in
-        flight, and the engine's stream state (a frame of the new timeline may carry a stamp it
-        has cached another picture under)."""
+        """An input's stamps stepped back: forget the plan, drop the chunk in flight, and the
+        engine's stream state (a frame of the new timeline may carry a stamp it has cached another
+        picture under). A clock jump does more (_on_clock_jump)."""
         if self._engine is not None:
             self._engine.reset_stream()
         self._control.drop_plan()
