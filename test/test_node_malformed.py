@@ -44,7 +44,7 @@ class Rig:
         self.h = Harness(self.node)
         try:
             self.robot = Robot(self.h, compressed=(False, True))
-            self.h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run", since=0)
+            self.h.wait_diagnostics(lambda d: d["_message"] == "running", 120, "the node to run", since=0)
         except BaseException:
             self.close()
             raise
@@ -63,9 +63,9 @@ def rigs():
 
 @pytest.fixture
 def rig(rigs):
-    """The module's rig, running; replaced by a fresh one if it does not run within 30 s."""
+    """The module's rig, running; replaced by a fresh one if it does not run within 60 s."""
     try:
-        rigs[0].h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run before the case")
+        rigs[0].h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run before the case")
     except AssertionError:
         rigs[0].close()
         rigs[0] = Rig()
@@ -188,7 +188,7 @@ def events(d: dict, source: str) -> int:
 def test_malformed_input_holds_reports_once_and_recovers(rig, case):
     node, h, robot = rig
     text = case.text.format(ns=node.namespace)
-    before = h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run before the case")
+    before = h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run before the case")
     logged = node.count(f"holding: {case.source}: ")
     resolved = node.count(f"resolved: {case.source}: ")
     frames, joint_msgs = robot.frame_count, robot.joint_count
@@ -247,7 +247,7 @@ def test_alternating_causes_keep_diagnostics_at_their_rate(rig):
     assembled by name, an arm and a gripper driver sharing /joint_states) changed the hold cause
     with every message: /diagnostics followed at the message rate and every change was logged."""
     node, h, robot = rig
-    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run")
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run")
     logged = node.count("camera 'wrist': ")
     small = cv2.imencode(".jpg", np.zeros((240, 320, 3), np.uint8))[1].tobytes()
 
@@ -275,4 +275,4 @@ def test_alternating_causes_keep_diagnostics_at_their_rate(rig):
         f"{len(stamps)} /diagnostics messages in {node_span:.1f} s"
     lines = node.count("camera 'wrist': ") - logged
     assert lines <= LOG_BURST * (1 + math.floor(span / LOG_WINDOW_S)), node.output()
-    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "recovery")
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "recovery")
