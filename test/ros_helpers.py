@@ -30,6 +30,7 @@ JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
 HOME = np.array([0.0, -0.5, 0.0, -2.0, 0.0, 1.5, 0.8, 0.5])
 CAMERA_TOPICS = ["cameras/exo/image_raw", "cameras/wrist/image_raw"]   # relative: in the node's namespace
 FRAME_LOOP = 8
+RECORDED_DEPTH = 1000   # the queue of each output the harness records (Harness._make_io)
 # config/tiny.yaml's command limits (the Panda's): what every command of the node must respect.
 LOWER = np.array([-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0])
 UPPER = np.array([2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0])
@@ -209,11 +210,17 @@ class Harness:
         self.instruction_pub = n.create_publisher(String, f"{ns}/instruction", 10)
         self.estop_pub = n.create_publisher(Bool, f"{ns}/estop", 10)
         self.clock_pub = n.create_publisher(Clock, "/clock", 10)
+        # 20 s of 50 Hz commands queued: the tests check every consecutive pair of commands, and
+        # this process's executor, busy with the robot's streams and the tests' scans of what it
+        # recorded, fell more than the 50 messages of before behind on a busy 2-core machine (a
+        # command dropped from the queue made two ticks look like one step too large).
+        depth = RECORDED_DEPTH
         self.subs = [
-            n.create_subscription(Float64MultiArray, f"{self.target}/command", self._recorder("command"), 50),
-            n.create_subscription(JointTrajectory, f"{self.target}/joint_trajectory", self._recorder("trajectory"), 50),
-            n.create_subscription(JointState, f"{self.target}/joint_command", self._recorder("joint_command"), 50),
-            n.create_subscription(DiagnosticArray, "/diagnostics", self._recorder("diagnostics"), 50),
+            n.create_subscription(Float64MultiArray, f"{self.target}/command", self._recorder("command"), depth),
+            n.create_subscription(JointTrajectory, f"{self.target}/joint_trajectory", self._recorder("trajectory"),
+                                  depth),
+            n.create_subscription(JointState, f"{self.target}/joint_command", self._recorder("joint_command"), depth),
+            n.create_subscription(DiagnosticArray, "/diagnostics", self._recorder("diagnostics"), depth),
         ]
         self.change_state = n.create_client(ChangeState, f"{self.target}/change_state")
         self.get_state = n.create_client(GetState, f"{self.target}/get_state")
