@@ -13,7 +13,7 @@ from vla_node.tools.node_process import processes_with_env
 
 pytestmark = pytest.mark.timeout(300)
 
-SHUTDOWN_BOUND_S = 5.0    # README, "Shutdown"; measured 1.2-2.4 s under three busy loops (BENCHMARKS.md)
+SHUTDOWN_BOUND_S = 5.0    # README, "Stopping"; 1.0-2.4 s beside three busy loops (BENCHMARKS.md, "CI under load")
 
 
 def signal_and_time(node: NodeProcess, signum: int) -> tuple[int, float]:

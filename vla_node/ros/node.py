@@ -367,11 +367,11 @@ class VLANode(LifecycleNode):
         return level, message, values
 
 
-# Ctrl-C and SIGTERM end the node, its engine process and its threads within ~3 s on a busy
-# machine (the engine's STOP_GRACE_S is most of it; BENCHMARKS.md, "CI under load"). Whatever hangs
-# beyond this (a DDS participant's teardown), the process ends then with every thread's stack on
-# stderr and exit code 1, rather than never (main is the entry point: this covers the interpreter's
-# exit too).
+# Ctrl-C and SIGTERM end the node, its engine process and its threads within 5 s on a busy
+# machine (1.0-1.9 s beside three busy loops, 2.3 s when the engine's STOP_GRACE_S runs out;
+# BENCHMARKS.md, "CI under load"). Whatever hangs beyond this (a DDS participant's teardown), the
+# process ends then with every thread's stack on stderr and exit code 1, rather than never (main
+# is the entry point: this covers the interpreter's exit too).
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
