@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export ROS_LOG_DIR ?= $(CURDIR)/out/ros_log
 
-.PHONY: demo test bench venv
+.PHONY: demo test test-under-load bench venv
 
 venv: $(STAMP)
 
@@ -17,8 +17,15 @@ $(STAMP): requirements.txt setup.py
 demo: $(STAMP)
 	$(VENV)/bin/vla-demo
 
+PYTEST_SUITE := -q -rs --timeout=600 test
+LOAD ?= 3
+
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --timeout=600 test
+	$(PY) -m pytest $(PYTEST_SUITE)
+
+# `make test` with LOAD busy loops beside it (scripts/under_load.sh ends them with the run).
+test-under-load: $(STAMP)
+	scripts/under_load.sh $(LOAD) 1 $(PYTEST_SUITE)
 
 bench: $(STAMP)
 	$(VENV)/bin/vla-bench --preset tiny --device cpu --modes eager,static,ctxkv,fused --json out/bench_tiny.json

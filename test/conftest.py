@@ -76,7 +76,7 @@ def own_ros_domain_and_nothing_left_behind(request):
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    deadline = time.monotonic() + 10.0      # a stopped node's engine process may take a moment
+    deadline = time.monotonic() + 30.0      # a stopped node's engine process may take a moment
     while (left := [pid for pid in processes_with_env("VLA_TEST_MODULE", marker) if not own_compile_worker(pid)]) \
             and time.monotonic() < deadline:
         time.sleep(0.1)

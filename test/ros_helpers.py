@@ -8,14 +8,18 @@ the harness made for it.
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
+import pytest
 
 from vla_node.ros.messages import stamp_ns
 from vla_node.tools.node_process import interrupt, node_argv, ros_domain, ros_environment
@@ -26,6 +30,7 @@ JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
 HOME = np.array([0.0, -0.5, 0.0, -2.0, 0.0, 1.5, 0.8, 0.5])
 CAMERA_TOPICS = ["cameras/exo/image_raw", "cameras/wrist/image_raw"]   # relative: in the node's namespace
 FRAME_LOOP = 8
+RECORDED_DEPTH = 1000   # the queue of each output the harness records (Harness._make_io)
 # config/tiny.yaml's command limits (the Panda's): what every command of the node must respect.
 LOWER = np.array([-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973, 0.0])
 UPPER = np.array([2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973, 1.0])
@@ -79,7 +84,7 @@ class NodeProcess:
         with self._changed:
             return sum(text in line for line in self.lines)
 
-    def wait_for_line(self, text: str, timeout: float = 30.0, occurrence: int = 1) -> str:
+    def wait_for_line(self, text: str, timeout: float = 60.0, occurrence: int = 1) -> str:
         """The `occurrence`-th line containing `text`, once the node has printed it."""
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -107,6 +112,40 @@ class NodeProcess:
         """stop(), which must end with exit code 0 (else the error shows the node's last output)."""
         code = self.stop()
         assert code == 0, f"exit code {code}; node output:\n" + "\n".join(self.lines[-40:])
+
+
+def command_stamps_ns(h: "Harness", since: float = 0.0) -> np.ndarray:
+    """The node's stamps (its clock when each control tick published) of the ~/joint_command
+    messages received since `since` (publish_joint_command): rates checked on these do not depend
+    on when DDS delivered them here."""
+    return np.array([stamp_ns(m.header.stamp) for m in h.messages("joint_command", since)], np.int64)
+
+
+def assert_ticks_at(period_s: float, stamps_ns: np.ndarray) -> None:
+    """Control ticks stamped `stamps_ns` (in order) run at `period_s`: the median interval is the
+    period (a busy machine delays some ticks, and the timer then skips the ones it missed, but
+    most run on time), and no span holds more than one tick per period (a timer never runs ahead:
+    +2 for the ends, the first one stamped late)."""
+    assert len(stamps_ns) >= 10, f"only {len(stamps_ns)} ticks"
+    intervals_s = np.diff(stamps_ns) / 1e9
+    assert np.median(intervals_s) == pytest.approx(period_s, rel=0.1), \
+        f"median tick interval {np.median(intervals_s) * 1e3:.1f} ms, not {period_s * 1e3:.1f} ms"
+    span_s = (stamps_ns[-1] - stamps_ns[0]) / 1e9
+    assert len(stamps_ns) <= span_s / period_s + 2, f"{len(stamps_ns)} ticks in {span_s:.3f} s"
+
+
+def chunk_period_ticks(live: dict, replan_threshold: int = 8, period_s: float = 0.02) -> int:
+    """Control ticks per chunk that a node fed by `vla-replay live` could keep (`live`: the
+    replay's summary; config/tiny.yaml's replan_threshold and rate): one chunk per replan_threshold
+    ticks while inference is faster than that, one per inference where it is slower, as on a busy
+    machine (the plan then waits for each chunk). Its slowest request -> chunk time bounds it."""
+    return max(replan_threshold, math.ceil(live["round_trip_ms"]["max"] / 1e3 / period_s) + 1)
+
+
+def chunks_answered(live: dict) -> int:
+    """The chunks the node of a `vla-replay live` run published, and those it dropped because they
+    came after their last action (inference slower than the horizon)."""
+    return live["chunks"] + (live["node_late_chunks"] or 0)
 
 
 def rgb_frame(height: int, width: int, seed: int) -> np.ndarray:
@@ -171,11 +210,17 @@ class Harness:
         self.instruction_pub = n.create_publisher(String, f"{ns}/instruction", 10)
         self.estop_pub = n.create_publisher(Bool, f"{ns}/estop", 10)
         self.clock_pub = n.create_publisher(Clock, "/clock", 10)
+        # 20 s of 50 Hz commands queued: the tests check every consecutive pair of commands, and
+        # this process's executor, busy with the robot's streams and the tests' scans of what it
+        # recorded, fell more than the 50 messages of before behind on a busy 2-core machine (a
+        # command dropped from the queue made two ticks look like one step too large).
+        depth = RECORDED_DEPTH
         self.subs = [
-            n.create_subscription(Float64MultiArray, f"{self.target}/command", self._recorder("command"), 50),
-            n.create_subscription(JointTrajectory, f"{self.target}/joint_trajectory", self._recorder("trajectory"), 50),
-            n.create_subscription(JointState, f"{self.target}/joint_command", self._recorder("joint_command"), 50),
-            n.create_subscription(DiagnosticArray, "/diagnostics", self._recorder("diagnostics"), 50),
+            n.create_subscription(Float64MultiArray, f"{self.target}/command", self._recorder("command"), depth),
+            n.create_subscription(JointTrajectory, f"{self.target}/joint_trajectory", self._recorder("trajectory"),
+                                  depth),
+            n.create_subscription(JointState, f"{self.target}/joint_command", self._recorder("joint_command"), depth),
+            n.create_subscription(DiagnosticArray, "/diagnostics", self._recorder("diagnostics"), depth),
         ]
         self.change_state = n.create_client(ChangeState, f"{self.target}/change_state")
         self.get_state = n.create_client(GetState, f"{self.target}/get_state")
@@ -242,7 +287,7 @@ class Harness:
         statuses = self.diagnostics_since(0.0)
         return statuses[-1] if statuses else None
 
-    def wait_matched(self, timeout: float = 20.0) -> None:
+    def wait_matched(self, timeout: float = 60.0) -> None:
         """Until DDS has matched the node's inputs and outputs with this node's."""
         def matched():
             pubs = [self.joint_pub, self.instruction_pub, self.estop_pub]
@@ -280,7 +325,7 @@ class Harness:
             return None
         return self.wait_until(find, timeout, what)
 
-    def wait_commands(self, count: int, timeout: float = 20.0, since: Optional[float] = None) -> list:
+    def wait_commands(self, count: int, timeout: float = 60.0, since: Optional[float] = None) -> list:
         since = time.monotonic() if since is None else since
         return self.wait_until(lambda: len(self.messages("command", since)) >= count and
                                self.messages("command", since), timeout, f"{count} commands")
@@ -395,6 +440,19 @@ class Robot:
         stamp = self.h.stamp()
         msg = (self.joint_message or self.joint_state)(stamp)
         self.h.joint_pub.publish(msg)
+
+
+@contextmanager
+def busy_loops(n: int):
+    """`n` processes spinning `while True: pass` while the block runs: a busy machine, as CI's
+    (scripts/under_load.sh does the same around whole pytest runs)."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 def pid_alive(pid: int) -> bool:

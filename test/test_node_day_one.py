@@ -10,7 +10,7 @@ from ros_helpers import TINY_YAML, Harness, NodeProcess, Robot, ros_env
 from vla_node.ros.diagnostics import Key
 from vla_node.tools.node_process import node_argv
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def start_with(params_file, overrides) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import pytest
 from ros_helpers import Harness, NodeProcess, Robot, pid_alive, stamp_ns
 from vla_node.ros.diagnostics import Key
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 LOST = "engine lost: engine process exited (code -9)"
 
@@ -23,7 +23,7 @@ def kill_the_engine(h) -> tuple[int, dict]:
     pid = int(d[Key.ENGINE_PID])
     start = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    lost = h.wait_diagnostics(lambda d: LOST in d["_message"], 30, "the loss on /diagnostics", since=start)
+    lost = h.wait_diagnostics(lambda d: LOST in d["_message"], 60, "the loss on /diagnostics", since=start)
     assert lost["_level"] == 2 and lost[Key.ENGINE_PID] == "none (lost)"
     return pid, lost
 
@@ -33,7 +33,7 @@ def held_since(h, report: dict, count: int = 10) -> np.ndarray:
     def after():
         commands = [m.position for m in h.messages("joint_command") if stamp_ns(m.header.stamp) > report["_stamp_ns"]]
         return commands if len(commands) >= count else None
-    return np.array(h.wait_until(after, 20, f"{count} commands after the report")[:count])
+    return np.array(h.wait_until(after, 60, f"{count} commands after the report")[:count])
 
 
 def test_engine_restart_replaces_a_dead_engine_and_resumes():
@@ -53,7 +53,7 @@ def test_engine_restart_replaces_a_dead_engine_and_resumes():
         node.wait_for_line(f"engine restarted: tiny eager on cpu, engine process {up['engine_pid']}")
         node.wait_for_line("resolved: engine: engine lost")
         since = time.monotonic()
-        h.wait_until(lambda: len(h.messages("trajectory", since)) >= 3, 30, "chunks from the new engine")
+        h.wait_until(lambda: len(h.messages("trajectory", since)) >= 3, 60, "chunks from the new engine")
     finally:
         h.close()
         node.stop_cleanly()
@@ -66,7 +66,7 @@ def test_without_engine_restart_a_dead_engine_holds_until_cleanup_and_configure(
         Robot(h)
         _, lost = kill_the_engine(h)
         node.wait_for_line(f"{LOST}; cleanup and configure restart it (or set engine_restart_s)")
-        later = h.wait_diagnostics(lambda d: d["_stamp_ns"] > lost["_stamp_ns"] + 2 * 10**9, 10, "reports 2 s later")
+        later = h.wait_diagnostics(lambda d: d["_stamp_ns"] > lost["_stamp_ns"] + 2 * 10**9, 30, "reports 2 s later")
         assert LOST in later["_message"] and later[Key.ENGINE_RESTARTS] == "0"
         assert node.count("restarting the engine") == 0
         for transition in ("deactivate", "cleanup", "configure", "activate"):

@@ -140,7 +140,7 @@ def rig():
     h = Harness(node)
     try:
         robot = Robot(h, compressed=(False, True))
-        h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run", since=0)
+        h.wait_diagnostics(lambda d: d["_message"] == "running", 120, "the node to run", since=0)
         yield node, h, robot
     finally:
         h.close()
@@ -185,12 +185,12 @@ def reported(d: dict, bad: Bad) -> Optional[str]:
 def test_random_malformed_input_is_reported_held_and_recovered_from(rig, bad):
     node, h, robot = rig
     event(f"{bad.input}: {bad.kind.split()[0]}")     # --hypothesis-show-statistics lists what ran
-    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run before the case")
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run before the case")
     h.wait_until(lambda: h.instruction_pub.get_subscription_count() > 0, 20, "the instruction subscription")
     start = time.monotonic()
     restore = inject(bad, h, robot)
     try:
-        d = h.wait_diagnostics(lambda d: reported(d, bad), 15, f"{bad} reported", since=start)
+        d = h.wait_diagnostics(lambda d: reported(d, bad), 30, f"{bad} reported", since=start)
         assert d["_level"] == 2 and d["_message"].startswith("holding: ")
         assert node.proc.poll() is None
     finally:

@@ -88,7 +88,7 @@ class Probe:
             assert time.monotonic() < deadline, f"{namespace} is {state}, not active"
             time.sleep(0.5)
 
-    def wait_commanding(self, namespace: str, position: np.ndarray, timeout: float = 30.0) -> None:
+    def wait_commanding(self, namespace: str, position: np.ndarray, timeout: float = 60.0) -> None:
         """Active and told where the robot is, the node commands (holding there until chunks come)."""
         deadline = time.monotonic() + timeout
         while not any(np.allclose(c, position) for c in list(self.commands.get(namespace, []))):
@@ -166,4 +166,4 @@ def test_a_node_that_refuses_its_parameters_ends_the_launch(tmp_path):
     service.include_launch_description(LaunchDescription([include("refused", params_file=str(params))]))
     started = time.monotonic()
     assert service.run() == 0                          # returns: the launch did not keep running
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 120            # the node's start-up and exit, ~5 s idle

@@ -5,11 +5,22 @@ import time
 import numpy as np
 import pytest
 
-from ros_helpers import HOME, JOINTS, MAX_STEP, Harness, NodeProcess, Robot, pid_alive, stamp_ns
+from ros_helpers import (
+    HOME,
+    JOINTS,
+    MAX_STEP,
+    Harness,
+    NodeProcess,
+    Robot,
+    assert_ticks_at,
+    command_stamps_ns,
+    pid_alive,
+    stamp_ns,
+)
 from vla_node.ros.diagnostics import Key
 from vla_node.tools.node_process import dds_shm_of, dead_dds_shm
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 RATE = 50.0
 
@@ -32,7 +43,7 @@ def test_starts_unconfigured_and_configure_loads_the_engine_in_a_process(running
     assert h.state() == "inactive"
     node.wait_for_line("loaded tiny on cpu")         # the engine's progress, forwarded to the log
     node.wait_for_line("ready in")
-    d = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 10, "inactive diagnostics", since=0)
+    d = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 30, "inactive diagnostics", since=0)
     assert pid_alive(int(d[Key.ENGINE_PID])) and int(d[Key.ENGINE_PID]) != node.proc.pid
     assert not h.messages("command")                 # configured is not commanding
 
@@ -44,12 +55,10 @@ def test_active_node_commands_at_the_configured_rate_and_publishes_trajectories(
     assert h.transition("activate")
     h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run")
     since = time.monotonic()
-    h.wait_until(lambda: len(h.messages("trajectory", since)) >= 5, 30, "5 trajectories")
+    h.wait_until(lambda: len(h.messages("trajectory", since)) >= 5, 60, "5 trajectories")
     start = time.monotonic()
-    h.wait_commands(int(RATE * 3), since=start, timeout=30)
-    times = h.times("command", start)
-    rate = (len(times) - 1) / (times[-1] - times[0])
-    assert rate == pytest.approx(RATE, rel=0.1)
+    h.wait_until(lambda: len(h.messages("joint_command", start)) >= RATE * 3, 60, "3 s of commands")
+    assert_ticks_at(1.0 / RATE, command_stamps_ns(h, start))     # by the node's stamps
 
     commands = np.array([m.data for m in h.messages("command", since)])
     assert commands.shape[1] == len(JOINTS) and np.isfinite(commands).all()
@@ -64,10 +73,17 @@ def test_active_node_commands_at_the_configured_rate_and_publishes_trajectories(
         steps = [p.time_from_start.sec * 10**9 + p.time_from_start.nanosec for p in traj.points]
         assert steps == [i * 20_000_000 for i in range(len(steps))]
         assert all(len(p.positions) == len(JOINTS) for p in traj.points)
-    # The header stamp is when the first point executes: the next control tick.
-    last = h.messages("trajectory", since)[-1]
-    stamp = last.header.stamp.sec + last.header.stamp.nanosec * 1e-9
-    assert abs(stamp - time.time()) < 1.0
+    # The header stamp is when the first point executes: the next control tick, which commands
+    # at it or soon after (a busy machine delays some ticks). Most of them within half a period:
+    # a stamp of the tick that published it would be a period before.
+    ticks = np.sort(command_stamps_ns(h))
+    until_next_tick_s = []
+    for traj in h.messages("trajectory", since):
+        later = ticks[np.searchsorted(ticks, stamp_ns(traj.header.stamp)):]
+        if len(later):
+            until_next_tick_s.append((later[0] - stamp_ns(traj.header.stamp)) / 1e9)
+    assert len(until_next_tick_s) >= 5 and np.median(until_next_tick_s) < 0.5 / RATE, until_next_tick_s
+    assert abs(ticks[-1] / 1e9 - time.time()) < 60       # the ROS clock: the system's, not a steady one
 
 
 def test_commands_start_at_the_measured_position_and_stay_in_limits(running):
@@ -83,8 +99,8 @@ def test_deactivate_stops_commands_and_cleanup_ends_the_engine_process(running):
     node, h = running
     pid = int(h.diagnostics_since(0)[-1][Key.ENGINE_PID])
     assert h.transition("deactivate")
-    inactive = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 10, "inactive diagnostics")
-    h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")   # time passes, on the node's clock
+    inactive = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "inactive", 30, "inactive diagnostics")
+    h.wait_diagnostics(lambda d: True, 30, "another diagnostics message")   # time passes, on the node's clock
     # Nothing stamped by the node after it reported inactive (judged by the node's stamps: on a
     # loaded machine earlier commands may still be queued here).
     assert not [m for m in h.messages("joint_command")
@@ -115,7 +131,7 @@ def test_failed_load_fails_configure_with_the_reason(tmp_path):
         assert h.state() == "unconfigured"
         line = node.wait_for_line("configure failed")
         assert "does not exist" in line
-        d = h.wait_diagnostics(lambda d: "configure failed" in d["_message"], 10, "the failure on /diagnostics",
+        d = h.wait_diagnostics(lambda d: "configure failed" in d["_message"], 30, "the failure on /diagnostics",
                                since=0)
         assert "does not exist" in d["_message"] and d["_level"] == 2
         assert node.proc.poll() is None                      # still up, can be fixed and configured again

@@ -6,6 +6,7 @@ decoding paths are covered by the same node. The cases share that node but not t
 restores its input whatever happens, and a node that does not run again before a case is
 replaced by a fresh one (the case that broke it has failed already).
 """
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -18,11 +19,19 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, String
 
 from ros_helpers import CAMERA_TOPICS, JOINTS, Harness, NodeProcess, Robot, assert_commands_safe, stamp_ns
-from vla_node.ros.diagnostics import LOG_BURST, Key
+from vla_node.ros.diagnostics import LOG_BURST, LOG_WINDOW_S, Key
+from vla_node.ros.outputs import DIAGNOSTICS_PERIOD_S
 from vla_node.ros.params import SPECS
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
+
+
+# Inputs are stale after this long. The harness publishes its robot's inputs from this process: on
+# the 2-core VM beside three busy loops its 50 Hz joint states paused for up to 0.36 s (measured),
+# and a pause longer than the timeout was a second, unrelated hold within a case (issue 18). The
+# cases that silence an input keep it silent until they restore it, so any timeout shows them.
+INPUT_TIMEOUT_S = 3.0
 
 
 class Rig:
@@ -30,11 +39,12 @@ class Rig:
 
     def __init__(self):
         topics = [CAMERA_TOPICS[0], CAMERA_TOPICS[1] + "/compressed"]
-        self.node = NodeProcess({"autostart": True, "camera_topics": topics, "publish_joint_command": True})
+        self.node = NodeProcess({"autostart": True, "camera_topics": topics, "publish_joint_command": True,
+                                 "input_timeout_s": INPUT_TIMEOUT_S})
         self.h = Harness(self.node)
         try:
             self.robot = Robot(self.h, compressed=(False, True))
-            self.h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run", since=0)
+            self.h.wait_diagnostics(lambda d: d["_message"] == "running", 120, "the node to run", since=0)
         except BaseException:
             self.close()
             raise
@@ -53,9 +63,9 @@ def rigs():
 
 @pytest.fixture
 def rig(rigs):
-    """The module's rig, running; replaced by a fresh one if it does not run within 30 s."""
+    """The module's rig, running; replaced by a fresh one if it does not run within 60 s."""
     try:
-        rigs[0].h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run before the case")
+        rigs[0].h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run before the case")
     except AssertionError:
         rigs[0].close()
         rigs[0] = Rig()
@@ -178,7 +188,7 @@ def events(d: dict, source: str) -> int:
 def test_malformed_input_holds_reports_once_and_recovers(rig, case):
     node, h, robot = rig
     text = case.text.format(ns=node.namespace)
-    before = h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run before the case")
+    before = h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run before the case")
     logged = node.count(f"holding: {case.source}: ")
     resolved = node.count(f"resolved: {case.source}: ")
     frames, joint_msgs = robot.frame_count, robot.joint_count
@@ -203,7 +213,7 @@ def test_malformed_input_holds_reports_once_and_recovers(rig, case):
 def held(node, h, robot, case, text, start, frames, joint_msgs) -> dict:
     """While the bad input lasts: the cause on /diagnostics, the node up, one position held.
     Returns the report."""
-    d = h.wait_diagnostics(lambda d: text in d["_message"], 15, f"{case.name} on /diagnostics", since=start)
+    d = h.wait_diagnostics(lambda d: text in d["_message"], 30, f"{case.name} on /diagnostics", since=start)
     assert d["_level"] == 2 and text in d[Key.FAULTS]
     assert node.proc.poll() is None
     # Holding: every command the node stamped after it reported the cause holds one position.
@@ -216,7 +226,7 @@ def held(node, h, robot, case, text, start, frames, joint_msgs) -> dict:
     commands = h.wait_until(held_commands, 20, "10 commands stamped after the report")
     assert len(set(commands)) == 1, f"commands moved while holding for {case.name}"
     # Keep the bad input coming for a while: the cause is still reported only once.
-    h.wait_until(lambda: robot.frame_count >= frames + 5 and robot.joint_count >= joint_msgs + 15, 15,
+    h.wait_until(lambda: robot.frame_count >= frames + 5 and robot.joint_count >= joint_msgs + 15, 30,
                  "more bad input")
     return d
 
@@ -237,7 +247,7 @@ def test_alternating_causes_keep_diagnostics_at_their_rate(rig):
     assembled by name, an arm and a gripper driver sharing /joint_states) changed the hold cause
     with every message: /diagnostics followed at the message rate and every change was logged."""
     node, h, robot = rig
-    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "the node to run")
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run")
     logged = node.count("camera 'wrist': ")
     small = cv2.imencode(".jpg", np.zeros((240, 320, 3), np.uint8))[1].tobytes()
 
@@ -249,14 +259,20 @@ def test_alternating_causes_keep_diagnostics_at_their_rate(rig):
         return msg
     robot.camera_messages[1] = alternating
     start = time.monotonic()
-    h.wait_diagnostics(lambda d: "camera 'wrist'" in d["_message"], 15, "the wrist camera's fault", since=start)
+    first = h.wait_diagnostics(lambda d: "camera 'wrist'" in d["_message"], 30, "the wrist camera's fault",
+                               since=start)
     frames = robot.frame_count
-    h.wait_until(lambda: robot.frame_count >= frames + 60, 30, "4 s of alternating bad frames")   # 15 Hz
-    span = time.monotonic() - start
+    h.wait_until(lambda: robot.frame_count >= frames + 60, 60, "4 s of alternating bad frames")   # 15 Hz
     robot.camera_messages.pop(1)
-    sent = len(h.diagnostics_since(start))
-    # 1 Hz, and the first LOG_BURST changes at once (15 per second before).
-    assert sent <= span * 1.0 + LOG_BURST + 1, f"{sent} /diagnostics messages in {span:.1f} s"
+    span = time.monotonic() - start
+    # Counted by the node's own stamps, from the fault's first report on: what it sent, not when
+    # it arrived here (a busy machine delays and bunches arrivals). 1 Hz, and at most LOG_BURST
+    # announcements per LOG_WINDOW_S (at the message rate before: 15 per second).
+    stamps = [d["_stamp_ns"] for d in h.diagnostics_since(start) if d["_stamp_ns"] >= first["_stamp_ns"]]
+    node_span = (max(stamps) - first["_stamp_ns"]) / 1e9
+    bursts = LOG_BURST * (1 + math.floor(node_span / LOG_WINDOW_S))
+    assert len(stamps) <= node_span / DIAGNOSTICS_PERIOD_S + 1 + bursts, \
+        f"{len(stamps)} /diagnostics messages in {node_span:.1f} s"
     lines = node.count("camera 'wrist': ") - logged
-    assert lines <= LOG_BURST, node.output()
-    h.wait_diagnostics(lambda d: d["_message"] == "running", 30, "recovery")
+    assert lines <= LOG_BURST * (1 + math.floor(span / LOG_WINDOW_S)), node.output()
+    h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "recovery")

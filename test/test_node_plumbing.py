@@ -26,23 +26,43 @@ def test_decoder_serves_the_camera_waiting_longest_and_keeps_arrival_times():
         converted.append((camera, msg, arrived_ns))
         if len(converted) == 1:     # the first conversion is slow: frames pile up meanwhile
             busy.set()
-            go_on.wait(5)
+            go_on.wait(30)
 
     decoder = Decoder(ingest)
     try:
         decoder.push(0, "exo 0", 100)
-        assert busy.wait(5)
+        assert busy.wait(30)
         decoder.push(1, "wrist 0", 200)
         decoder.push(0, "exo 1", 300)       # camera 0 keeps coming while camera 1 waits
         decoder.push(0, "exo 2", 400)
         go_on.set()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while len(converted) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         # Camera 1 waited longest: it goes first. Only camera 0's newest frame is kept, and each
         # frame carries the time it arrived, not the time it was converted.
         assert converted == [(0, "exo 0", 100), (1, "wrist 0", 200), (0, "exo 2", 400)]
         assert decoder.dropped == 1
+    finally:
+        decoder.close()
+
+
+def test_decoder_drain_returns_once_every_pushed_frame_is_converted():
+    """fixed_latency_s: each control tick drains the decoder first, so it sees every frame that
+    arrived before it, however long conversions take on a busy machine."""
+    converted, go_on = [], threading.Event()
+
+    def ingest(camera, msg, arrived_ns, fill):
+        go_on.wait(30)          # slow conversions: both frames are still waiting when drain() starts
+        converted.append(msg)
+
+    decoder = Decoder(ingest)
+    try:
+        decoder.push(0, "exo 0", 100)
+        decoder.push(1, "wrist 0", 100)
+        threading.Timer(0.2, go_on.set).start()
+        decoder.drain()
+        assert converted == ["exo 0", "wrist 0"]
     finally:
         decoder.close()
 
@@ -77,7 +97,7 @@ def test_processes_are_found_by_an_environment_marker_wherever_they_run():
     finally:
         for pid in pids:
             os.kill(pid, 9)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while processes_with_env("VLA_MARKER", marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not processes_with_env("VLA_MARKER", marker)

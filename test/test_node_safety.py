@@ -9,7 +9,7 @@ from ros_helpers import HOME, Harness, NodeProcess, Robot
 from vla_node.model import build_model, get_preset, init_random_, save_checkpoint
 from vla_node.ros.diagnostics import Key
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_non_finite_actions_are_never_published(tmp_path):
@@ -27,7 +27,7 @@ def test_non_finite_actions_are_never_published(tmp_path):
                                since=start)
         assert d["_level"] == 2
         # Every chunk is non-finite: requests keep going out, the cause is logged once.
-        h.wait_diagnostics(lambda d: int(d[Key.REQUESTS]) >= 5, 30, "more inference requests")
+        h.wait_diagnostics(lambda d: int(d[Key.REQUESTS]) >= 5, 60, "more inference requests")
         commands = np.array([m.data for m in h.wait_commands(20, since=start)])
         np.testing.assert_array_equal(commands, np.broadcast_to(HOME, commands.shape))   # held where it stood
         assert not h.messages("trajectory")
@@ -54,7 +54,7 @@ def test_a_camera_on_a_clock_behind_holds_with_the_reason():
             "sync_slop_s of camera 'exo', its newest is over 0.5 s older: stopped, or stamped on a clock behind" \
             in d["_message"]
         assert int(d[Key.REQUESTS]) == 0 and not h.messages("trajectory")
-        h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")
+        h.wait_diagnostics(lambda d: True, 30, "another diagnostics message")
         assert node.count("holding: sync: camera 'wrist'") == 1
     finally:
         h.close()
@@ -72,13 +72,13 @@ def test_joint_states_on_another_clock_hold_with_the_reason_until_state_sync_new
         robot.joint_message = lambda stamp: robot.joint_state(Time(sec=stamp.sec - 2, nanosec=stamp.nanosec))
         d = h.wait_diagnostics(lambda d: "state_slop_s" in d["_message"], 30, "the stamp mismatch", since=0)
         assert d["_level"] >= 1 and "and none after them yet" in d["_message"]
-        h.wait_diagnostics(lambda d: True, 5, "another diagnostics message")
+        h.wait_diagnostics(lambda d: True, 30, "another diagnostics message")
         assert int(h.diagnostics_since(0)[-1][Key.REQUESTS]) == 0 and not h.messages("trajectory")
         commands = np.array([m.data for m in h.wait_commands(10)])
         np.testing.assert_array_equal(commands, np.broadcast_to(HOME, commands.shape))
         # A user who knows the stamps are wrong can pair with the newest state instead.
         assert h.set_parameter("state_sync", "newest").successful
-        h.wait_until(lambda: h.messages("trajectory"), 30, "a trajectory with state_sync newest")
+        h.wait_until(lambda: h.messages("trajectory"), 60, "a trajectory with state_sync newest")
         assert node.count("holding: sync: no joint state stamped within state_slop_s") == 1
     finally:
         h.close()

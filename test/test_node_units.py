@@ -101,6 +101,13 @@ def test_16_bit_mono_scales_to_8_bits_as_cv_bridge_does(encoding, bigendian):
     assert out[0, :3, 0].tolist() == [0, 128, 255]
 
 
+def test_a_fixed_latency_is_counted_in_control_ticks():
+    values = defaults()
+    assert params.validate(values, horizon=16).fixed_latency_ticks is None    # off
+    values.update(fixed_latency_s=0.1, use_sim_time=True, control_rate_hz=50.0)
+    assert params.validate(values, horizon=16).fixed_latency_ticks == 5
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(encoding="32FC1"), "unsupported encoding"),
     (dict(height=H - 1), "wrong image size"),
@@ -190,6 +197,9 @@ def test_defaults_are_valid_and_every_parameter_has_a_descriptor():
     (dict(action_cache="5:7"), "can only reuse an earlier step"),
     (dict(action_cache="flashdrive"), "defined for 8 flow steps"),
     (dict(action_cache="adaptive:0.1"), "adaptive action cache needs static_shapes .*: engine_mode static or later"),
+    (dict(fixed_latency_s=0.1), "fixed_latency_s needs use_sim_time: true"),
+    (dict(fixed_latency_s=0.32, use_sim_time=True), "fixed_latency_s 0.32 is 16 control ticks, not less than the "
+                                                    "model's horizon 16"),
 ])
 def test_invalid_values_are_rejected_with_a_reason(change, match):
     values = defaults()

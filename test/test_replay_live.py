@@ -7,6 +7,7 @@ Every ROS participant of this module lives in a ROS domain of its own (conftest.
 import numpy as np
 import pytest
 
+from ros_helpers import chunk_period_ticks, chunks_answered
 from vla_node.tools.bag_io import (
     COMPRESSED_IMAGE,
     IMAGE,
@@ -40,17 +41,34 @@ def test_live_replay_yields_the_expected_chunks_at_the_configured_rate(demo):
                                  "/joint_states": joint_states, "/instruction": 1}
     assert live["bag_damage"] is None and not live["clock"]
     # One chunk per replan_threshold (8) ticks at 50 Hz from the first chunk until the inputs go
-    # stale: ~37 over the 6 s bag. On a busy machine a late inference may cost one or two, and
+    # stale: ~37 over the 6 s bag, while inference is faster than 8 ticks. Where it is slower (a
+    # busy machine), one per inference: the node's own slowest request -> chunk time says how many
+    # at least (chunks that came too late to use included). Never more than one per 8 ticks:
     # inputs taken in late (queued in the node) may keep it running a chunk or two longer.
     expected = live["expected_chunks"]
     assert expected >= 30
-    assert abs(live["chunks"] - expected) <= max(2, expected // 10)
-    assert abs(live["command_rate_hz"] - 50.0) <= 0.05 * 50.0
+    slack = max(2, expected // 10)
+    assert live["chunks"] <= expected + slack
+    assert chunks_answered(live) >= expected * 8 // chunk_period_ticks(live) - slack, live
+    assert_commands_at_50_hz(live)
     assert live["latency_ms"]["total"]["p50"] > 0
     # The node heard the bag from its first frame: as the policy's own wrapper it does not wait for
-    # the t-8 history frame (the 9th exterior frame, 0.55 s): the first chunk follows the first
-    # frame (22 ms) by one inference.
-    assert 0.022 < live["first_chunk_s"] < 0.5
+    # the t-8 history frame (the 9th exterior frame, 0.55 s). Its first chunk came 16 - n ticks
+    # after its request (n: the actions left of it), so it asked after the first frame (22 ms) and
+    # before the history frame existed, however long the inference took.
+    with Bag(live["recording"]) as recording:
+        _, msgtype, _, raw = next(recording.messages(["/vla_node/joint_trajectory"]))
+        left = len(recording.deserialize(raw, msgtype).points)
+    requested_s = live["first_chunk_s"] - (16 - left) * 0.02
+    assert 0.0 < requested_s < 0.55, (live["first_chunk_s"], left)
+
+
+def assert_commands_at_50_hz(live: dict) -> None:
+    """A live replay's node on the wall clock commanded at its 50 Hz: its ticks on time by its own
+    measure (the median tick within a tenth of a period of its due time; a busy machine delays a
+    few), and no more commands in the recording than ticks fit."""
+    assert live["node_command_jitter_ms"]["p50"] < 0.1 * 20.0, live["node_command_jitter_ms"]
+    assert live["command_rate_hz"] <= 50.0 * 1.05
 
 
 def test_recording_holds_what_the_node_published(demo):
@@ -90,7 +108,8 @@ def test_live_with_sim_time(tmp_path):
                   for _, msgtype, _, raw in recording.messages(["/vla_node/joint_trajectory"])]
     # Trajectory stamps come from the node's clock: the bag's time, not the wall clock's.
     assert stamps and all(start <= s.sec * 10**9 + s.nanosec <= end + 3 * 10**9 for s in stamps)
-    assert live["chunks"] >= live["expected_chunks"] // 2
+    assert chunks_answered(live) >= live["expected_chunks"] * 8 // chunk_period_ticks(live) // 2
+    # The recording is on the bag's clock here (the node's): 50 Hz of sim time, whatever the load.
     assert abs(live["command_rate_hz"] - 50.0) <= 0.1 * 50.0
 
 
@@ -116,8 +135,8 @@ def test_live_raw_sqlite_bag_at_double_speed(node, tmp_path):
                        progress=lambda m: None)
     assert live["published"] == {"/cameras/exo/image_raw": 30, "/cameras/wrist/image_raw": 30, "/joint_states": 200,
                                  "/instruction": 1}
-    assert live["chunks"] >= max(1, live["expected_chunks"] - 2)
-    assert abs(live["command_rate_hz"] - 50.0) <= 0.05 * 50.0   # the node's clock is the wall clock
+    assert chunks_answered(live) >= max(1, live["expected_chunks"] * 8 // chunk_period_ticks(live) - 2)
+    assert_commands_at_50_hz(live)   # the node's clock is the wall clock
     with Bag(live["recording"]) as recording:
         assert recording.storage == "sqlite3" and "/vla_node/command" in recording.topics
 
@@ -129,7 +148,7 @@ def test_live_partial_bag_plays_up_to_the_damage(node, tmp_path):
     damage = live["bag_damage"]
     assert damage and "cut off at byte" in damage["reason"] and damage["summary"].startswith("stopped after")
     assert 0 < live["published"]["/cameras/exo/image_raw"] < 90
-    assert live["chunks"] > 0
+    assert chunks_answered(live) > 0    # computed from what played (on time or not)
 
 
 def test_player_converts_to_the_node_input_types():

@@ -6,6 +6,8 @@ it sends (--log-level debug), and compared with offline replay of the same bag."
 import numpy as np
 import pytest
 
+from ros_helpers import chunk_period_ticks, chunks_answered
+from vla_node.ros.diagnostics import LOG_BURST, LOG_WINDOW_S
 from vla_node.runtime import LAYOUTS
 from vla_node.runtime.windows import PANDA_JOINTS
 from vla_node.tools.bag_io import Bag, ObservationStream, resolve_inputs, stamp_ns
@@ -62,7 +64,9 @@ def test_the_node_sends_what_offline_replay_sends(wall_clock, offline, truth):
     arm's and the gripper's separate messages is the one written to the bag."""
     live, _, observations, hits = wall_clock
     log, positions = truth
-    assert len(observations) > 25      # one per replan_threshold ticks (160 ms) while inputs are good
+    # One per replan_threshold ticks (160 ms) while inputs are good, one per inference where that
+    # is slower (a busy machine): over 25 at 8 ticks.
+    assert len(observations) > 25 * 8 // chunk_period_ticks(live)
     assert hits >= len(observations) // 2
     compared = 0
     for frames, state, stamps in observations:
@@ -93,7 +97,8 @@ def test_the_node_never_mixes_timelines(wall_clock, truth):
         after = {log[key] >= step_ns for key in keys}
         assert len(after) == 1, f"an observation mixes the timelines: {keys}"
         sides.append(after.pop())
-    assert sides.count(False) > 20 and sides.count(True) > 10
+    fewer = 8 / chunk_period_ticks(live)     # observations at the node's inference latency, as above
+    assert sides.count(False) > 20 * fewer and sides.count(True) > 10 * fewer
     assert "holding: timeline: " in text and "resolved: timeline: " in text
     assert live["holds"]["by_cause"].get("timeline", 0) >= 1
 
@@ -107,10 +112,14 @@ def test_holds_name_their_cause_and_diagnostics_keep_their_rate(wall_clock):
     assert not any("inference" in status for status in dropout), dropout
     with Bag(live["recording"]) as recording:
         sent = sum(1 for _ in recording.messages(["/diagnostics"]))
-    # Near 1 Hz: each hold that starts or ends is published at once too, and on a saturated
-    # machine holds come and go more often; ~100 Hz would be hundreds.
-    assert sent <= 3.0 * (SPEC.duration_s + 2), f"{sent} /diagnostics messages"
-    assert live["chunks"] > 10 and "lacks joints" not in text
+    # Near 1 Hz: each hold that starts or ends is published at once too, at most LOG_BURST times
+    # per source and LOG_WINDOW_S (on a busy machine holds come and go more often); ~100 Hz, as
+    # before joint states were assembled by name, would be hundreds.
+    seconds = SPEC.duration_s + 2
+    sources = len(live["holds"]["by_cause"])
+    assert sent <= seconds + 1 + LOG_BURST * sources * (1 + seconds // LOG_WINDOW_S), \
+        f"{sent} /diagnostics messages, {sources} hold sources"
+    assert chunks_answered(live) > 10 * 8 // chunk_period_ticks(live) and "lacks joints" not in text
 
 
 def test_live_replay_plays_the_bags_clock_into_a_sim_time_node(tmp_path):

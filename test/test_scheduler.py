@@ -4,8 +4,18 @@ and the simulator's closed loop run this class; test_node_* check the node aroun
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
-from vla_node.ros.control import LATE, NON_FINITE, STALE, TAKEN, ChunkScheduler, PostProcess, SafetyFilter
+from vla_node.ros.control import (
+    LATE,
+    NON_FINITE,
+    STALE,
+    TAKEN,
+    ChunkScheduler,
+    PostProcess,
+    SafetyFilter,
+    latency_ticks,
+)
 from vla_node.runtime.windows import Wait
 
 HORIZON, JOINTS = 8, 2
@@ -55,6 +65,39 @@ def test_a_chunk_runs_on_the_ticks_it_was_computed_for():
     assert answer(c, request, chunk(100.0)) == TAKEN   # collected at tick 4
     assert [run_tick(c)[0] for _ in range(4)] == [103.0, 104.0, 105.0, 106.0]   # ticks 5..8
     assert c.state.hold is None and list(c.state.latency_ticks) == [3]
+
+
+@pytest.mark.parametrize("latency_s, ticks", [(0.0, 1), (0.001, 1), (0.02, 1), (0.021, 2), (0.04, 2), (0.15, 8)])
+def test_a_latency_in_ticks_is_the_first_tick_at_least_that_long_after_the_request(latency_s, ticks):
+    assert latency_ticks(latency_s, 0.02) == ticks
+
+
+def test_a_fixed_latency_takes_the_chunk_at_its_due_tick_exactly():
+    """fixed_latency_s (the node) and vla-sim eval --latency-ms: an answer that is there early is
+    held back, and the due tick must take it, whenever the engine really finished."""
+    c = scheduler()
+    run_tick(c)                                  # tick 1
+    request = c.request()
+    c.sent(request, fixed_latency_ticks=3)       # due at tick 4
+    for _ in range(2):
+        run_tick(c)                              # ticks 2, 3: an answer there now waits
+        assert c.answer_held_back() and c.due_request() is None
+    run_tick(c)                                  # tick 4: this tick takes it, waiting if need be
+    assert c.due_request() is request and not c.answer_held_back()
+    assert answer(c, request, chunk(100.0)) == TAKEN
+    assert c.due_request() is None and list(c.state.latency_ticks) == [3]
+    assert run_tick(c)[0] == 103.0               # tick 5 runs action 3 (action i is for tick 2 + i)
+
+
+def test_an_overdue_fixed_latency_answer_is_no_longer_waited_for():
+    c = scheduler()
+    run_tick(c)
+    request = c.request()
+    c.sent(request, fixed_latency_ticks=1)
+    run_tick(c)
+    assert c.due_request() is request
+    c.answer_overdue()                           # the engine did not answer in the time allowed
+    assert c.due_request() is None and not c.answer_held_back() and c.state.in_flight is request
 
 
 def test_a_chunk_after_its_last_action_is_late_and_the_arm_holds():

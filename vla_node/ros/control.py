@@ -4,10 +4,14 @@ new one, the checkpoint's post-processing and the safety filter every command pa
 No ROS here: the node and the simulator's closed loop (vla-sim eval) both run ChunkScheduler.
 
 Ticks are counted by the control loop. A request sent after tick d gets a chunk whose action i
-is meant for tick d + 1 + i; when it arrives after tick r, ticks up to r have already run.
+is meant for tick d + 1 + i; when it arrives after tick r, ticks up to r have already run. With a
+fixed latency (the node's fixed_latency_s, vla-sim eval's --latency-ms) it arrives after tick
+d + latency_ticks(latency_s, period_s), whenever the engine really finished: the loop is then the
+same on any machine.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
@@ -21,6 +25,12 @@ LATENCY_WINDOW = 10     # recent inference latencies (in ticks) whose maximum is
 # Fault sources the engine's next answer or the next observation sent clears: observations keep
 # being sent while they are active.
 RETRY_SOURCES = {"engine", "output", "sync", "clock", "timeline"}
+
+
+def latency_ticks(latency_s: float, period_s: float) -> int:
+    """An inference latency in control ticks: a request sent after tick d is answered at tick
+    d + latency_ticks, the first tick at least latency_s after it (never before the next one)."""
+    return max(1, math.ceil(latency_s / period_s - 1e-9))
 
 
 def blocking_cause(faults: set[str], instruction: str) -> Optional[str]:
@@ -199,6 +209,7 @@ class Request:
     window: Any = None          # what was sent (the node's frames.Window)
     late_ticks: int = 0         # ticks it was sent after it was due ...
     late_because: str = ""      # ... and why (the inputs it waited for)
+    due_tick: Optional[int] = None   # a fixed latency: its answer is taken at this tick, not before
     sent_at: float = 0.0        # time.perf_counter() once sent (telemetry)
     send_ms: float = 0.0        # node time spent choosing the window and sending it
 
@@ -233,6 +244,7 @@ class ChunkScheduler:
         command(target, measured)               the command to publish (post-processed, safe)
         wants_observation()                     ask for the next chunk now?
         waiting(wait) / request(window) / sent(request)   it could not go / it goes
+        answer_held_back() / due_request()      a fixed latency: not yet / now, wait for it
         answered(request_id) -> take(request, actions)    TAKEN | LATE | STALE | NON_FINITE
 
     One request is in flight at a time. A new block (a fault, no instruction), a reset and a
@@ -341,7 +353,11 @@ class ChunkScheduler:
         c.wait = c.due_since = None
         return request
 
-    def sent(self, request: Request) -> None:
+    def sent(self, request: Request, fixed_latency_ticks: Optional[int] = None) -> None:
+        """`request` went out. With `fixed_latency_ticks`, its answer is taken at tick
+        request.tick + fixed_latency_ticks exactly: held back before it, waited for at it."""
+        if fixed_latency_ticks is not None:
+            request.due_tick = request.tick + fixed_latency_ticks
         self.state.in_flight = request
 
     def engine_lost(self) -> None:
@@ -349,6 +365,26 @@ class ChunkScheduler:
         self.state.in_flight = None
 
     # -- answers ---------------------------------------------------------------------------------
+    def answer_held_back(self) -> bool:
+        """The request in flight has a fixed latency that has not passed yet: an answer that is
+        already there waits until its due tick."""
+        request = self.state.in_flight
+        return request is not None and request.due_tick is not None and self.state.tick < request.due_tick
+
+    def due_request(self) -> Optional[Request]:
+        """The request in flight if a fixed latency makes its answer due now: this tick takes it,
+        however long the engine takes; else None."""
+        request = self.state.in_flight
+        if request is not None and request.due_tick is not None and self.state.tick >= request.due_tick:
+            return request
+        return None
+
+    def answer_overdue(self) -> None:
+        """The engine did not answer at the due tick within the wait allowed: stop waiting for it
+        (its answer, if it comes, is taken whenever it arrives; the fault's hold makes it stale)."""
+        if self.state.in_flight is not None:
+            self.state.in_flight.due_tick = None
+
     def answered(self, request_id: int) -> Optional[Request]:
         """The request in flight, if this answers it (it is no longer in flight then); None for
         the answer to a request forgotten by a reset or the loss of the engine."""

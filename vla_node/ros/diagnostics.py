@@ -256,7 +256,8 @@ class NodeTelemetry:
 
     def chunk(self, request, result, arrived: float) -> None:
         """Timings of an answered request (control.Request) whose chunk (engine_process.Result)
-        the control loop has taken or dropped as late; `arrived`: when it was polled."""
+        the control loop has taken or dropped as late; `arrived`: when the loop had it (read from
+        the pipe, after any wait a fixed latency makes)."""
         for stage in STAGES:
             if stage in result.timings:
                 self.stage_ms[stage].add(result.timings[stage])

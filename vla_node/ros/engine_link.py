@@ -5,6 +5,7 @@ boundary, is engine_process.py (no ROS there: the worker imports it).
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
     from .node import VLANode
 
 RESTART_POLL_S = 0.1    # how often a restarting engine is checked (on the executor, never blocking)
+# fixed_latency_s: how long the tick a chunk is due at waits for the engine. Far beyond any
+# inference the node runs, and short of vla-sim's lockstep timeout (120 s), so that the node's
+# fault, not the simulator's, says what happened.
+FIXED_LATENCY_WAIT_S = 60.0
 
 
 class EngineLink:
@@ -73,27 +78,43 @@ class EngineLink:
                          f"stamped {window.state_stamps_ns.tolist()}")
         return True
 
-    def poll(self) -> Optional[Result]:
-        """The worker's answer to an observation, if one is waiting (never blocks); an observation
-        it rejected or failed on is reported here (fault "engine"), and so is the answer to a
-        schedule (then None); a dead worker is lost."""
-        if not self.serving:
-            return None
-        try:
-            result = self.process.poll()
-        except EngineError as e:
-            self.lose(str(e))
-            return None
-        if result is None:
-            return None
-        if result.kind == "schedule":
+    def poll(self, timeout_s: float = 0.0) -> Optional[Result]:
+        """The worker's answer to an observation, if one is waiting or comes within timeout_s
+        (0: never blocks); an observation it rejected or failed on is reported here (fault
+        "engine"), and answers to schedules on the way are taken in; a dead worker is lost."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.serving:
+                return None
+            try:
+                result = self.process.poll(max(0.0, deadline - time.monotonic()))
+            except EngineError as e:
+                self.lose(str(e))
+                return None
+            if result is None or result.kind != "schedule":
+                break
             self._schedule_answer(result)
+        if result is None:
             return None
         if result.kind == "rejected":
             self._telemetry.counts[Key.REJECTED] += 1
             self._node.faults.set("engine", f"observation rejected by the engine: {result.reason}")
         elif result.kind == "failed":
             self._node.faults.set("engine", f"inference failed: {result.reason}")
+        return result
+
+    def wait(self, request_id: int) -> Optional[Result]:
+        """poll() for the answer to `request_id`, which a fixed latency makes due at this tick,
+        waiting up to FIXED_LATENCY_WAIT_S (the simulator waits for the tick meanwhile). Answers
+        to older requests on the way are dropped: a restarted timeline forgot them, so they are
+        stale. Fault "engine" if the answer does not come."""
+        deadline = time.monotonic() + FIXED_LATENCY_WAIT_S
+        while (result := self.poll(max(0.0, deadline - time.monotonic()))) is not None:
+            if result.request_id == request_id:
+                break
+        if result is None and self.serving:
+            self._node.faults.set("engine", f"no answer from the engine {FIXED_LATENCY_WAIT_S:g} s after the tick "
+                                            "fixed_latency_s made it due")
         return result
 
     def reset_stream(self) -> None:

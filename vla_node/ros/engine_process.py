@@ -11,7 +11,8 @@ is built from the node's frozen EngineConfig (validated when the parameters were
 results are small pickled tuples on a pipe. Only one request is in flight at a time, so nothing
 queues.
 The worker exits when its pipe closes or its parent dies, and cleanup joins it, so closing the
-engine really frees its memory (device memory included).
+engine really frees its memory (device memory included). Ending it is bounded (stop_worker): a
+serving worker is asked to end and given STOP_GRACE_S, a worker still loading is killed at once.
 """
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..runtime.types import EngineConfig
+
+# A serving worker asked to end finishes the prediction under way and exits: 0.5-0.6 s for the
+# tiny model on the idle 2-core VM, most of it torch's teardown. One that takes longer (a niced
+# worker on a busy machine) is killed: ending the node must not wait on it (issue 18: a node still
+# there 20 s after Ctrl-C).
+STOP_GRACE_S = 2.0
+KILLED_EXIT_S = 5.0   # a killed process is gone within milliseconds; this only bounds the wait
 
 
 class EngineError(RuntimeError):
@@ -83,6 +91,7 @@ class EngineProcess:
         self._frames_shape: tuple[int, ...] = ()
         self._conn = None
         self._process = None
+        self._warm = False                      # the worker said "ready": it reads messages
         self._deadline = 0.0
         self._timeout_s = 0.0
         self._schedules: deque[str] = deque()   # sent to the worker, not answered yet
@@ -105,6 +114,7 @@ class EngineProcess:
         self._process = ctx.Process(target=_worker_main, args=(child, self.config, self.worker),
                                     name="vla_node_engine", daemon=True)
         self._process.start()
+        self._warm = False
         child.close()
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
@@ -121,6 +131,7 @@ class EngineProcess:
             elif kind == "error":
                 raise EngineError(payload)
             elif kind == "ready":
+                self._warm = True
                 return EngineInfo(pid=self._process.pid, **payload)
         if not alive:
             raise EngineError(f"engine process exited with code {self._process.exitcode} while starting")
@@ -167,9 +178,10 @@ class EngineProcess:
         self._conn.send(("schedule", schedule))
         self._schedules.append(schedule)
 
-    def poll(self) -> Optional[Result]:
-        """A result if one is waiting, without blocking. Raises EngineError if the worker died."""
-        if not self._conn.poll():
+    def poll(self, timeout_s: float = 0.0) -> Optional[Result]:
+        """A result if one is waiting or comes within timeout_s. Raises EngineError if the worker
+        died."""
+        if not self._conn.poll(timeout_s):
             return None
         kind, payload = self._receive()
         result = Result(kind=kind, **payload)
@@ -211,27 +223,31 @@ class EngineProcess:
             self.lost, self.restart_due = None, None
         return info
 
-    def stop_worker(self, timeout_s: float = 10.0) -> None:
-        """End the worker (politely, then by force); the shared frames stay for the next one."""
+    def stop_worker(self) -> None:
+        """End the worker within STOP_GRACE_S + KILLED_EXIT_S; the shared frames stay for the next one.
+        A serving worker is asked to end (it finishes the prediction under way) and killed if it
+        has not after STOP_GRACE_S; one still loading or warming up reads no message before it is
+        warm, so it is killed at once."""
         if self._process is not None:
-            if self._process.is_alive():
+            if self._process.is_alive() and self._warm:
                 try:
                     self._conn.send(("close", None))
                 except OSError:
                     pass
-                self._process.join(timeout_s)
+                self._process.join(STOP_GRACE_S)
             if self._process.is_alive():
                 self._process.kill()
-                self._process.join(timeout_s)
-            self._process.close()
+                self._process.join(KILLED_EXIT_S)
+            if self._process.exitcode is not None:
+                self._process.close()
             self._process = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self) -> None:
         """End the worker and release the shared frames."""
-        self.stop_worker(timeout_s)
+        self.stop_worker()
         if self._frames_fd is not None:
             os.close(self._frames_fd)
             self._frames_fd = None

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from .node import VLANode
 
 
+DRAIN_TIMEOUT_S = 10.0   # Decoder.drain: a conversion takes milliseconds; this only bounds the wait
+
+
 class Decoder:
     """Converts camera frames off the executor thread, which runs the control loop: a 640x480
     JPEG takes ~2 ms to decode and even a raw frame's copy ~0.2 ms (more under load), and both
@@ -38,6 +41,7 @@ class Decoder:
         self._ingest = ingest
         self._pending: dict[int, tuple[Image | CompressedImage, int]] = {}   # camera -> (msg, arrival ns)
         self._wake = threading.Condition()
+        self._converting = False
         self._stop = False
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="vla_node_decoder", daemon=True)
@@ -47,16 +51,25 @@ class Decoder:
         with self._wake:
             self.dropped += camera in self._pending
             self._pending[camera] = (msg, arrived_ns)   # a replaced entry keeps its place in the queue
-            self._wake.notify()
+            self._wake.notify_all()
+
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Until every frame pushed so far is converted (fixed_latency_s: a control tick sees every
+        frame that arrived before it, however busy the machine)."""
+        with self._wake:
+            self._wake.wait_for(lambda: not self._pending and not self._converting, timeout_s)
 
     def _run(self) -> None:
         while True:
             with self._wake:
+                self._converting = False
+                self._wake.notify_all()
                 self._wake.wait_for(lambda: self._pending or self._stop)
                 if self._stop:
                     return
                 camera = next(iter(self._pending))
                 msg, arrived_ns = self._pending.pop(camera)
+                self._converting = True
             fill = images.compressed_into if isinstance(msg, CompressedImage) else images.image_into
             self._ingest(camera, msg, arrived_ns, fill)
 

@@ -15,6 +15,7 @@ in the log and on /diagnostics.
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import signal
 import sys
@@ -199,6 +200,8 @@ class VLANode(LifecycleNode):
     def _on_tick(self) -> None:
         started = time.perf_counter()
         now_ns = self.now_ns()
+        if self.settings.fixed_latency_s:   # reproducible: the tick sees every frame that came before it
+            self._inputs.decoder.drain()
         if self._inputs.timeline_ended.is_set():
             self._inputs.timeline_ended.clear()
             self._drop_old_timeline()
@@ -217,10 +220,16 @@ class VLANode(LifecycleNode):
         self._diagnostics.after_tick()
 
     def _collect(self) -> None:
-        """Take the engine's answer, if there is one."""
+        """Take the engine's answer, if there is one; with fixed_latency_s, at its due tick only,
+        waiting for it then."""
+        if self._control.answer_held_back():
+            return
+        due = self._control.due_request()
+        result = self._engine.poll() if due is None else self._engine.wait(due.id)
         arrived = time.perf_counter()
-        result = self._engine.poll()
         if result is None:
+            if due is not None:
+                self._control.answer_overdue()
             return
         request = self._control.answered(result.request_id)
         if request is not None:
@@ -268,28 +277,32 @@ class VLANode(LifecycleNode):
             return
         request.sent_at = time.perf_counter()
         request.send_ms = (request.sent_at - t0) * 1e3
-        control.sent(request)
+        control.sent(request, s.fixed_latency_ticks)
         self.telemetry.counts[Key.REQUESTS] += 1
 
     def _drop_old_timeline(self) -> None:
-        """An input's stamps stepped back or the clock jumped: forget the plan, drop the chunk in
-        flight, and the engine's stream state (a frame of the new timeline may carry a stamp it
-        has cached another picture under)."""
+        """An input's stamps stepped back: forget the plan, drop the chunk in flight, and the
+        engine's stream state (a frame of the new timeline may carry a stamp it has cached another
+        picture under). A clock jump does more (_on_clock_jump)."""
         if self._engine is not None:
             self._engine.reset_stream()
         self._control.drop_plan()
 
     def _on_clock_jump(self, jump) -> None:
         """Time went backwards (a restarted simulation or bag): every stored stamp is from the
-        future now. Forget the frames, the joints, the plan and the last command, and the
-        engine's stream state too; the next complete window clears it."""
+        future now. Forget the frames, the joints and the engine's stream state, and start the
+        control loop over as an activation does (a reset: no plan, no last command, nothing in
+        flight waited for); the next complete window clears it."""
         if self._inputs is not None:
             self._inputs.forget()
-        self._drop_old_timeline()
+        if self._engine is not None:
+            self._engine.reset_stream()
         # A restarted simulation has moved the robot: the hold restarts from its next measured
-        # position, not from the last command of the old timeline. (Stamps stepping back without
-        # a clock jump keep the last command: every command stays within max_step_per_tick.)
-        self._control.state.last_command = None
+        # position, not from the last command of the old timeline (stamps stepping back without
+        # a clock jump keep it: every command stays within max_step_per_tick). Its first request
+        # goes out at once, as after an activation, so an episode runs the same whatever the last
+        # one left in flight (the engine answers that one first: stale, dropped).
+        self._control.reset()
         self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "
                                  f"inputs and plan discarded")
 
@@ -354,7 +367,19 @@ class VLANode(LifecycleNode):
         return level, message, values
 
 
+# Ctrl-C and SIGTERM end the node, its engine process and its threads within 5 s on a busy
+# machine (1.0-1.9 s beside three busy loops, 2.3 s when the engine's STOP_GRACE_S runs out;
+# BENCHMARKS.md, "CI under load"). Whatever hangs beyond this (a DDS participant's teardown), the
+# process ends then with every thread's stack on stderr and exit code 1, rather than never (main
+# is the entry point: this covers the interpreter's exit too).
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
 def main(args=None) -> int:
+    # SIGTERM (systemd, docker stop, a launch file's escalation) ends the node as Ctrl-C does, also
+    # while configure loads the model. rclpy's own handler, installed by init, shuts the context
+    # down and then calls this one.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     rclpy.init(args=args)
     node = executor = None
     try:
@@ -377,6 +402,8 @@ def main(args=None) -> int:
         # shutdown: it must not cut the release of the engine short (bounded: the engine process
         # is killed after a timeout).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        faulthandler.dump_traceback_later(SHUTDOWN_TIMEOUT_S, exit=True)
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()

@@ -23,6 +23,7 @@ from ..model.config import FRANKA_HIGH, FRANKA_LOW, PRESETS
 from ..runtime.action_cache import FlowSchedule
 from ..runtime.types import MODES, EngineConfig, WindowLayout
 from ..runtime.windows import MAX_CAMERA_RATE_HZ, PANDA_JOINTS, STATE_SLOP_S, SYNC_SLOP_S
+from .control import latency_ticks
 
 # Per 20 ms tick: ~2.5 rad/s for the arm joints, the full gripper range in 0.1 s.
 PANDA_MAX_STEP = [0.05] * 7 + [0.2]
@@ -158,6 +159,11 @@ SPECS: dict[str, Spec] = {
                                        "and the frame", range=(0.0, 10.0)),
     "input_timeout_s": Spec(0.5, "hold when a camera or the joint states are silent for longer",
                             range=(0.001, 60.0)),
+    "fixed_latency_s": Spec(0.0, "simulation only (needs use_sim_time): every chunk is taken at the first control "
+                                 "tick this long after its request, as if inference always took this long; the "
+                                 "tick waits for a slower engine. With a simulator in lockstep (vla-sim run "
+                                 "--lockstep) the closed loop is the same on any machine; 0: off, chunks are "
+                                 "taken when they arrive", range=(0.0, 60.0)),
     "joint_lower_limits": Spec(list(FRANKA_LOW), "lower command limit per joint (joint_names order)"),
     "joint_upper_limits": Spec(list(FRANKA_HIGH), "upper command limit per joint (joint_names order)"),
     "max_step_per_tick": Spec(PANDA_MAX_STEP, "largest command change per control tick, per joint"),
@@ -207,6 +213,7 @@ class Settings:
     state_sync: str
     state_slop_s: float
     input_timeout_s: float
+    fixed_latency_s: float
     joint_lower_limits: tuple
     joint_upper_limits: tuple
     max_step_per_tick: tuple
@@ -215,10 +222,16 @@ class Settings:
     def control_period_s(self) -> float:
         return 1.0 / self.control_rate_hz
 
+    @property
+    def fixed_latency_ticks(self) -> Optional[int]:
+        """fixed_latency_s in control ticks (control.latency_ticks); None: off."""
+        return latency_ticks(self.fixed_latency_s, self.control_period_s) if self.fixed_latency_s else None
+
 
 def validate(values: Mapping[str, Any], horizon: Optional[int] = None) -> Settings:
-    """The one place that decides whether a set of parameter values is usable. `horizon` is
-    the loaded model's chunk length (None before configure). Raises SettingsError(reason)."""
+    """The one place that decides whether a set of parameter values is usable: those of SPECS and
+    rclpy's use_sim_time (false if absent). `horizon` is the loaded model's chunk length (None
+    before configure). Raises SettingsError(reason)."""
     # Arrays arrive as lists, tuples or array.array (parameter services): compare them as tuples.
     v = {name: (x if isinstance(x, str) or not hasattr(x, "__len__") else tuple(x)) for name, x in values.items()}
     for name in ("model_preset", "engine_mode", "device", "dtype"):
@@ -262,6 +275,14 @@ def validate(values: Mapping[str, Any], horizon: Optional[int] = None) -> Settin
     for name, spec in SPECS.items():
         if spec.range is not None and not spec.range[0] <= v[name] <= spec.range[1]:
             raise SettingsError(f"{name}={v[name]} outside [{spec.range[0]}, {spec.range[1]}]")
+    if v["fixed_latency_s"]:
+        if not v.get("use_sim_time", False):
+            raise SettingsError("fixed_latency_s needs use_sim_time: true (its control ticks wait for the engine: "
+                                "on the wall clock a robot's commands would stall); set it to 0 on a robot")
+        ticks = latency_ticks(v["fixed_latency_s"], 1.0 / v["control_rate_hz"])
+        if horizon is not None and ticks >= horizon:
+            raise SettingsError(f"fixed_latency_s {v['fixed_latency_s']:g} is {ticks} control ticks, not less than "
+                                f"the model's horizon {horizon}: every chunk would arrive after its last action")
     return Settings(engine=engine_config(v), **{f.name: v[f.name] for f in fields(Settings) if f.name != "engine"})
 
 
@@ -303,7 +324,7 @@ def declare(node) -> Settings:
 def check_changes(node, changes: list[Parameter], horizon: Optional[int]) -> SetParametersResult:
     """The node's answer to a parameter change: validate() on its values with the changes."""
     values = current_values(node)
-    values.update({p.name: p.value for p in changes if p.name in SPECS})
+    values.update({p.name: p.value for p in changes if p.name in values})
     try:
         validate(values, horizon=horizon)
     except SettingsError as e:
@@ -312,4 +333,5 @@ def check_changes(node, changes: list[Parameter], horizon: Optional[int]) -> Set
 
 
 def current_values(node) -> dict[str, Any]:
-    return {name: node.get_parameter(name).value for name in SPECS}
+    """The values validate() decides on: every parameter of SPECS, and rclpy's use_sim_time."""
+    return {name: node.get_parameter(name).value for name in (*SPECS, "use_sim_time")}

@@ -2,6 +2,8 @@
 
     vla-sim run --episodes 5                 # the simulator as a ROS 2 node (cameras, /joint_states,
                                              # /clock), closed loop with vla-node (use_sim_time)
+    vla-sim run --episodes 5 --lockstep      # the same, every tick waiting for the node's command: with
+                                             # its fixed_latency_s the same run on any machine
     vla-sim eval --checkpoint DIR --configs eager,fast --episodes 50 --json out/sim_eval.json
                                              # the same loop without DDS: the engine called directly
     vla-sim record out/demos --episodes 50   # scripted demonstrations, one MCAP bag each (all cores)
@@ -204,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--command-topic", default="vla_node/command", help="the node's ~/command (default %(default)s)")
     run.add_argument("--command-timeout-s", type=float, default=1.0,
                      help="wall time to wait for a tick's command before holding the last one")
+    run.add_argument("--lockstep", action="store_true",
+                     help="every tick waits for the node's command stamped with its time (its ~/joint_command: "
+                          "publish_joint_command:=true), however long it takes, without pacing against the wall "
+                          "clock; with the node's fixed_latency_s the closed loop is the same on any machine")
+    run.add_argument("--joint-command-topic", default="vla_node/joint_command",
+                     help="--lockstep: the node's ~/joint_command (default %(default)s)")
+    run.add_argument("--lockstep-timeout-s", type=float, default=120.0,
+                     help="--lockstep: wall time a tick waits for its command before the run ends with an error "
+                          "(default %(default)s)")
     run.add_argument("--node-timeout-s", type=float, default=600.0,
                      help="wall time to wait for the node's first command (it loads and warms up its model)")
     run.add_argument("--params", default=str(DEFAULT_PARAMS),

@@ -6,12 +6,13 @@ publish the command for this tick (the plan's action, or hold the last command),
 whose inference has finished, and send the newest complete observation when at most
 replan_threshold actions remain. The simulator then holds that command for the tick.
 
-Inference latency is sim time: a request sent after tick d returns at tick
-d + max(1, ceil(latency / control period)), where latency is the policy's measured wall time or a
-fixed figure (latency_s), so hand-over modes compare under the latency a robot would see, on any
-machine. The policy sees what the node would: the window the node's picker forms
-(vla_node.runtime.windows: frame times history_offset_s apart, only the newest ones while history
-does not exist yet at an episode's start), and the joint state stamped at the newest frame.
+Inference latency is sim time: a request sent after tick d returns at tick d +
+control.latency_ticks(latency, control period), where latency is the policy's measured wall time or
+a fixed figure (latency_s), so hand-over modes compare under the latency a robot would see, on any
+machine (the node's fixed_latency_s follows the same rule over ROS). The policy sees what the node
+would: the window the node's picker forms (vla_node.runtime.windows: frame times history_offset_s
+apart, only the newest ones while history does not exist yet at an episode's start), and the joint
+state stamped at the newest frame.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 import yaml
 
-from ..ros.control import LATE, TAKEN, ChunkScheduler, Request, SafetyFilter
+from ..ros.control import LATE, TAKEN, ChunkScheduler, Request, SafetyFilter, latency_ticks
 from ..runtime.types import ActionChunk, Observation, WindowLayout
 from ..runtime.windows import Wait, WindowSpec, frames_to_keep, pick_window
 from .aloha import CONTROL_PERIOD_NS, GRIPPERS, JOINT_NAMES, SimState, TransferCube
@@ -120,8 +121,7 @@ class EpisodeResult:
 
 @dataclass
 class InFlight:
-    request: Request
-    ready_tick: int               # the tick whose collect takes it (latency in sim time)
+    request: Request              # its due_tick: the tick whose collect takes it (latency in sim time)
     chunk: ActionChunk
 
 
@@ -176,7 +176,7 @@ class ClosedLoop:
                                       f"seed {seed} t {step * self.period_s:.2f}s r{state.reward}"
                                       f"{' success' if state.success else ''}"))
             # collect
-            if in_flight is not None and in_flight.ready_tick <= tick:
+            if control.due_request() is not None:
                 request = control.answered(in_flight.request.id)
                 result.latency_ticks.append(tick - request.tick)
                 outcome = control.take(request, in_flight.chunk.actions)
@@ -219,11 +219,11 @@ class ClosedLoop:
         t0 = time.perf_counter()
         chunk = self.policy.predict(obs)
         wall_s = time.perf_counter() - t0
-        control.sent(request)
+        latency_s = wall_s if self.latency_s is None else self.latency_s
+        control.sent(request, latency_ticks(latency_s, self.period_s))
         result.queries += 1
         result.predict_ms.append(wall_s * 1e3)
-        latency_s = wall_s if self.latency_s is None else self.latency_s
-        return InFlight(request, request.tick + max(1, math.ceil(latency_s / self.period_s - 1e-9)), chunk)
+        return InFlight(request, chunk)
 
 
 # -- statistics -----------------------------------------------------------------------------------

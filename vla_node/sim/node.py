@@ -5,16 +5,25 @@
                instruction               std_msgs/String, at every episode start
                /clock                    rosgraph_msgs/Clock: sim time, one 20 ms tick at a time
     subscribes vla_node/command          std_msgs/Float64MultiArray: the node's 14-D command
+               vla_node/joint_command    sensor_msgs/JointState: the same, stamped (--lockstep)
 
 Topic names are relative: started in the node's namespace, nothing needs remapping.
 
-Lockstep in sim time: at each tick the simulator publishes the observations stamped with the
+In step with sim time: at each tick the simulator publishes the observations stamped with the
 tick's time, then the clock; the node (use_sim_time) runs its control tick on that clock message
-and publishes the tick's command, which the simulator holds for the tick. A command that does not
-come within command_timeout_s (wall time) is replaced by holding the last one, and counted. Sim
-time advances no faster than `rate` times the wall clock, so the policy's inference, which runs
-in wall time while the node keeps ticking, costs the sim time it would cost a robot at that rate;
-a slow machine only runs slower.
+and publishes the tick's command, which the simulator holds for the tick. Two ways to wait:
+
+- paced (the default): a command that does not come within command_timeout_s (wall time) is
+  replaced by holding the last one, and counted. Sim time advances no faster than `rate` times
+  the wall clock, so the policy's inference, which runs in wall time while the node keeps
+  ticking, costs the sim time it would cost a robot at that rate; a slow machine runs slower, and
+  a busy one gives the policy more or fewer ticks per inference.
+- lockstep (--lockstep): every tick waits for the command the node stamped with the tick's time
+  (its ~/joint_command: publish_joint_command true), however long that takes, and the run ends
+  with an error after lockstep_timeout_s without it; there is no wall-clock pacing. With the
+  node's fixed_latency_s, which fixes the inference's cost in ticks, the closed loop is the same
+  on any machine, however slow or busy. Before the first episode the clock runs with joint states
+  only, so that the node sends its engine nothing before it and every episode starts alike.
 
 Each episode restarts the clock at the same time (EPISODE_START_NS): the node sees the clock
 jump back and forgets the last episode's frames, joints, plan and command. Before the first
@@ -45,6 +54,10 @@ from .aloha import CONTROL_PERIOD_NS, GRIPPERS, JOINT_NAMES, RenderConfig, SimSt
 from .closed_loop import ControlSettings, wilson_interval
 from .video import annotate, write_video
 
+# Lockstep: ticks the clock runs while the node commands on ~/command but nothing arrives on
+# ~/joint_command (DDS discovery of that topic takes a few ticks at most).
+LOCKSTEP_DISCOVERY_TICKS = 250
+
 
 def time_msg(ns: int) -> Time:
     return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
@@ -66,10 +79,11 @@ class EpisodeReport:
     video: Optional[str] = None
     first_command_tick: Optional[int] = None
     node_report: dict = field(default_factory=dict)  # the node's last /diagnostics values (latency, rate)
+    tick_commands: list = field(default_factory=list)  # [ticks][14] the command held at each tick
 
 
 class SimNode(Node):
-    def __init__(self, cameras: tuple[str, ...], command_topic: str):
+    def __init__(self, cameras: tuple[str, ...], command_topic: str, joint_command_topic: Optional[str] = None):
         super().__init__("vla_sim")
         self.clock_pub = self.create_publisher(Clock, "/clock", 10)
         self.joint_pub = self.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
@@ -81,25 +95,41 @@ class SimNode(Node):
         # The node's own report of its latency and rate, kept for the episode summary.
         self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
         self.node_report: dict[str, str] = {}
+        self.node_status = ""
         self.commands_received = 0
         self.command: Optional[np.ndarray] = None
+        self.stamped: dict[int, np.ndarray] = {}   # lockstep: the node's commands by stamp (the tick's time)
         self._bad_command_logged = False
+        if joint_command_topic is not None:
+            self.create_subscription(JointState, joint_command_topic, self._on_joint_command, 10)
+
+    def _usable(self, data: np.ndarray) -> bool:
+        if data.shape == (len(JOINT_NAMES),) and np.all(np.isfinite(data)):
+            return True
+        if not self._bad_command_logged:
+            self.get_logger().error(f"command with {data.size} values (or non-finite) ignored: the simulator "
+                                    f"takes {len(JOINT_NAMES)} joint positions")
+            self._bad_command_logged = True
+        return False
 
     def _on_command(self, msg: Float64MultiArray) -> None:
         data = np.asarray(msg.data, np.float64)
-        if data.shape != (len(JOINT_NAMES),) or not np.all(np.isfinite(data)):
-            if not self._bad_command_logged:
-                self.get_logger().error(f"command with {data.size} values (or non-finite) ignored: the simulator "
-                                        f"takes {len(JOINT_NAMES)} joint positions")
-                self._bad_command_logged = True
-            return
-        self.command = data
-        self.commands_received += 1
+        if self._usable(data):
+            self.command = data
+            self.commands_received += 1
+
+    def _on_joint_command(self, msg: JointState) -> None:
+        data = np.asarray(msg.position, np.float64)
+        if tuple(msg.name) != JOINT_NAMES:
+            data = np.zeros(0)      # another robot's joints: unusable
+        if self._usable(data):
+            self.stamped[msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec] = data
 
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
         for status in msg.status:
             if status.name.split(":")[0].strip().endswith("vla_node") and status.values:
                 self.node_report = {kv.key: kv.value for kv in status.values}
+                self.node_status = status.message
 
     def publish_observation(self, state: SimState, images: Optional[dict[str, np.ndarray]]) -> None:
         """Joint state, then the cameras with the first camera last (its frame triggers the
@@ -148,18 +178,40 @@ class Simulation:
             self.executor.spin_once(timeout_sec=left)
         return True
 
+    def _wait_stamped(self, stamp_ns: int, seed: int, tick: int) -> np.ndarray:
+        """Lockstep: the node's command stamped `stamp_ns`, however long it takes up to
+        lockstep_timeout_s (then TimeoutError); the commands of earlier ticks are dropped."""
+        deadline = time.monotonic() + self.args.lockstep_timeout_s
+        while (command := self.node.stamped.pop(stamp_ns, None)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"--lockstep: no command stamped with tick {tick} of episode seed {seed} within "
+                                   f"{self.args.lockstep_timeout_s:g} s (--lockstep-timeout-s); the node's last "
+                                   f"status: {self.node.node_status or 'none heard'}")
+            self.executor.spin_once(timeout_sec=left)
+        self.node.stamped.clear()
+        return command
+
     def wait_for_node(self) -> None:
         """Run the clock with the robot at rest (seed of the first episode) until the node
-        commands: it has configured, activated and seen joint states."""
+        commands: it has configured, activated and seen joint states. In lockstep without camera
+        frames: the node sends its engine nothing before the first episode."""
+        lockstep = self.args.lockstep
         state = self.env.reset(self.args.first_seed)
-        images = self.env.render()
+        images = None if lockstep else self.env.render()
         deadline = time.monotonic() + self.args.node_timeout_s
         self.node.get_logger().info("running the clock until the node commands")
-        tick = 0
-        while self.node.commands_received == 0:
+        tick, commanding_since = 0, None
+        while not (self.node.stamped if lockstep else self.node.commands_received):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no command within {self.args.node_timeout_s:g} s: is vla-node running in this "
                                    f"namespace with use_sim_time:=true and active (autostart:=true)?")
+            if self.node.commands_received and commanding_since is None:
+                commanding_since = tick
+            if commanding_since is not None and tick - commanding_since > LOCKSTEP_DISCOVERY_TICKS:
+                raise TimeoutError(f"the node commands, but not on {self.args.joint_command_topic}: --lockstep needs "
+                                   "vla-node with publish_joint_command:=true (it matches each tick's command by "
+                                   "its stamp)")
             self.node.publish_observation(SimState(tick, state.stamp_ns + tick * CONTROL_PERIOD_NS, state.qpos,
                                                    state.reward, False), images)
             self.node.instruction_pub.publish(String(data=self.settings.instruction))
@@ -179,28 +231,37 @@ class Simulation:
         # The clock jumps back one tick before the episode's first observation: the node forgets
         # the last episode on the jump, not the first observation of this one.
         node.publish_clock(state.stamp_ns - CONTROL_PERIOD_NS)
-        self._pace()
+        if not args.lockstep:
+            self._pace()
         t0 = time.monotonic()
         for tick in range(args.ticks):
             images = env.render() if tick % args.camera_every == 0 else None
             node.publish_observation(state, images)
             before = node.commands_received
             node.publish_clock(state.stamp_ns)
-            if self._wait_command(before, args.command_timeout_s):
+            received = True
+            if args.lockstep:
+                last = self._wait_stamped(state.stamp_ns, seed, tick)
+            elif self._wait_command(before, args.command_timeout_s):
                 last = node.command
+            else:
+                received = False
+            if received:
                 report.commands += 1
                 if report.first_command_tick is None:
                     report.first_command_tick = tick
             else:
                 report.held_without_command += 1
             command = last if last is not None else state.qpos
+            report.tick_commands.append(command.tolist())
             if frames is not None and images is not None:
                 frames.append(annotate(images[env.render_config.cameras[0]], command, state.qpos, JOINT_NAMES,
                                        np.asarray(self.settings.joint_lower_limits),
                                        np.asarray(self.settings.joint_upper_limits),
                                        f"seed {seed} t {tick * self.period_s:.2f}s r{state.reward}"
                                        f"{' success' if state.success else ''}"))
-            self._pace()
+            if not args.lockstep:
+                self._pace()
             state = env.step(command)
             report.ticks = tick + 1
             report.max_reward = max(report.max_reward, state.reward)
@@ -228,7 +289,7 @@ def run(args, ros_args: list[str]) -> int:
     rclpy.init(args=["vla-sim", *ros_args])
     node = None
     try:
-        node = SimNode(render.cameras, args.command_topic)
+        node = SimNode(render.cameras, args.command_topic, args.joint_command_topic if args.lockstep else None)
         executor = SingleThreadedExecutor()
         executor.add_node(node)
         log = node.get_logger()
@@ -248,7 +309,8 @@ def run(args, ros_args: list[str]) -> int:
         wins = sum(r.success for r in reports)
         low, high = wilson_interval(wins, len(reports))
         summary = {"episodes": len(reports), "successes": wins, "success_rate": wins / max(1, len(reports)),
-                   "success_ci95": [low, high], "rate": args.rate, "per_episode": [asdict(r) for r in reports]}
+                   "success_ci95": [low, high], "rate": None if args.lockstep else args.rate,
+                   "lockstep": args.lockstep, "per_episode": [asdict(r) for r in reports]}
         print(f"vla-sim: {wins}/{len(reports)} episodes succeeded", flush=True)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
