@@ -29,7 +29,7 @@ def _node(context):
         if LaunchConfiguration(name).perform(context):
             overrides[name] = LaunchConfiguration(name)
     return [LifecycleNode(
-        package="vla_node", executable="vla_node", name="vla_node",
+        package="vla_node", executable="vla-node", name="vla_node",
         namespace=LaunchConfiguration("namespace"),
         parameters=[LaunchConfiguration("params_file"), overrides],
         ros_arguments=["--log-level", LaunchConfiguration("log_level")],

@@ -1,7 +1,8 @@
 """What a ROS 2 install reads from the package: colcon runs this suite with pytest only if
 setup.py names pytest as a test dependency (else it falls back to unittest and runs nothing),
-and rosdep installs only what package.xml lists."""
+rosdep installs only what package.xml lists, and every command the README names exists."""
 import ast
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -10,14 +11,39 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_setup_py_names_the_test_dependencies_colcon_looks_for():
-    # As colcon reads setup.py: distutils' run_setup up to the configuration, in an interpreter of its own.
+def setup_keyword(name: str):
+    """A keyword setup.py passes to setup(), as colcon reads it: distutils' run_setup up to the
+    configuration, in an interpreter of its own."""
     code = ("from distutils.core import run_setup; "
             "dist = run_setup('setup.py', script_args=('--dry-run',), stop_after='config'); "
-            "print(repr(dist.extras_require))")
+            f"print(repr(dist.{name}))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    extras = ast.literal_eval(done.stdout.strip().splitlines()[-1])
-    assert {"pytest", "pytest-timeout", "hypothesis", "ruff"} <= set(extras["test"])
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
+def test_setup_py_names_the_test_dependencies_colcon_looks_for():
+    assert {"pytest", "pytest-timeout", "hypothesis", "ruff"} <= set(setup_keyword("extras_require")["test"])
+
+
+def readme_code() -> str:
+    """The README's code: fenced blocks and inline spans, where its commands are."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```.*?\n(.*?)```", text, re.S)
+    return "\n".join(blocks + re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)))
+
+
+def test_every_command_the_readme_names_is_a_console_script_or_a_make_target():
+    code = readme_code()
+    scripts = {entry.split("=")[0].strip() for entry in setup_keyword("entry_points")["console_scripts"]}
+    # pip puts these on PATH; colcon installs them in lib/vla_node, where `ros2 run vla_node X` finds them.
+    named = set(re.findall(r"(?<![\w/.-])vla-[a-z]+(?:-[a-z]+)*", code)) | set(re.findall(r"ros2 run vla_node (\S+)",
+                                                                                       code))
+    assert {"vla-node", "vla-replay", "vla-train"} <= named      # the parsing finds them
+    assert named <= scripts, f"the README names commands setup.py does not install: {sorted(named - scripts)}"
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    made = set(re.findall(r"(?<![\w-])make ([a-z][\w-]*)", code))
+    assert {"demo", "test"} <= made
+    assert made <= targets, f"the README names make targets the Makefile lacks: {sorted(made - targets)}"
 
 
 def test_package_xml_lists_the_python_dependencies():
