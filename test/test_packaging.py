@@ -51,5 +51,61 @@ def test_package_xml_lists_the_python_dependencies():
     run = {e.text for e in package.iter("exec_depend")}
     test = {e.text for e in package.iter("test_depend")}
     assert {"python3-numpy", "python3-opencv", "python3-yaml", "python3-torch", "python3-transformers-pip",
-            "python3-matplotlib", "python3-rosbags-pip"} <= run
-    assert {"python3-pytest", "python3-pytest-timeout", "python3-hypothesis", "launch_pytest"} <= test
+            "python3-matplotlib", "python3-rosbags-pip", "python3-mujoco-pip", "python3-imageio"} <= run
+    assert {"python3-pytest", "python3-pytest-timeout", "python3-hypothesis", "python3-ruff-pip",
+            "launch_pytest"} <= test
+
+
+def ros_imports(folder: str) -> set[str]:
+    """The ROS packages that the Python files under `folder` import, or import or skip (rclpy, launch*,
+    *_msgs, *_interfaces)."""
+    found = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "importorskip" \
+                    and isinstance(node.args[0], ast.Constant):
+                found.add(node.args[0].value.split(".")[0])
+    return {m for m in found if m == "rclpy" or m.startswith("launch") or m.endswith(("_msgs", "_interfaces"))}
+
+
+def test_package_xml_declares_every_ros_package_the_code_imports_and_nothing_unused():
+    package = ET.parse(ROOT / "package.xml").getroot()
+    run = {e.text for e in package.iter("exec_depend")}
+    test = {e.text for e in package.iter("test_depend")}
+    assert ros_imports("vla_node") | ros_imports("launch") <= run
+    assert ros_imports("test") <= run | test
+    ros_test = {d for d in test if not d.startswith("python3-")}
+    assert ros_test <= ros_imports("test"), f"test dependencies nothing imports: {ros_test - ros_imports('test')}"
+
+
+# pytest in an interpreter where the simulator's packages cannot be imported, as on a machine that
+# rosdep set up (gym-aloha has no rosdep key).
+WITHOUT_SIMULATOR = """
+import sys
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+sys.meta_path.insert(0, Absent())
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+def test_the_suite_collects_without_the_simulator_and_says_what_it_skips():
+    from optional import SIMULATOR
+
+    code = WITHOUT_SIMULATOR.format(blocked=set(SIMULATOR))
+    done = subprocess.run([sys.executable, "-c", code, "--collect-only", "-q", "-rs", "-p", "no:cacheprovider", "test"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    skipped = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert any("the simulator needs" in line for line in skipped), done.stdout[-3000:]
+    # A module that needs the simulator in one test only keeps the others.
+    assert "test/test_train.py::test_objective_decreases_on_a_fixed_batch" in done.stdout
