@@ -109,3 +109,8 @@ def test_the_suite_collects_without_the_simulator_and_says_what_it_skips():
     assert any("the simulator needs" in line for line in skipped), done.stdout[-3000:]
     # A module that needs the simulator in one test only keeps the others.
     assert "test/test_train.py::test_objective_decreases_on_a_fixed_batch" in done.stdout
+
+
+def test_the_per_test_timeout_is_in_the_pytest_configuration(pytestconfig):
+    # colcon test runs pytest without make's command line: the configuration must carry it.
+    assert float(pytestconfig.getini("timeout")) == 600
