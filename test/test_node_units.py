@@ -208,6 +208,47 @@ def test_invalid_values_are_rejected_with_a_reason(change, match):
         params.validate(values, horizon=16)
 
 
+@pytest.fixture
+def ros_context():
+    import rclpy
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    yield context
+    context.try_shutdown()
+
+
+def test_a_wrong_type_gets_the_same_sentence_at_start_up_and_at_run_time(ros_context):
+    """rclpy's own words at run time were "Wrong parameter type, expected '3' got '2'"."""
+    from rclpy.parameter import Parameter
+
+    from vla_node.ros.node import VLANode
+
+    sentence = "control_rate_hz must be a double, written with a decimal point (15.0, not 15)"
+    with pytest.raises(params.SettingsError) as refused:
+        VLANode("typed_at_start", context=ros_context, parameter_overrides=[Parameter("control_rate_hz", value=15)])
+    assert str(refused.value) == sentence
+    node = VLANode("typed_at_run_time", context=ros_context)
+    try:
+        for name, value, reason in [("control_rate_hz", 30, sentence),
+                                    ("joint_lower_limits", [0] * 8, "joint_lower_limits must be a list of doubles"),
+                                    ("replan_threshold", 8.0, "replan_threshold must be an integer"),
+                                    ("handover", 1, "handover must be a string"),
+                                    ("wait_for_history", "yes", "wait_for_history must be true or false"),
+                                    ("model_preset", 3, "Trying to set a read-only parameter")]:
+            before = node.get_parameter(name).value
+            result = node.set_parameters([Parameter(name, value=value)])[0]
+            assert not result.successful and result.reason.startswith(reason), (name, result.reason)
+            assert node.get_parameter(name).value == before
+        together = node.set_parameters_atomically([Parameter("control_rate_hz", value=30),
+                                                   Parameter("blend_steps", value=2)])
+        assert not together.successful and together.reason == sentence
+        assert node.get_parameter("blend_steps").value == 4
+        assert node.set_parameters([Parameter("control_rate_hz", value=30.0)])[0].successful
+        assert node.settings.control_rate_hz == 30.0
+    finally:
+        node.destroy_node()
+
+
 # -- the frame buffer -------------------------------------------------------------------------------
 def ring(keep=8, cameras=("a", "b"), slop_ns=10):
     """Frames 1000 ns apart in the tests: the history frame is 3 frames back."""

@@ -65,6 +65,7 @@ class VLANode(LifecycleNode):
         self._control: Optional[ChunkScheduler] = None
 
         self.settings = params.declare(self)
+        self.add_pre_set_parameters_callback(self._check_parameter_types)
         self.add_on_set_parameters_callback(self._validate_parameters)
         self.add_post_set_parameters_callback(self._apply_parameters)
         self._control = ChunkScheduler(self.settings, SafetyFilter.of(self.settings))
@@ -316,6 +317,9 @@ class VLANode(LifecycleNode):
         self._control.drop_plan()     # nothing sent to the old worker is waited for
 
     # -- parameters -----------------------------------------------------------------------------
+    def _check_parameter_types(self, changes: list[Parameter]) -> list[Parameter]:
+        return params.check_types(self, changes)
+
     def _validate_parameters(self, changes: list[Parameter]) -> SetParametersResult:
         return params.check_changes(self, changes, horizon=self._horizon())
 
