@@ -156,6 +156,7 @@ class Key:
     FAULTS = "faults"                   # "source: reason; ..." or "none"
     HOLDS_BY_CAUSE = "holds_by_cause"   # "source=count, ..." or "none": how often each fault began
     CONFIGURE_ERROR = "configure_error"
+    CONFIGURE_STAGE = "configure_stage"   # while configuring: engine_process.STARTING, LOADING, ...
     ENGINE = "engine"
     ENGINE_PID = "engine_pid"
     HORIZON = "horizon"
@@ -210,9 +211,13 @@ class Key:
 OK, WARN, ERROR = 0, 1, 2      # diagnostic_msgs/DiagnosticStatus levels
 
 
-def summary(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str]) -> tuple[int, str]:
-    """The node's /diagnostics level and message: a failed configure, the faults, the lifecycle
-    state if not active, the control loop's hold, else "running"."""
+def summary(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str],
+            stage: str = "") -> tuple[int, str]:
+    """The node's /diagnostics level and message: the stage of a configure under way, a failed
+    configure, the faults, the lifecycle state if not active, the control loop's hold, else
+    "running"."""
+    if state == "configuring":
+        return WARN, f"configuring: {stage}"
     if configure_error and state == "unconfigured":
         return ERROR, f"configure failed: {configure_error}"
     if faults:
@@ -225,12 +230,14 @@ def summary(state: str, configure_error: str, faults: dict[str, str], hold: Opti
 
 
 def status_pairs(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str],
-                 events: Counter) -> list[tuple[str, object]]:
+                 events: Counter, stage: str = "") -> list[tuple[str, object]]:
     """/diagnostics values of summary()'s inputs; `events`: how often each fault source began
     (Faults.events)."""
     values = [(Key.STATE, state), (Key.HOLD, hold or "no"),
               (Key.FAULTS, "; ".join(f"{k}: {v}" for k, v in sorted(faults.items())) or "none"),
               (Key.HOLDS_BY_CAUSE, ", ".join(f"{k}={n}" for k, n in sorted(events.items())) or "none")]
+    if state == "configuring":
+        values.append((Key.CONFIGURE_STAGE, stage))
     if configure_error:
         values.append((Key.CONFIGURE_ERROR, configure_error))
     return values

@@ -6,6 +6,16 @@ command and one joint trajectory per action chunk out.
     deactivate  stop commanding (a forward command controller holds the last command)
     cleanup     end the engine process (its memory, device memory included, goes with it)
 
+Threads: everything that changes the node (transitions, the control loop, subscriptions, timers,
+parameter changes) runs in the node's default callback group, one callback at a time, as on a
+single thread; the services that only read (the lifecycle state, parameter values and
+descriptors) answer from a second executor thread (ANSWERED_APART), also while a transition
+holds the default group. Configure does: it waits for the engine process to load and warm up (on
+a GPU 20-45 s), and meanwhile `ros2 lifecycle get` and a lifecycle manager's state query say
+`configuring`, and /diagnostics says which stage (published from configure's wait: the
+diagnostics timer is in the default group too). With autostart the node configures once the
+executor spins, not in the constructor.
+
 The control loop runs on the executor at control_rate_hz and never waits for the model: each
 tick publishes one command, takes a finished chunk if the engine has one, and sends the newest
 complete observation when the plan runs low. What to do at each tick is decided by
@@ -24,9 +34,10 @@ from typing import Optional
 
 import rclpy
 from rcl_interfaces.msg import SetParametersResult
+from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType, JumpThreshold
 from rclpy.duration import Duration
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
@@ -39,6 +50,12 @@ from .engine_process import EngineError
 from .inputs import Inputs
 from .outputs import DiagnosticsPublisher, Outputs
 
+# rclpy's services whose callbacks only read: they answer from their own callback group (see above).
+ANSWERED_APART = ("get_state", "get_available_states", "get_available_transitions", "get_transition_graph",
+                  "get_parameters", "get_parameter_types", "describe_parameters", "list_parameters",
+                  "get_type_description")
+SUBSCRIBING = "subscribing to the inputs"    # configure's last stage, after the engine's (engine_process.STARTING, ...)
+
 NO_CHECKPOINT = ("no checkpoint: set checkpoint to a MolmoBot checkpoint folder (an official one with config.yaml "
                  "+ model.pt is converted on first use, or convert it with `vla-convert OFFICIAL_DIR OUT_DIR "
                  "[--tokenizer DIR]`), or random_weights: true for untrained weights (benchmarks and tests only: "
@@ -48,6 +65,7 @@ NO_CHECKPOINT = ("no checkpoint: set checkpoint to a MolmoBot checkpoint folder 
 class VLANode(LifecycleNode):
     def __init__(self, node_name: str = "vla_node", **kwargs):
         super().__init__(node_name, **kwargs)
+        self._answer_apart(ANSWERED_APART)
         # Everything _release() touches exists before the parameters are read: a node whose
         # start-up parameters are refused is still destroyed cleanly (rclpy's shutdown does it).
         self._diagnostics = DiagnosticsPublisher(self, self._status, self._on_diagnostics_timer)
@@ -57,7 +75,9 @@ class VLANode(LifecycleNode):
             post_callback=self._on_clock_jump)
         self.telemetry = NodeTelemetry()
         self._state = "unconfigured"
+        self._configure_stage = ""
         self._configure_error = ""
+        self._autostart_timer = None
         self._engine: Optional[EngineLink] = None    # configure .. cleanup, across losses of its worker
         self._inputs: Optional[Inputs] = None
         self._outputs: Optional[Outputs] = None
@@ -73,9 +93,25 @@ class VLANode(LifecycleNode):
         # Startup (rclpy, the message types, numpy) can take seconds on a busy machine; this line
         # says the lifecycle services are up.
         self.get_logger().info(f"started: unconfigured{', autostart' if self.settings.autostart else ''}")
-        if self.settings.autostart:
-            if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
-                self.trigger_activate()
+        if self.settings.autostart:   # once the executor spins, so that the services answer meanwhile
+            self._autostart_timer = self.create_timer(0.0, self._autostart,
+                                                      clock=Clock(clock_type=ClockType.STEADY_TIME))
+
+    def _answer_apart(self, names: tuple[str, ...]) -> None:
+        """Move rclpy's services of these names into a callback group of their own."""
+        group = ReentrantCallbackGroup()
+        for service in self.services:
+            if service.srv_name.rsplit("/", 1)[-1] in names:
+                service.callback_group = group
+                group.add_entity(service)
+
+    def _autostart(self) -> None:
+        if self._autostart_timer is None:
+            return
+        self.destroy_timer(self._autostart_timer)
+        self._autostart_timer = None
+        if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
+            self.trigger_activate()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -83,9 +119,11 @@ class VLANode(LifecycleNode):
         if not e.checkpoint and not s.random_weights:
             return self._fail_configure(NO_CHECKPOINT)
         self.get_logger().info(f"configuring: {e.checkpoint or e.preset} ({s.engine_mode}, {e.device}, {e.dtype})")
+        self._state = "configuring"
         try:
             self._engine = EngineLink(self, self.telemetry, self._on_engine_lost, self._on_engine_restarted)
-            info = self._engine.start()
+            info = self._engine.start(self._configuring, self._while_configuring)
+            self._configuring(SUBSCRIBING)
             offset_s = s.history_offset_s or info.history_offset_s
             self._inputs = Inputs(self, self._engine.process, offset_s, self.telemetry)
         except (EngineError, ValueError, OSError) as error:
@@ -99,9 +137,24 @@ class VLANode(LifecycleNode):
                                f"{offset_s:.3f} s apart ({source})")
         return super().on_configure(state)
 
+    def _configuring(self, stage: str) -> None:
+        """Configure entered `stage`: on /diagnostics at once."""
+        self._configure_stage = stage
+        self.get_logger().debug(f"configuring: {stage}")
+        self._diagnostics.publish()
+
+    def _while_configuring(self) -> None:
+        """Between looks at the engine's start: /diagnostics once a second (configure holds the
+        default callback group, where the diagnostics timer runs), and an end to the wait when the
+        node shuts down (ending the node waits for this callback)."""
+        if not self.context.ok():
+            raise EngineError("the node is shutting down")
+        self._diagnostics.after_tick()
+
     def _fail_configure(self, reason: str) -> TransitionCallbackReturn:
         self.get_logger().error(f"configure failed: {reason}")
         self._configure_error = reason
+        self._state = "unconfigured"
         self._release()
         self._diagnostics.now()
         return TransitionCallbackReturn.FAILURE
@@ -358,8 +411,9 @@ class VLANode(LifecycleNode):
         """/diagnostics: level, message and values."""
         s, faults = self.settings, self.faults.active()
         hold = self._control.state.hold if self._control is not None else "inactive"
-        level, message = summary(self._state, self._configure_error, faults, hold)
-        values = status_pairs(self._state, self._configure_error, faults, hold, self.faults.events)
+        level, message = summary(self._state, self._configure_error, faults, hold, self._configure_stage)
+        values = status_pairs(self._state, self._configure_error, faults, hold, self.faults.events,
+                              self._configure_stage)
         if self._engine is not None:
             values += self._engine.pairs()
         values.append((Key.CONTROL_RATE_HZ, s.control_rate_hz))
@@ -388,7 +442,8 @@ def main(args=None) -> int:
     node = executor = None
     try:
         node = VLANode()
-        executor = SingleThreadedExecutor()
+        # Two threads: one for the default callback group, one for the services answered apart.
+        executor = MultiThreadedExecutor(num_threads=2)
         executor.add_node(node)
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
@@ -408,6 +463,8 @@ def main(args=None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         faulthandler.dump_traceback_later(SHUTDOWN_TIMEOUT_S, exit=True)
+        if executor is not None:     # the callback under way ends first (a configure: within READY_POLL_S)
+            executor.shutdown()
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
