@@ -30,7 +30,7 @@ RATE = 50.0
 
 @pytest.fixture(scope="module")
 def running():
-    node = NodeProcess({"publish_joint_command": True})
+    node = NodeProcess({"publish_joint_command": True, "exit_on_finalize": False})   # finalized, it stays
     h = Harness(node)
     try:
         yield node, h
@@ -124,6 +124,22 @@ def test_configure_again_after_cleanup_and_shutdown(running):
     assert h.state() == "finalized"
     assert not pid_alive(pid)
     node.wait_for_line("shut down from active: engine process ended")
+
+
+def test_after_shutdown_the_process_exits_with_code_0_unless_told_to_stay():
+    """Issue 20: the process kept running finalized, and a launch with it (exit_on_finalize)."""
+    node = NodeProcess({"autostart": True})
+    h = Harness(node)
+    try:
+        d = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "active", 120, "the node to be active", since=0)
+        assert h.transition("shutdown")                  # answered before the process ends
+        node.proc.wait(60)
+    finally:
+        h.close()
+        code = node.stop()                               # joins the output reader
+    assert code == 0, node.output()
+    assert "finalized: exiting (exit_on_finalize)" in node.output()
+    assert not pid_alive(int(d[Key.ENGINE_PID]))
 
 
 def test_failed_load_fails_configure_with_the_reason(tmp_path):

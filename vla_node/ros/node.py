@@ -78,6 +78,7 @@ class VLANode(LifecycleNode):
         self._configure_stage = ""
         self._configure_error = ""
         self._autostart_timer = None
+        self._exit_timer = None
         self._engine: Optional[EngineLink] = None    # configure .. cleanup, across losses of its worker
         self._inputs: Optional[Inputs] = None
         self._outputs: Optional[Outputs] = None
@@ -206,7 +207,16 @@ class VLANode(LifecycleNode):
         self._release()
         self._state = "finalized"
         self.get_logger().info(f"shut down from {state.label}{': engine process ended' if had_engine else ''}")
+        if self.settings.exit_on_finalize:
+            # A timer, so that the process ends after this transition has answered its caller.
+            self._exit_timer = self.create_timer(0.0, self._exit_finalized,
+                                                 clock=Clock(clock_type=ClockType.STEADY_TIME))
         return super().on_shutdown(state)
+
+    def _exit_finalized(self) -> None:
+        self.destroy_timer(self._exit_timer)
+        self.get_logger().info("finalized: exiting (exit_on_finalize)")
+        self.context.try_shutdown()     # spin ends; main releases everything and returns 0
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.get_logger().error(f"error in state {state.label}: releasing the engine")

@@ -76,6 +76,8 @@ SPECS: dict[str, Spec] = {
     # -- start-up --------------------------------------------------------------------------
     "autostart": Spec(False, "configure and activate at start-up instead of waiting for lifecycle transitions",
                       read_only=True),
+    "exit_on_finalize": Spec(True, "after the shutdown transition (finalized) the process exits with code 0, and "
+                                   "a launch with it; false: it stays, finalized, until Ctrl-C", read_only=True),
     # -- engine (a change needs a reload: read-only) ----------------------------------------
     "model_preset": Spec("tiny", "model preset used when no checkpoint is given (vla_node.model.PRESETS)",
                          read_only=True),
@@ -187,6 +189,7 @@ class Settings:
     EngineConfig the engine process is built from, the node's own one by one."""
     engine: EngineConfig
     autostart: bool
+    exit_on_finalize: bool
     random_weights: bool
     engine_mode: str
     engine_threads: int
