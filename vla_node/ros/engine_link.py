@@ -27,9 +27,6 @@ RESTART_POLL_S = 0.1    # how often a restarting engine is checked (on the execu
 # inference the node runs, and short of vla-sim's lockstep timeout (120 s), so that the node's
 # fault, not the simulator's, says what happened.
 FIXED_LATENCY_WAIT_S = 60.0
-# ... looking up this often whether the node is shutting down: the tick runs on an executor thread
-# that Ctrl-C does not interrupt, and ending the node waits for it.
-SHUTDOWN_POLL_S = 0.1
 
 
 class EngineLink:
@@ -111,16 +108,15 @@ class EngineLink:
         """poll() for the answer to `request_id`, which a fixed latency makes due at this tick,
         waiting up to FIXED_LATENCY_WAIT_S (the simulator waits for the tick meanwhile). Answers
         to older requests on the way are dropped: a restarted timeline forgot them, so they are
-        stale. Fault "engine" if the answer does not come; None at once when the node shuts down."""
-        deadline, context = time.monotonic() + FIXED_LATENCY_WAIT_S, self._node.context
-        while self.serving and context.ok() and (left_s := deadline - time.monotonic()) > 0:
-            result = self.poll(min(left_s, SHUTDOWN_POLL_S))
-            if result is not None and result.request_id == request_id:
-                return result
-        if self.serving and context.ok():
+        stale. Fault "engine" if the answer does not come."""
+        deadline = time.monotonic() + FIXED_LATENCY_WAIT_S
+        while (result := self.poll(max(0.0, deadline - time.monotonic()))) is not None:
+            if result.request_id == request_id:
+                break
+        if result is None and self.serving:
             self._node.faults.set("engine", f"no answer from the engine {FIXED_LATENCY_WAIT_S:g} s after the tick "
                                             "fixed_latency_s made it due")
-        return None
+        return result
 
     def reset_stream(self) -> None:
         """A new timeline: the engine's cached frames may carry stamps the new frames will reuse."""

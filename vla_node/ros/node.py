@@ -7,14 +7,14 @@ command and one joint trajectory per action chunk out.
     cleanup     end the engine process (its memory, device memory included, goes with it)
 
 Threads: everything that changes the node (transitions, the control loop, subscriptions, timers,
-parameter changes) runs in the node's default callback group, one callback at a time, as on a
-single thread; the services that only read (the lifecycle state, parameter values and
-descriptors) answer from a second executor thread (ANSWERED_APART), also while a transition
-holds the default group. Configure does: it waits for the engine process to load and warm up (on
-a GPU 20-45 s), and meanwhile `ros2 lifecycle get` and a lifecycle manager's state query say
-`configuring`, and /diagnostics says which stage (published from configure's wait: the
-diagnostics timer is in the default group too). With autostart the node configures once the
-executor spins, not in the constructor.
+parameter changes) runs in the node's default callback group, one callback at a time. The
+executor (executor.TransitionsApartExecutor) runs it all on the spinning thread, except the
+transitions, which run on a thread of their own: configure waits there for the engine process to
+load and warm up (20-45 s on a GPU) while the services that only read (ANSWERED_APART: the
+lifecycle state, parameter values and descriptors; a group of their own) keep answering, so
+`ros2 lifecycle get` and a lifecycle manager's state query say `configuring`. /diagnostics says
+which stage, published from configure's wait (the diagnostics timer is in the default group too).
+With autostart the node configures once the executor spins, not in the constructor.
 
 The control loop runs on the executor at control_rate_hz and never waits for the model: each
 tick publishes one command, takes a finished chunk if the engine has one, and sends the newest
@@ -37,7 +37,7 @@ from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType, JumpThreshold
 from rclpy.duration import Duration
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
@@ -47,6 +47,7 @@ from .control import LATE, NON_FINITE, STALE, ChunkScheduler, SafetyFilter, bloc
 from .diagnostics import Faults, Key, NodeTelemetry, status_pairs, summary
 from .engine_link import EngineLink
 from .engine_process import EngineError
+from .executor import TransitionsApartExecutor
 from .inputs import Inputs
 from .outputs import DiagnosticsPublisher, Outputs
 
@@ -97,6 +98,12 @@ class VLANode(LifecycleNode):
         if self.settings.autostart:   # once the executor spins, so that the services answer meanwhile
             self._autostart_timer = self.create_timer(0.0, self._autostart,
                                                       clock=Clock(clock_type=ClockType.STEADY_TIME))
+
+    def transition_entities(self) -> list:
+        """The entities whose callbacks run lifecycle transitions: the change_state service and,
+        with autostart, its timer (TransitionsApartExecutor runs them on a thread of their own)."""
+        services = [s for s in self.services if s.srv_name.rsplit("/", 1)[-1] == "change_state"]
+        return services + ([self._autostart_timer] if self._autostart_timer is not None else [])
 
     def _answer_apart(self, names: tuple[str, ...]) -> None:
         """Move rclpy's services of these names into a callback group of their own."""
@@ -452,8 +459,7 @@ def main(args=None) -> int:
     node = executor = None
     try:
         node = VLANode()
-        # Two threads: one for the default callback group, one for the services answered apart.
-        executor = MultiThreadedExecutor(num_threads=2)
+        executor = TransitionsApartExecutor(node.transition_entities())
         executor.add_node(node)
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
@@ -473,7 +479,7 @@ def main(args=None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         faulthandler.dump_traceback_later(SHUTDOWN_TIMEOUT_S, exit=True)
-        if executor is not None:     # the callback under way ends first (a configure: within READY_POLL_S)
+        if executor is not None:     # a transition under way ends first (a configure: within READY_POLL_S)
             executor.shutdown()
         if node is not None:
             node.destroy_node()
