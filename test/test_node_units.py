@@ -10,7 +10,7 @@ from sensor_msgs.msg import CompressedImage, Image
 
 from vla_node.ros import messages, params
 from vla_node.ros.control import Plan, SafetyFilter
-from vla_node.ros.diagnostics import LOG_BURST, Faults
+from vla_node.ros.diagnostics import LOG_BURST, Faults, duration_in_words
 from vla_node.ros.frames import FrameRing, Window
 from vla_node.runtime import images
 from vla_node.runtime.windows import InputError, StampStep, Wait, WindowSpec
@@ -249,6 +249,25 @@ def test_a_wrong_type_gets_the_same_sentence_at_start_up_and_at_run_time(ros_con
         node.destroy_node()
 
 
+@pytest.mark.parametrize("publishers, lost, raw, hint", [
+    (0, False, True, "; nothing publishes on /cam"),
+    (1, False, True, ""),                       # not sent yet, or a gap: nothing to blame on the transport
+    (1, True, False, "; /cam has a publisher, but its messages are lost on the way"),
+    (1, True, True, "; /cam has a publisher, but its messages are lost on the way: Fast DDS's default transports drop "
+                    "raw frames this large, start the camera publisher with FASTDDS_DEFAULT_PROFILES_FILE="),
+])
+def test_a_silent_input_blames_the_transport_only_for_messages_lost_since_its_newest(publishers, lost, raw, hint):
+    from vla_node.ros.inputs import silence_hint
+    text = silence_hint("/cam", publishers, lost, raw)
+    assert text.startswith(hint) and bool(text) == bool(hint)
+
+
+@pytest.mark.parametrize("seconds, words", [(0.001, "1 ms"), (0.0004, "0.4 ms"), (0.25, "250 ms"), (1.0, "1.000 s"),
+                                            (9.995, "9.995 s")])
+def test_steps_shorter_than_a_second_are_given_in_milliseconds(seconds, words):
+    assert duration_in_words(seconds) == words
+
+
 # -- the frame buffer -------------------------------------------------------------------------------
 def ring(keep=8, cameras=("a", "b"), slop_ns=10):
     """Frames 1000 ns apart in the tests: the history frame is 3 frames back."""
@@ -419,3 +438,19 @@ def test_a_flapping_source_logs_and_announces_a_few_changes_then_a_summary():
     faults.clear("joint_states")
     assert records[-1].getMessage() == "resolved: joint_states: lacks joints ['panda_gripper']"
     assert len(records) == len(changes) == LOG_BURST + 2
+
+
+def test_a_flapping_sources_last_changes_reach_the_log_when_the_node_releases_its_inputs():
+    records = []
+    logger = logging.getLogger("test_flapping_release")
+    logger.addHandler(type("Collect", (logging.Handler,), {"emit": lambda self, r: records.append(r)})())
+    logger.setLevel(logging.INFO)
+    faults = Faults(logger, on_change=lambda: None, clock=lambda: 0.0)
+    for k in range(LOG_BURST + 5):         # all within one window: the last 5 only counted
+        if k % 2:
+            faults.clear("sync")
+        else:
+            faults.set("sync", "frames out of step")
+    faults.reset()                         # cleanup, shutdown, exit: before the window passed
+    assert records[-1].getMessage() == "holding: sync: frames out of step (after 5 changes not logged one by one)"
+    assert not faults.active()

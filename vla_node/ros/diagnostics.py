@@ -15,6 +15,11 @@ LOG_BURST = 10
 LOG_WINDOW_S = 10.0   # ... in this many seconds; flush() sums up the rest once the window allows
 
 
+def duration_in_words(seconds: float) -> str:
+    """"1 ms", "250 ms", "1.500 s": a step of a millisecond is not "0.000 s"."""
+    return f"{seconds * 1e3:.3g} ms" if abs(seconds) < 1.0 else f"{seconds:.3f} s"
+
+
 class Faults:
     """Active hold causes, by source ("camera 'exo'", "joint_states", "estop", ...).
 
@@ -70,16 +75,16 @@ class Faults:
         self._quiet[source] += 1
         return None
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
         """Log where each flapping source stands now, with how many changes went unlogged, once
-        its window allows a line again (the node calls this every second)."""
+        its window allows a line again (the node calls this every second), or at once if `final`."""
         lines = []
         with self._lock:
             for source in list(self._quiet):
                 times, now = self._logged[source], self._clock()
                 while times and now - times[0] > LOG_WINDOW_S:
                     times.popleft()
-                if len(times) >= LOG_BURST:
+                if len(times) >= LOG_BURST and not final:
                     continue
                 times.append(now)
                 state = "holding" if source in self._active else "resolved"
@@ -91,7 +96,9 @@ class Faults:
             self._on_change()
 
     def reset(self) -> None:
-        """Forget every cause without a word: the inputs they came from are gone (cleanup)."""
+        """Forget every cause: the inputs they came from are gone (cleanup). The standing of a
+        flapping source is logged first: its last changes would otherwise never reach the log."""
+        self.flush(final=True)
         with self._lock:
             self._active.clear()
             self._quiet.clear()

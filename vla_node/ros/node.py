@@ -44,7 +44,7 @@ from rclpy.parameter import Parameter
 from ..runtime.windows import Wait
 from . import params
 from .control import LATE, NON_FINITE, STALE, ChunkScheduler, SafetyFilter, blocking_cause, may_send
-from .diagnostics import Faults, Key, NodeTelemetry, status_pairs, summary
+from .diagnostics import Faults, Key, NodeTelemetry, duration_in_words, status_pairs, summary
 from .engine_link import EngineLink
 from .engine_process import EngineError
 from .executor import TransitionsApartExecutor
@@ -374,7 +374,7 @@ class VLANode(LifecycleNode):
         # goes out at once, as after an activation, so an episode runs the same whatever the last
         # one left in flight (the engine answers that one first: stale, dropped).
         self._control.reset()
-        self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "
+        self.faults.set("clock", f"clock jumped back by {duration_in_words(-jump.delta.nanoseconds / 1e9)}; "
                                  f"inputs and plan discarded")
 
     # -- a lost engine (engine_link.EngineLink restarts it) ------------------------------------
