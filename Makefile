@@ -17,7 +17,7 @@ $(STAMP): requirements.txt setup.py
 demo: $(STAMP)
 	$(VENV)/bin/vla-demo
 
-PYTEST_SUITE := -q -rs --timeout=600 test
+PYTEST_SUITE := -q -rs test
 LOAD ?= 3
 
 test: $(STAMP)

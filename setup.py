@@ -27,8 +27,7 @@ setup(
     license="Apache-2.0",
     entry_points={
         "console_scripts": [
-            # `ros2 run vla_node vla_node` and plain-pip `vla-node` start the same node.
-            "vla_node = vla_node.ros.node:main",
+            # One name per tool, the same for pip (on PATH) and colcon (`ros2 run vla_node vla-node`).
             "vla-node = vla_node.ros.node:main",
             "vla-bench = vla_node.tools.bench:main",
             "vla-replay = vla_node.tools.replay:main",
@@ -37,6 +36,7 @@ setup(
             "vla-convert = vla_node.model.convert:main",
             "vla-sim = vla_node.sim.cli:main",
             "vla-soak = vla_node.tools.soak:main",
+            "vla-train = vla_node.tools.train:main",
         ],
     },
 )

@@ -6,15 +6,22 @@
         namespace:=robot1 use_sim_time:=true log_level:=debug
 
 autostart:=true sets the node's `autostart` parameter: the node configures and activates itself
-once, at start (a failed configure stays unconfigured, with the reason in the log and on
+once, as soon as it spins (a failed configure stays unconfigured, with the reason in the log and on
 /diagnostics). This file sends no lifecycle transitions, so later ones (a manager's, or
-`ros2 lifecycle set`) are never answered with one of its own. The launch ends when the node exits
-(e.g. on start-up parameters it refuses). Input topics are relative, so `namespace:=robot1` moves
-the inputs (/robot1/joint_states, ...) and the outputs (/robot1/vla_node/...) alike.
+`ros2 lifecycle set`) are never answered with one of its own. Input topics are relative, so
+`namespace:=robot1` moves the inputs (/robot1/joint_states, ...) and the outputs
+(/robot1/vla_node/...) alike.
+
+The launch ends when the node exits: after the shutdown transition (exit_on_finalize), on Ctrl-C,
+or when it cannot start. `ros2 launch` then exits 0 if the node did, else 1 (launch returns 1 when
+an action raises, and the exit handler raises for a non-zero exit code); a params_file that is not
+a file stops it at once with 1 (launch_ros would only warn and start the node on its built-in
+defaults).
 """
+from pathlib import Path
+
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction, Shutdown
-from launch.condition import Condition
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch_ros.actions import LifecycleNode
 from launch_ros.parameter_descriptions import ParameterValue
@@ -22,6 +29,10 @@ from launch_ros.substitutions import FindPackageShare
 
 
 def _node(context):
+    params_file = LaunchConfiguration("params_file").perform(context)
+    if not Path(params_file).is_file():
+        raise RuntimeError(f"params_file {params_file!r} is not a file: give the path of a parameters YAML, e.g. "
+                           "$(ros2 pkg prefix vla_node)/share/vla_node/config/tiny.yaml")
     overrides = {"autostart": ParameterValue(LaunchConfiguration("autostart"), value_type=bool),
                  "use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool)}
     # An empty model_preset or checkpoint keeps the params file's.
@@ -29,14 +40,21 @@ def _node(context):
         if LaunchConfiguration(name).perform(context):
             overrides[name] = LaunchConfiguration(name)
     return [LifecycleNode(
-        package="vla_node", executable="vla_node", name="vla_node",
+        package="vla_node", executable="vla-node", name="vla_node",
         namespace=LaunchConfiguration("namespace"),
-        parameters=[LaunchConfiguration("params_file"), overrides],
+        parameters=[params_file, overrides],
         ros_arguments=["--log-level", LaunchConfiguration("log_level")],
-        output="screen", emulate_tty=True,
-        # The node exits only when told to or when it cannot run: either way this launch is done
-        # (unless it is ending already: a second shutdown makes launch_ros raise).
-        on_exit=[Shutdown(reason="vla_node exited", condition=Condition(predicate=lambda c: not c.is_shutdown))])]
+        output="screen", emulate_tty=True, on_exit=_on_node_exit)]
+
+
+def _on_node_exit(event, context):
+    """The node exits only when told to or when it cannot run: either way this launch is done, and
+    failed if the node did."""
+    if event.returncode != 0:
+        raise RuntimeError(f"vla_node exited with code {event.returncode} (its log above says why)")
+    if not context.is_shutdown:     # ending already: a second shutdown makes launch_ros raise
+        return [Shutdown(reason="vla_node exited")]
+    return None
 
 
 def generate_launch_description():

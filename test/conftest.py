@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from vla_node.tools.node_process import (
+    claim_ros_domain,
     dds_shm_files,
     processes_with_env,
     remove_dead_dds_shm,
-    ros_domain,
     ros_environment,
 )
 
@@ -58,13 +58,13 @@ def own_compile_worker(pid: int) -> bool:
 @pytest.fixture(scope="module", autouse=True)
 def own_ros_domain_and_nothing_left_behind(request):
     """Each test module gets a ROS domain of its own, so nothing it starts hears another module's
-    nodes, publishers or /clock. Afterwards nothing it started still runs (every process it
-    started carries VLA_TEST_MODULE in its environment, however deep) and the Fast DDS shared
-    memory its processes left (killed ones leave theirs) is removed."""
+    nodes, publishers or /clock: one from VLA_TEST_DOMAINS (e.g. 40-60) if set, never the
+    ROS_DOMAIN_ID the suite was started with, and none that another test run on this machine holds
+    (claim_ros_domain). Afterwards nothing it started still runs (every process it started carries
+    VLA_TEST_MODULE in its environment, however deep) and the Fast DDS shared memory its processes
+    left (killed ones leave theirs) is removed."""
     saved = {name: os.environ.get(name) for name in ROS_VARIABLES}
-    domain = ros_domain()
-    while domain == _last_domain[0]:
-        domain = ros_domain()
+    domain, claim = claim_ros_domain(avoid=_last_domain[0])
     _last_domain[0] = domain
     marker = f"{os.getpid()}:{request.module.__name__}"
     os.environ.update(VLA_TEST_DOMAIN=domain, VLA_TEST_MODULE=marker)
@@ -83,4 +83,5 @@ def own_ros_domain_and_nothing_left_behind(request):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     remove_dead_dds_shm(dds_shm_files() - shm_before)
+    claim.close()
     assert not left, f"{request.module.__name__} left processes running: {left} (killed now)"

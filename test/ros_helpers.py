@@ -63,14 +63,14 @@ class NodeProcess:
     never talks to another test's node."""
 
     def __init__(self, overrides: Optional[dict] = None, params_file: Path = TINY_YAML, ros_args: tuple = (),
-                 namespace: Optional[str] = None):
+                 namespace: Optional[str] = None, env: Optional[dict] = None):
         self.namespace = namespace or f"/t{os.getpid()}_{next(_counter)}"
         self.name = f"{self.namespace}/vla_node"
         self.command = node_argv(params_file, overrides, ["-r", f"__ns:={self.namespace}", *ros_args])
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=ros_env(), start_new_session=True)
+                                     env={**ros_env(), **(env or {})}, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

@@ -1,11 +1,14 @@
 """launch/molmobot.launch.py under launch_pytest, as a user runs it: with autostart (the default)
 the node configures and activates itself and commands; with autostart:=false every transition is
 left to a lifecycle manager, and the launch file never answers one with its own; two namespaced
-launches serve two robots side by side; a node that refuses its parameters ends the launch.
+launches serve two robots side by side; while the node configures, it answers `configuring`;
+the launch ends with the node: with exit code 0 after the shutdown transition, with 1 when the
+node refuses its parameters or the params file does not exist.
 
 launch_pytest comes with a ROS 2 install (the package built with colcon, so that launch_ros
 finds `vla_node` in the ament index); where it is not importable these tests are skipped.
 """
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,11 +19,12 @@ import pytest
 launch_pytest = pytest.importorskip("launch_pytest", reason="launch_pytest is not installed (it comes with a "
                                                             "ROS 2 install; pip cannot provide it)")
 
-from launch.actions import IncludeLaunchDescription  # noqa: E402
+from launch.actions import IncludeLaunchDescription, SetEnvironmentVariable  # noqa: E402
 from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
 
 from launch import LaunchDescription, LaunchService  # noqa: E402
 from ros_helpers import HOME, JOINTS, ros_env  # noqa: E402
+from vla_node.ros.engine_process import WARMUP_GATE_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_FILE = ROOT / "launch" / "molmobot.launch.py"
@@ -158,12 +162,63 @@ def test_two_namespaced_launches_serve_two_robots(probe):
     assert not any(np.allclose(c, HOME) for c in probe.commands["robot2"])
 
 
-def test_a_node_that_refuses_its_parameters_ends_the_launch(tmp_path):
+WARMUP_GATE = Path(tempfile.mkdtemp()) / "warm-up gate"   # the node's engine warms up once this exists
+
+
+@launch_pytest.fixture
+def slow_configure():
+    ros_env()
+    return LaunchDescription([SetEnvironmentVariable(WARMUP_GATE_ENV, str(WARMUP_GATE)), include("slow"),
+                              launch_pytest.actions.ReadyToTest()])
+
+
+@pytest.mark.launch(fixture=slow_configure)
+def test_while_the_node_configures_it_answers_configuring_and_its_parameters(probe):
+    from rcl_interfaces.srv import GetParameters
+
+    deadline = time.monotonic() + 120
+    while (state := probe.state("slow")) != "configuring":      # unconfigured until the executor spins
+        assert state == "unconfigured" and time.monotonic() < deadline, state
+        time.sleep(0.1)
+    answered_s = []
+    for _ in range(5):
+        start = time.monotonic()
+        assert probe.state("slow") == "configuring"
+        answered_s.append(time.monotonic() - start)
+    values = probe.call(GetParameters, "/slow/vla_node/get_parameters", GetParameters.Request(names=["autostart"]))
+    assert values.values[0].bool_value
+    assert np.median(answered_s) < 1.0, answered_s
+    WARMUP_GATE.touch()
+    probe.wait_active("slow")
+
+
+def run_launch(**arguments) -> int:
+    """`ros2 launch vla_node molmobot.launch.py ARGUMENTS` in this process: its exit code."""
+    service = LaunchService()
+    service.include_launch_description(LaunchDescription([include("exit", **arguments)]))
+    return service.run()
+
+
+def test_a_node_that_refuses_its_parameters_ends_the_launch_with_exit_code_1(tmp_path):
     ros_env()
     params = tmp_path / "robot.yaml"
     params.write_text(TINY.read_text().replace("control_rate_hz: 50.0", "control_rate_hz: 15"))
-    service = LaunchService()
-    service.include_launch_description(LaunchDescription([include("refused", params_file=str(params))]))
-    started = time.monotonic()
-    assert service.run() == 0                          # returns: the launch did not keep running
-    assert time.monotonic() - started < 120            # the node's start-up and exit, ~5 s idle
+    assert run_launch(params_file=str(params)) == 1    # returns: the launch did not keep running, and failed
+
+
+def test_a_params_file_that_does_not_exist_stops_the_launch_with_exit_code_1(tmp_path):
+    ros_env()
+    assert run_launch(params_file=str(tmp_path / "my_robto.yaml")) == 1
+
+
+def test_after_the_shutdown_transition_the_launch_ends_with_exit_code_0(probe):
+    ros_env()
+
+    def shut_down() -> None:
+        probe.wait_active("exit")
+        assert probe.transition("exit", "shutdown")
+
+    robot = threading.Thread(target=shut_down, daemon=True)
+    robot.start()
+    assert run_launch() == 0          # launch runs in the main thread (its signal handling needs it)
+    robot.join(60)

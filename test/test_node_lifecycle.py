@@ -4,6 +4,7 @@ import time
 
 import numpy as np
 import pytest
+from rcl_interfaces.srv import DescribeParameters
 
 from ros_helpers import (
     HOME,
@@ -18,6 +19,8 @@ from ros_helpers import (
     stamp_ns,
 )
 from vla_node.ros.diagnostics import Key
+from vla_node.ros.engine_process import LOADING, STARTING, WARMING_UP, WARMUP_GATE_ENV
+from vla_node.ros.node import SUBSCRIBING
 from vla_node.tools.node_process import dds_shm_of, dead_dds_shm
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,7 +30,7 @@ RATE = 50.0
 
 @pytest.fixture(scope="module")
 def running():
-    node = NodeProcess({"publish_joint_command": True})
+    node = NodeProcess({"publish_joint_command": True, "exit_on_finalize": False})   # finalized, it stays
     h = Harness(node)
     try:
         yield node, h
@@ -123,6 +126,22 @@ def test_configure_again_after_cleanup_and_shutdown(running):
     node.wait_for_line("shut down from active: engine process ended")
 
 
+def test_after_shutdown_the_process_exits_with_code_0_unless_told_to_stay():
+    """Issue 20: the process kept running finalized, and a launch with it (exit_on_finalize)."""
+    node = NodeProcess({"autostart": True})
+    h = Harness(node)
+    try:
+        d = h.wait_diagnostics(lambda d: d.get(Key.STATE) == "active", 120, "the node to be active", since=0)
+        assert h.transition("shutdown")                  # answered before the process ends
+        node.proc.wait(60)
+    finally:
+        h.close()
+        code = node.stop()                               # joins the output reader
+    assert code == 0, node.output()
+    assert "finalized: exiting (exit_on_finalize)" in node.output()
+    assert not pid_alive(int(d[Key.ENGINE_PID]))
+
+
 def test_failed_load_fails_configure_with_the_reason(tmp_path):
     node = NodeProcess({"checkpoint": str(tmp_path / "missing")})
     h = Harness(node)
@@ -154,3 +173,34 @@ def test_ctrl_c_ends_the_node_and_its_engine_process_and_leaves_no_shared_memory
         node.stop_cleanly()
     assert not pid_alive(pid)
     assert not dead_dds_shm(mapped), "the node's DDS participant was never destroyed"
+
+
+def test_while_configure_waits_for_the_engine_the_node_answers_and_says_which_stage(tmp_path):
+    """Issue 20: autostart configured in the constructor, before the node spun, so nothing answered
+    until the model was warm (20-45 s on a GPU). The engine here waits at its warm-up until the
+    test opens the gate: configure is under way for as long as the test looks."""
+    gate = tmp_path / "warm-up gate"
+    node = NodeProcess({"autostart": True}, env={WARMUP_GATE_ENV: str(gate)})
+    h = Harness(node)
+    try:
+        h.wait_diagnostics(lambda d: d.get(Key.CONFIGURE_STAGE) == WARMING_UP, 120, "the warm-up stage", since=0)
+        answered_s = []
+        for _ in range(5):
+            start = time.monotonic()
+            assert h.state() == "configuring"
+            answered_s.append(time.monotonic() - start)
+        assert h.get_parameter("control_rate_hz") == 50.0                       # parameter services too
+        described = h.call(h.describe_params, DescribeParameters.Request(names=["control_rate_hz"])).descriptors
+        assert described[0].floating_point_range[0].to_value == 1000.0
+        assert np.median(answered_s) < 1.0, answered_s
+        gate.touch()
+        h.wait_diagnostics(lambda d: d.get(Key.STATE) == "active", 120, "the node to be active")
+        assert h.state() == "active"
+    finally:
+        h.close()
+        node.stop_cleanly()
+    stages = [d[Key.CONFIGURE_STAGE] for d in h.diagnostics_since(0) if Key.CONFIGURE_STAGE in d]
+    order = [STARTING, LOADING, WARMING_UP, SUBSCRIBING]
+    assert [s for s in order if s in stages] == list(dict.fromkeys(stages)), stages   # in order, none unknown
+    assert f"configuring: {WARMING_UP}" in {d["_message"] for d in h.diagnostics_since(0)}
+    print(f"get_state during configure answered in {', '.join(f'{s * 1e3:.1f}' for s in answered_s)} ms")

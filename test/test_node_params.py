@@ -48,7 +48,8 @@ def test_parameters_are_described_with_ranges_and_read_only_flags(node):
 
 @pytest.mark.parametrize("name, value, reason", [
     ("control_rate_hz", 5000.0, ""),                          # out of the descriptor's range (rclpy's words)
-    ("control_rate_hz", "fast", ""),                          # wrong type
+    ("control_rate_hz", "fast", "control_rate_hz must be a double"),     # wrong type: start-up's sentence
+    ("control_rate_hz", 30, "control_rate_hz must be a double, written with a decimal point (15.0, not 15)"),
     ("replan_threshold", 17, "exceeds the model's horizon 16"),
     ("handover", "blend", "handover must be one of"),
     ("joint_lower_limits", [5.0] * 8, "below joint_upper_limits"),

@@ -10,7 +10,7 @@ from sensor_msgs.msg import CompressedImage, Image
 
 from vla_node.ros import messages, params
 from vla_node.ros.control import Plan, SafetyFilter
-from vla_node.ros.diagnostics import LOG_BURST, Faults
+from vla_node.ros.diagnostics import LOG_BURST, Faults, duration_in_words
 from vla_node.ros.frames import FrameRing, Window
 from vla_node.runtime import images
 from vla_node.runtime.windows import InputError, StampStep, Wait, WindowSpec
@@ -208,6 +208,66 @@ def test_invalid_values_are_rejected_with_a_reason(change, match):
         params.validate(values, horizon=16)
 
 
+@pytest.fixture
+def ros_context():
+    import rclpy
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    yield context
+    context.try_shutdown()
+
+
+def test_a_wrong_type_gets_the_same_sentence_at_start_up_and_at_run_time(ros_context):
+    """rclpy's own words at run time were "Wrong parameter type, expected '3' got '2'"."""
+    from rclpy.parameter import Parameter
+
+    from vla_node.ros.node import VLANode
+
+    sentence = "control_rate_hz must be a double, written with a decimal point (15.0, not 15)"
+    with pytest.raises(params.SettingsError) as refused:
+        VLANode("typed_at_start", context=ros_context, parameter_overrides=[Parameter("control_rate_hz", value=15)])
+    assert str(refused.value) == sentence
+    node = VLANode("typed_at_run_time", context=ros_context)
+    try:
+        for name, value, reason in [("control_rate_hz", 30, sentence),
+                                    ("joint_lower_limits", [0] * 8, "joint_lower_limits must be a list of doubles"),
+                                    ("replan_threshold", 8.0, "replan_threshold must be an integer"),
+                                    ("handover", 1, "handover must be a string"),
+                                    ("wait_for_history", "yes", "wait_for_history must be true or false"),
+                                    ("model_preset", 3, "Trying to set a read-only parameter")]:
+            before = node.get_parameter(name).value
+            result = node.set_parameters([Parameter(name, value=value)])[0]
+            assert not result.successful and result.reason.startswith(reason), (name, result.reason)
+            assert node.get_parameter(name).value == before
+        together = node.set_parameters_atomically([Parameter("control_rate_hz", value=30),
+                                                   Parameter("blend_steps", value=2)])
+        assert not together.successful and together.reason == sentence
+        assert node.get_parameter("blend_steps").value == 4
+        assert node.set_parameters([Parameter("control_rate_hz", value=30.0)])[0].successful
+        assert node.settings.control_rate_hz == 30.0
+    finally:
+        node.destroy_node()
+
+
+@pytest.mark.parametrize("publishers, lost, raw, hint", [
+    (0, False, True, "; nothing publishes on /cam"),
+    (1, False, True, ""),                       # not sent yet, or a gap: nothing to blame on the transport
+    (1, True, False, "; /cam has a publisher, but its messages are lost on the way"),
+    (1, True, True, "; /cam has a publisher, but its messages are lost on the way: Fast DDS's default transports drop "
+                    "raw frames this large, start the camera publisher with FASTDDS_DEFAULT_PROFILES_FILE="),
+])
+def test_a_silent_input_blames_the_transport_only_for_messages_lost_since_its_newest(publishers, lost, raw, hint):
+    from vla_node.ros.inputs import silence_hint
+    text = silence_hint("/cam", publishers, lost, raw)
+    assert text.startswith(hint) and bool(text) == bool(hint)
+
+
+@pytest.mark.parametrize("seconds, words", [(0.001, "1 ms"), (0.0004, "0.4 ms"), (0.25, "250 ms"), (1.0, "1.000 s"),
+                                            (9.995, "9.995 s")])
+def test_steps_shorter_than_a_second_are_given_in_milliseconds(seconds, words):
+    assert duration_in_words(seconds) == words
+
+
 # -- the frame buffer -------------------------------------------------------------------------------
 def ring(keep=8, cameras=("a", "b"), slop_ns=10):
     """Frames 1000 ns apart in the tests: the history frame is 3 frames back."""
@@ -378,3 +438,19 @@ def test_a_flapping_source_logs_and_announces_a_few_changes_then_a_summary():
     faults.clear("joint_states")
     assert records[-1].getMessage() == "resolved: joint_states: lacks joints ['panda_gripper']"
     assert len(records) == len(changes) == LOG_BURST + 2
+
+
+def test_a_flapping_sources_last_changes_reach_the_log_when_the_node_releases_its_inputs():
+    records = []
+    logger = logging.getLogger("test_flapping_release")
+    logger.addHandler(type("Collect", (logging.Handler,), {"emit": lambda self, r: records.append(r)})())
+    logger.setLevel(logging.INFO)
+    faults = Faults(logger, on_change=lambda: None, clock=lambda: 0.0)
+    for k in range(LOG_BURST + 5):         # all within one window: the last 5 only counted
+        if k % 2:
+            faults.clear("sync")
+        else:
+            faults.set("sync", "frames out of step")
+    faults.reset()                         # cleanup, shutdown, exit: before the window passed
+    assert records[-1].getMessage() == "holding: sync: frames out of step (after 5 changes not logged one by one)"
+    assert not faults.active()

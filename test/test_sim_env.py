@@ -3,8 +3,12 @@ the cube over, and a recorded episode reads back through bag_io as the node woul
 import numpy as np
 import pytest
 
-from vla_node.runtime import WindowLayout
-from vla_node.sim.aloha import (
+from optional import require_simulator
+
+require_simulator()
+
+from vla_node.runtime import WindowLayout  # noqa: E402
+from vla_node.sim.aloha import (  # noqa: E402
     CONTROL_PERIOD_NS,
     EPISODE_START_NS,
     INSTRUCTION,
@@ -13,9 +17,9 @@ from vla_node.sim.aloha import (
     RenderConfig,
     TransferCube,
 )
-from vla_node.sim.expert import expert_episode, expert_trajectory
-from vla_node.sim.record import RecordConfig, camera_topic, record_episode
-from vla_node.tools.bag_io import (
+from vla_node.sim.expert import expert_episode, expert_trajectory  # noqa: E402
+from vla_node.sim.record import RecordConfig, camera_topic, record_episode  # noqa: E402
+from vla_node.tools.bag_io import (  # noqa: E402
     COMPRESSED_IMAGE,
     DEMO_COMMAND_TOPIC,
     INSTRUCTION_TOPIC,

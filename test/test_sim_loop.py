@@ -7,11 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from vla_node.runtime import ActionChunk, Observation
-from vla_node.sim.aloha import CONTROL_PERIOD_NS, EPISODE_START_NS, RenderConfig, TransferCube
-from vla_node.sim.cli import DEFAULT_PARAMS, main
-from vla_node.sim.closed_loop import ClosedLoop, ControlSettings, wilson_interval
-from vla_node.sim.expert import expert_trajectory
+from optional import require_simulator
+
+require_simulator()
+
+from vla_node.runtime import ActionChunk, Observation  # noqa: E402
+from vla_node.sim.aloha import CONTROL_PERIOD_NS, EPISODE_START_NS, RenderConfig, TransferCube  # noqa: E402
+from vla_node.sim.cli import DEFAULT_PARAMS, main  # noqa: E402
+from vla_node.sim.closed_loop import ClosedLoop, ControlSettings, wilson_interval  # noqa: E402
+from vla_node.sim.expert import expert_trajectory  # noqa: E402
 
 HORIZON = 16
 

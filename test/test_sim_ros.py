@@ -14,12 +14,16 @@ import pytest
 import torch
 import yaml
 
-from ros_helpers import ROOT, NodeProcess, busy_loops, ros_env
-from test_sim_loop import random_sim_checkpoint
-from vla_node.ros import params
-from vla_node.runtime import PolicyEngine
-from vla_node.sim.aloha import RenderConfig, TransferCube
-from vla_node.sim.closed_loop import ClosedLoop, ControlSettings
+from optional import require_simulator
+
+require_simulator()
+
+from ros_helpers import ROOT, NodeProcess, busy_loops, ros_env  # noqa: E402
+from test_sim_loop import random_sim_checkpoint  # noqa: E402
+from vla_node.ros import params  # noqa: E402
+from vla_node.runtime import PolicyEngine  # noqa: E402
+from vla_node.sim.aloha import RenderConfig, TransferCube  # noqa: E402
+from vla_node.sim.closed_loop import ClosedLoop, ControlSettings  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

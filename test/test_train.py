@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from optional import require_simulator
 from vla_node.model import build_model, get_preset, init_random_, load_checkpoint
 from vla_node.model.training import FlowTimeSampler, flow_matching_loss
 from vla_node.runtime import EngineConfig, PolicyEngine
-from vla_node.sim.cli import main as sim_main
 from vla_node.tools.train import main as train_main
 
 
@@ -46,6 +46,9 @@ def test_objective_decreases_on_a_fixed_batch():
 
 
 def test_training_run_writes_a_loadable_checkpoint_and_resumes(tmp_path):
+    require_simulator()     # the episodes it trains on come from the simulator
+    from vla_node.sim.cli import main as sim_main
+
     bags, out = tmp_path / "demos", tmp_path / "policy"
     assert sim_main(["record", str(bags), "--episodes", "2", "--workers", "1", "--ticks", "30", "--keep-failures"]) == 0
     common = ["--bags", str(bags), "--params", "config/sim.yaml", "--preset", "sim", "--out", str(out), "--batch", "2",

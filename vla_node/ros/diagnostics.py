@@ -15,6 +15,11 @@ LOG_BURST = 10
 LOG_WINDOW_S = 10.0   # ... in this many seconds; flush() sums up the rest once the window allows
 
 
+def duration_in_words(seconds: float) -> str:
+    """"1 ms", "250 ms", "1.500 s": a step of a millisecond is not "0.000 s"."""
+    return f"{seconds * 1e3:.3g} ms" if abs(seconds) < 1.0 else f"{seconds:.3f} s"
+
+
 class Faults:
     """Active hold causes, by source ("camera 'exo'", "joint_states", "estop", ...).
 
@@ -70,16 +75,16 @@ class Faults:
         self._quiet[source] += 1
         return None
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
         """Log where each flapping source stands now, with how many changes went unlogged, once
-        its window allows a line again (the node calls this every second)."""
+        its window allows a line again (the node calls this every second), or at once if `final`."""
         lines = []
         with self._lock:
             for source in list(self._quiet):
                 times, now = self._logged[source], self._clock()
                 while times and now - times[0] > LOG_WINDOW_S:
                     times.popleft()
-                if len(times) >= LOG_BURST:
+                if len(times) >= LOG_BURST and not final:
                     continue
                 times.append(now)
                 state = "holding" if source in self._active else "resolved"
@@ -91,7 +96,9 @@ class Faults:
             self._on_change()
 
     def reset(self) -> None:
-        """Forget every cause without a word: the inputs they came from are gone (cleanup)."""
+        """Forget every cause: the inputs they came from are gone (cleanup). The standing of a
+        flapping source is logged first: its last changes would otherwise never reach the log."""
+        self.flush(final=True)
         with self._lock:
             self._active.clear()
             self._quiet.clear()
@@ -156,6 +163,7 @@ class Key:
     FAULTS = "faults"                   # "source: reason; ..." or "none"
     HOLDS_BY_CAUSE = "holds_by_cause"   # "source=count, ..." or "none": how often each fault began
     CONFIGURE_ERROR = "configure_error"
+    CONFIGURE_STAGE = "configure_stage"   # while configuring: engine_process.STARTING, LOADING, ...
     ENGINE = "engine"
     ENGINE_PID = "engine_pid"
     HORIZON = "horizon"
@@ -210,9 +218,13 @@ class Key:
 OK, WARN, ERROR = 0, 1, 2      # diagnostic_msgs/DiagnosticStatus levels
 
 
-def summary(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str]) -> tuple[int, str]:
-    """The node's /diagnostics level and message: a failed configure, the faults, the lifecycle
-    state if not active, the control loop's hold, else "running"."""
+def summary(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str],
+            stage: str = "") -> tuple[int, str]:
+    """The node's /diagnostics level and message: the stage of a configure under way, a failed
+    configure, the faults, the lifecycle state if not active, the control loop's hold, else
+    "running"."""
+    if state == "configuring":
+        return WARN, f"configuring: {stage}"
     if configure_error and state == "unconfigured":
         return ERROR, f"configure failed: {configure_error}"
     if faults:
@@ -225,12 +237,14 @@ def summary(state: str, configure_error: str, faults: dict[str, str], hold: Opti
 
 
 def status_pairs(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str],
-                 events: Counter) -> list[tuple[str, object]]:
+                 events: Counter, stage: str = "") -> list[tuple[str, object]]:
     """/diagnostics values of summary()'s inputs; `events`: how often each fault source began
     (Faults.events)."""
     values = [(Key.STATE, state), (Key.HOLD, hold or "no"),
               (Key.FAULTS, "; ".join(f"{k}: {v}" for k, v in sorted(faults.items())) or "none"),
               (Key.HOLDS_BY_CAUSE, ", ".join(f"{k}={n}" for k, n in sorted(events.items())) or "none")]
+    if state == "configuring":
+        values.append((Key.CONFIGURE_STAGE, stage))
     if configure_error:
         values.append((Key.CONFIGURE_ERROR, configure_error))
     return values

@@ -42,11 +42,12 @@ class EngineLink:
         self.info: Optional[EngineInfo] = None    # the last worker's; kept while it is lost
         self._restart_timer = None
 
-    def start(self) -> EngineInfo:
+    def start(self, stage: Callable[[str], None], waiting: Callable[[], None]) -> EngineInfo:
         """Start the worker and wait until it is warm (configure), and check that its model fits
-        the parameters. Raises EngineError, or ValueError naming the parameter."""
+        the parameters; `stage` and `waiting` as EngineProcess.start's. Raises EngineError, or
+        ValueError naming the parameter."""
         node, s = self._node, self._node.settings
-        self.info = info = self.process.start(s.engine_start_timeout_s, node.get_logger().info)
+        self.info = info = self.process.start(s.engine_start_timeout_s, node.get_logger().info, stage, waiting)
         if info.state_dim != len(s.joint_names) or info.action_dim != len(s.joint_names):
             raise ValueError(f"the model has state_dim {info.state_dim} and action_dim {info.action_dim}, "
                              f"joint_names has {len(s.joint_names)} joints")

@@ -38,6 +38,15 @@ from ..runtime.types import EngineConfig
 # there 20 s after Ctrl-C).
 STOP_GRACE_S = 2.0
 KILLED_EXIT_S = 5.0   # a killed process is gone within milliseconds; this only bounds the wait
+READY_POLL_S = 0.5    # start(): how often the wait for "ready" looks up (waiting() runs between)
+
+# The stages of an engine's start, as /diagnostics reports them during configure.
+STARTING = "starting the engine process"
+LOADING = "loading weights"
+WARMING_UP = "warming up (compiling and capturing, as engine_mode asks)"
+# Tests: a worker whose environment names a file here waits for the file to exist before warming up,
+# so that a test can look at the node while it configures for as long as it needs.
+WARMUP_GATE_ENV = "VLA_NODE_TEST_WARMUP_GATE"
 
 
 class EngineError(RuntimeError):
@@ -99,12 +108,17 @@ class EngineProcess:
         self.restart_due: Optional[float] = None   # time.monotonic() of the next start; None: none planned
         self.restart_attempt = 0
 
-    def start(self, timeout_s: float, progress: Callable[[str], None]) -> EngineInfo:
-        """Spawn the worker and wait until the engine is loaded and warm. Raises EngineError
-        with the worker's reason (a bad checkpoint, an unknown mode, ...)."""
+    def start(self, timeout_s: float, progress: Callable[[str], None], stage: Callable[[str], None],
+              waiting: Callable[[], None]) -> EngineInfo:
+        """Spawn the worker and wait until the engine is loaded and warm: its progress lines go to
+        `progress`, each stage it enters (STARTING, LOADING, WARMING_UP) to `stage`, and `waiting`
+        runs at least every READY_POLL_S meanwhile (it may end the wait by raising). Raises
+        EngineError with the worker's reason (a bad checkpoint, an unknown mode, ...)."""
+        stage(STARTING)
         self.spawn(timeout_s)
-        while (info := self.check_ready(progress)) is None:
-            self._conn.poll(0.5)
+        while (info := self.check_ready(progress, stage)) is None:
+            waiting()
+            self._conn.poll(READY_POLL_S)
         return info
 
     def spawn(self, timeout_s: float) -> None:
@@ -119,15 +133,18 @@ class EngineProcess:
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
 
-    def check_ready(self, progress: Callable[[str], None]) -> Optional[EngineInfo]:
+    def check_ready(self, progress: Callable[[str], None],
+                    stage: Callable[[str], None] = lambda _: None) -> Optional[EngineInfo]:
         """Without blocking: the engine's description once it is loaded and warm, None while it
-        is starting (its progress messages go to `progress`). Raises EngineError when the worker
-        failed, exited or missed the start timeout."""
+        is starting (its progress messages go to `progress`, the stages it enters to `stage`).
+        Raises EngineError when the worker failed, exited or missed the start timeout."""
         alive = self._process.is_alive()   # before reading: a worker that reports, then exits, is heard
         while self._conn.poll():
             kind, payload = self._receive()
             if kind == "progress":
                 progress(payload)
+            elif kind == "stage":
+                stage(payload)
             elif kind == "error":
                 raise EngineError(payload)
             elif kind == "ready":
@@ -303,7 +320,12 @@ def _load_engine(conn, config: EngineConfig, worker: WorkerOptions):
         torch.set_num_threads(worker.threads)
     from ..runtime import PolicyEngine
 
+    conn.send(("stage", LOADING))
     engine = PolicyEngine(config, progress=lambda message: conn.send(("progress", message)))
+    conn.send(("stage", WARMING_UP))
+    if gate := os.environ.get(WARMUP_GATE_ENV):
+        while not os.path.exists(gate):
+            time.sleep(0.05)
     engine.warmup()
     a = engine.model_cfg.action
     conn.send(("ready", dict(horizon=a.horizon, action_dim=a.action_dim, state_dim=a.state_dim,

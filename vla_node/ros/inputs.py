@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
+from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
 from rclpy.subscription import Subscription
@@ -18,7 +19,7 @@ from std_msgs.msg import Bool, String
 from ..runtime import images
 from ..runtime.windows import InputError, JointStates, StampStep, Wait, WindowSpec, frames_to_keep
 from . import FRAME_TRANSPORT_PROFILE, messages
-from .diagnostics import Key, NodeTelemetry
+from .diagnostics import Key, NodeTelemetry, duration_in_words
 from .engine_process import EngineProcess
 from .frames import FrameRing, Window
 
@@ -80,6 +81,22 @@ class Decoder:
         self._thread.join()
 
 
+def silence_hint(topic: str, publishers: int, lost_since_newest: bool, raw_image: bool) -> str:
+    """What DDS knows of why an input is silent: nothing publishes on it, or messages were lost on
+    their way since its newest one arrived (its subscription's message-lost events). A publisher
+    that has not sent yet (vla-replay live before it plays, a driver starting up) and a gap in a
+    stream are not the transport's doing: nothing is added for them."""
+    if publishers == 0:
+        return f"; nothing publishes on {topic}"
+    if not lost_since_newest:
+        return ""
+    hint = f"; {topic} has a publisher, but its messages are lost on the way"
+    if raw_image:
+        hint += (": Fast DDS's default transports drop raw frames this large, start the camera publisher with "
+                 f"FASTDDS_DEFAULT_PROFILES_FILE={FRAME_TRANSPORT_PROFILE} or use a .../compressed topic")
+    return hint
+
+
 class Inputs:
     """The subscriptions of a configured node and what they feed. Faults go to node.faults by
     source ("camera 'exo'", "joint_states", "instruction", "estop", "sync", "timeline" and
@@ -99,12 +116,15 @@ class Inputs:
         self.timeline_ended = threading.Event()     # an input's stamps stepped back: the control loop resets
         self.decoder = Decoder(self._ingest)
         self._subs: dict[str, Subscription] = {}   # by fault source
+        self._lost_ns: dict[str, int] = {}          # by fault source: when DDS last reported messages lost
         for i, topic in enumerate(s.camera_topics):
             kind = CompressedImage if topic.rstrip("/").endswith("/compressed") else Image
             self._subs[self._camera(i)] = node.create_subscription(
-                kind, topic, lambda m, i=i: self.decoder.push(i, m, node.now_ns()), qos_profile_sensor_data)
+                kind, topic, lambda m, i=i: self.decoder.push(i, m, node.now_ns()), qos_profile_sensor_data,
+                event_callbacks=self._losses(self._camera(i)))
         self._subs["joint_states"] = node.create_subscription(JointState, s.joint_states_topic, self._on_joint_state,
-                                                              qos_profile_sensor_data)
+                                                              qos_profile_sensor_data,
+                                                              event_callbacks=self._losses("joint_states"))
         self._subs["instruction"] = node.create_subscription(String, s.instruction_topic, self._on_instruction, 10)
         self._subs["estop"] = node.create_subscription(Bool, s.estop_topic, self._on_estop, 10)
         self.reset()
@@ -127,6 +147,9 @@ class Inputs:
             self._node.destroy_subscription(sub)
         self._subs = {}
         self.decoder.close()
+
+    def _losses(self, input_source: str) -> SubscriptionEventCallbacks:
+        return SubscriptionEventCallbacks(message_lost=lambda _: self._on_message_lost(input_source))
 
     def _camera(self, camera: int) -> str:
         return f"camera {self._node.settings.camera_names[camera]!r}"
@@ -171,7 +194,10 @@ class Inputs:
         next tick. Observations resume with inputs that all arrived after the step."""
         self.forget()
         self.timeline_ended.set()
-        self._node.faults.set("timeline", f"{step}: inputs and plan discarded, resuming with inputs stamped after it")
+        # StampStep's own words give seconds to 3 places: a 1 ms step read "0.000 s".
+        back = duration_in_words(step.back_ns / 1e9)
+        self._node.faults.set("timeline", f"{step.source} stamps stepped back by {back}: inputs and plan discarded, "
+                                          "resuming with inputs stamped after it")
 
     def forget(self) -> None:
         """Every stored frame and joint state (they are from an old timeline)."""
@@ -224,22 +250,18 @@ class Inputs:
         if received is None:
             received = self._since_ns
         if input_source not in active and now_ns - received > timeout_ns:
+            sub, lost_ns = self._subs[input_source], self._lost_ns.get(input_source)
             faults.set(source, (reason or f"no {input_source} input for more than "
                                           f"{self._node.settings.input_timeout_s:g} s (input_timeout_s)")
-                       + self._silence_hint(input_source))
+                       + silence_hint(sub.topic_name, sub.get_publisher_count(),
+                                      lost_ns is not None and lost_ns > received, sub.msg_type is Image))
         elif source in active and now_ns - received <= timeout_ns:
             faults.clear(source)
 
-    def _silence_hint(self, input_source: str) -> str:
-        """Why a silent input may be silent, from what DDS knows of its publishers."""
-        sub = self._subs[input_source]
-        if sub.get_publisher_count() == 0:
-            return f"; nothing publishes on {sub.topic_name}"
-        hint = f"; {sub.topic_name} has a publisher, but no message arrives"
-        if sub.msg_type is Image:
-            hint += (": Fast DDS's default transports drop raw frames this large, start the camera publisher with "
-                     f"FASTDDS_DEFAULT_PROFILES_FILE={FRAME_TRANSPORT_PROFILE} or use a .../compressed topic")
-        return hint
+    def _on_message_lost(self, input_source: str) -> None:
+        """DDS dropped messages of this input on their way (Fast DDS's default transports do so
+        with large raw frames)."""
+        self._lost_ns[input_source] = self._node.now_ns()
 
     def take_window(self, now_ns: int) -> Window | Wait:
         """The newest complete window (its frames pinned until ring.unpin()), or why there is

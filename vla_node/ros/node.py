@@ -6,6 +6,16 @@ command and one joint trajectory per action chunk out.
     deactivate  stop commanding (a forward command controller holds the last command)
     cleanup     end the engine process (its memory, device memory included, goes with it)
 
+Threads: everything that changes the node (transitions, the control loop, subscriptions, timers,
+parameter changes) runs in the node's default callback group, one callback at a time. The
+executor (executor.TransitionsApartExecutor) runs it all on the spinning thread, except the
+transitions, which run on a thread of their own: configure waits there for the engine process to
+load and warm up (20-45 s on a GPU) while the services that only read (ANSWERED_APART: the
+lifecycle state, parameter values and descriptors; a group of their own) keep answering, so
+`ros2 lifecycle get` and a lifecycle manager's state query say `configuring`. /diagnostics says
+which stage, published from configure's wait (the diagnostics timer is in the default group too).
+With autostart the node configures once the executor spins, not in the constructor.
+
 The control loop runs on the executor at control_rate_hz and never waits for the model: each
 tick publishes one command, takes a finished chunk if the engine has one, and sends the newest
 complete observation when the plan runs low. What to do at each tick is decided by
@@ -24,20 +34,28 @@ from typing import Optional
 
 import rclpy
 from rcl_interfaces.msg import SetParametersResult
+from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType, JumpThreshold
 from rclpy.duration import Duration
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
 from ..runtime.windows import Wait
 from . import params
 from .control import LATE, NON_FINITE, STALE, ChunkScheduler, SafetyFilter, blocking_cause, may_send
-from .diagnostics import Faults, Key, NodeTelemetry, status_pairs, summary
+from .diagnostics import Faults, Key, NodeTelemetry, duration_in_words, status_pairs, summary
 from .engine_link import EngineLink
 from .engine_process import EngineError
+from .executor import TransitionsApartExecutor
 from .inputs import Inputs
 from .outputs import DiagnosticsPublisher, Outputs
+
+# rclpy's services whose callbacks only read: they answer from their own callback group (see above).
+ANSWERED_APART = ("get_state", "get_available_states", "get_available_transitions", "get_transition_graph",
+                  "get_parameters", "get_parameter_types", "describe_parameters", "list_parameters",
+                  "get_type_description")
+SUBSCRIBING = "subscribing to the inputs"    # configure's last stage, after the engine's (engine_process.STARTING, ...)
 
 NO_CHECKPOINT = ("no checkpoint: set checkpoint to a MolmoBot checkpoint folder (an official one with config.yaml "
                  "+ model.pt is converted on first use, or convert it with `vla-convert OFFICIAL_DIR OUT_DIR "
@@ -48,6 +66,7 @@ NO_CHECKPOINT = ("no checkpoint: set checkpoint to a MolmoBot checkpoint folder 
 class VLANode(LifecycleNode):
     def __init__(self, node_name: str = "vla_node", **kwargs):
         super().__init__(node_name, **kwargs)
+        self._answer_apart(ANSWERED_APART)
         # Everything _release() touches exists before the parameters are read: a node whose
         # start-up parameters are refused is still destroyed cleanly (rclpy's shutdown does it).
         self._diagnostics = DiagnosticsPublisher(self, self._status, self._on_diagnostics_timer)
@@ -57,7 +76,10 @@ class VLANode(LifecycleNode):
             post_callback=self._on_clock_jump)
         self.telemetry = NodeTelemetry()
         self._state = "unconfigured"
+        self._configure_stage = ""
         self._configure_error = ""
+        self._autostart_timer = None
+        self._exit_timer = None
         self._engine: Optional[EngineLink] = None    # configure .. cleanup, across losses of its worker
         self._inputs: Optional[Inputs] = None
         self._outputs: Optional[Outputs] = None
@@ -65,6 +87,7 @@ class VLANode(LifecycleNode):
         self._control: Optional[ChunkScheduler] = None
 
         self.settings = params.declare(self)
+        self.add_pre_set_parameters_callback(self._check_parameter_types)
         self.add_on_set_parameters_callback(self._validate_parameters)
         self.add_post_set_parameters_callback(self._apply_parameters)
         self._control = ChunkScheduler(self.settings, SafetyFilter.of(self.settings))
@@ -72,9 +95,31 @@ class VLANode(LifecycleNode):
         # Startup (rclpy, the message types, numpy) can take seconds on a busy machine; this line
         # says the lifecycle services are up.
         self.get_logger().info(f"started: unconfigured{', autostart' if self.settings.autostart else ''}")
-        if self.settings.autostart:
-            if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
-                self.trigger_activate()
+        if self.settings.autostart:   # once the executor spins, so that the services answer meanwhile
+            self._autostart_timer = self.create_timer(0.0, self._autostart,
+                                                      clock=Clock(clock_type=ClockType.STEADY_TIME))
+
+    def transition_entities(self) -> list:
+        """The entities whose callbacks run lifecycle transitions: the change_state service and,
+        with autostart, its timer (TransitionsApartExecutor runs them on a thread of their own)."""
+        services = [s for s in self.services if s.srv_name.rsplit("/", 1)[-1] == "change_state"]
+        return services + ([self._autostart_timer] if self._autostart_timer is not None else [])
+
+    def _answer_apart(self, names: tuple[str, ...]) -> None:
+        """Move rclpy's services of these names into a callback group of their own."""
+        group = ReentrantCallbackGroup()
+        for service in self.services:
+            if service.srv_name.rsplit("/", 1)[-1] in names:
+                service.callback_group = group
+                group.add_entity(service)
+
+    def _autostart(self) -> None:
+        if self._autostart_timer is None:
+            return
+        self.destroy_timer(self._autostart_timer)
+        self._autostart_timer = None
+        if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
+            self.trigger_activate()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -82,9 +127,11 @@ class VLANode(LifecycleNode):
         if not e.checkpoint and not s.random_weights:
             return self._fail_configure(NO_CHECKPOINT)
         self.get_logger().info(f"configuring: {e.checkpoint or e.preset} ({s.engine_mode}, {e.device}, {e.dtype})")
+        self._state = "configuring"
         try:
             self._engine = EngineLink(self, self.telemetry, self._on_engine_lost, self._on_engine_restarted)
-            info = self._engine.start()
+            info = self._engine.start(self._configuring, self._while_configuring)
+            self._configuring(SUBSCRIBING)
             offset_s = s.history_offset_s or info.history_offset_s
             self._inputs = Inputs(self, self._engine.process, offset_s, self.telemetry)
         except (EngineError, ValueError, OSError) as error:
@@ -98,9 +145,24 @@ class VLANode(LifecycleNode):
                                f"{offset_s:.3f} s apart ({source})")
         return super().on_configure(state)
 
+    def _configuring(self, stage: str) -> None:
+        """Configure entered `stage`: on /diagnostics at once."""
+        self._configure_stage = stage
+        self.get_logger().debug(f"configuring: {stage}")
+        self._diagnostics.publish()
+
+    def _while_configuring(self) -> None:
+        """Between looks at the engine's start: /diagnostics once a second (configure holds the
+        default callback group, where the diagnostics timer runs), and an end to the wait when the
+        node shuts down (ending the node waits for this callback)."""
+        if not self.context.ok():
+            raise EngineError("the node is shutting down")
+        self._diagnostics.after_tick()
+
     def _fail_configure(self, reason: str) -> TransitionCallbackReturn:
         self.get_logger().error(f"configure failed: {reason}")
         self._configure_error = reason
+        self._state = "unconfigured"
         self._release()
         self._diagnostics.now()
         return TransitionCallbackReturn.FAILURE
@@ -152,7 +214,16 @@ class VLANode(LifecycleNode):
         self._release()
         self._state = "finalized"
         self.get_logger().info(f"shut down from {state.label}{': engine process ended' if had_engine else ''}")
+        if self.settings.exit_on_finalize:
+            # A timer, so that the process ends after this transition has answered its caller.
+            self._exit_timer = self.create_timer(0.0, self._exit_finalized,
+                                                 clock=Clock(clock_type=ClockType.STEADY_TIME))
         return super().on_shutdown(state)
+
+    def _exit_finalized(self) -> None:
+        self.destroy_timer(self._exit_timer)
+        self.get_logger().info("finalized: exiting (exit_on_finalize)")
+        self.context.try_shutdown()     # spin ends; main releases everything and returns 0
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.get_logger().error(f"error in state {state.label}: releasing the engine")
@@ -303,7 +374,7 @@ class VLANode(LifecycleNode):
         # goes out at once, as after an activation, so an episode runs the same whatever the last
         # one left in flight (the engine answers that one first: stale, dropped).
         self._control.reset()
-        self.faults.set("clock", f"clock jumped back by {-jump.delta.nanoseconds / 1e9:.3f} s; "
+        self.faults.set("clock", f"clock jumped back by {duration_in_words(-jump.delta.nanoseconds / 1e9)}; "
                                  f"inputs and plan discarded")
 
     # -- a lost engine (engine_link.EngineLink restarts it) ------------------------------------
@@ -316,6 +387,9 @@ class VLANode(LifecycleNode):
         self._control.drop_plan()     # nothing sent to the old worker is waited for
 
     # -- parameters -----------------------------------------------------------------------------
+    def _check_parameter_types(self, changes: list[Parameter]) -> list[Parameter]:
+        return params.check_types(self, changes)
+
     def _validate_parameters(self, changes: list[Parameter]) -> SetParametersResult:
         return params.check_changes(self, changes, horizon=self._horizon())
 
@@ -354,8 +428,9 @@ class VLANode(LifecycleNode):
         """/diagnostics: level, message and values."""
         s, faults = self.settings, self.faults.active()
         hold = self._control.state.hold if self._control is not None else "inactive"
-        level, message = summary(self._state, self._configure_error, faults, hold)
-        values = status_pairs(self._state, self._configure_error, faults, hold, self.faults.events)
+        level, message = summary(self._state, self._configure_error, faults, hold, self._configure_stage)
+        values = status_pairs(self._state, self._configure_error, faults, hold, self.faults.events,
+                              self._configure_stage)
         if self._engine is not None:
             values += self._engine.pairs()
         values.append((Key.CONTROL_RATE_HZ, s.control_rate_hz))
@@ -384,7 +459,7 @@ def main(args=None) -> int:
     node = executor = None
     try:
         node = VLANode()
-        executor = SingleThreadedExecutor()
+        executor = TransitionsApartExecutor(node.transition_entities())
         executor.add_node(node)
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
@@ -404,6 +479,8 @@ def main(args=None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         faulthandler.dump_traceback_later(SHUTDOWN_TIMEOUT_S, exit=True)
+        if executor is not None:     # a transition under way ends first (a configure: within READY_POLL_S)
+            executor.shutdown()
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()

@@ -45,13 +45,18 @@ class Spec:
     read_only: bool = False
     range: Optional[tuple] = None   # inclusive (low, high) for int and double parameters
 
-    def kind_in_words(self) -> str:
+    def type_error(self, name: str) -> str:
+        """The sentence for a value of another type, at start-up (declare) and at run time (check_types)."""
         value = self.default
         if isinstance(value, list):
-            return "a list of " + {int: "integers", float: "doubles", str: "strings"}[type(value[0])]
-        # A whole number for a double is the usual slip: YAML and -p read 15 as an integer.
-        return {bool: "true or false", int: "an integer", str: "a string",
-                float: "a double, written with a decimal point (15.0, not 15)"}[type(value)]
+            return f"{name} must be a list of " + {int: "integers", float: "doubles", str: "strings"}[type(value[0])]
+        # A whole number for a double is the usual slip: YAML, -p and `ros2 param set` read 15 as an integer.
+        return f"{name} must be " + {bool: "true or false", int: "an integer", str: "a string",
+                                     float: "a double, written with a decimal point (15.0, not 15)"}[type(value)]
+
+    @property
+    def type(self) -> Parameter.Type:
+        return Parameter.Type.from_parameter_value(self.default)
 
     def descriptor(self, name: str) -> ParameterDescriptor:
         value = self.default
@@ -71,6 +76,8 @@ SPECS: dict[str, Spec] = {
     # -- start-up --------------------------------------------------------------------------
     "autostart": Spec(False, "configure and activate at start-up instead of waiting for lifecycle transitions",
                       read_only=True),
+    "exit_on_finalize": Spec(True, "after the shutdown transition (finalized) the process exits with code 0, and "
+                                   "a launch with it; false: it stays, finalized, until Ctrl-C", read_only=True),
     # -- engine (a change needs a reload: read-only) ----------------------------------------
     "model_preset": Spec("tiny", "model preset used when no checkpoint is given (vla_node.model.PRESETS)",
                          read_only=True),
@@ -182,6 +189,7 @@ class Settings:
     EngineConfig the engine process is built from, the node's own one by one."""
     engine: EngineConfig
     autostart: bool
+    exit_on_finalize: bool
     random_weights: bool
     engine_mode: str
     engine_threads: int
@@ -315,14 +323,40 @@ def declare(node) -> Settings:
         try:
             node.declare_parameter(name, spec.default, spec.descriptor(name))
         except InvalidParameterTypeException:
-            raise SettingsError(f"{name} must be {spec.kind_in_words()}") from None
+            raise SettingsError(spec.type_error(name)) from None
         except InvalidParameterValueException:
             raise SettingsError(f"{name} must be within [{spec.range[0]}, {spec.range[1]}]") from None
     return validate(current_values(node))
 
 
+class RefusedType(Parameter):
+    """A change of the wrong type as check_types() hands it on: the parameter's current value, which
+    passes rclpy's checks, and the sentence check_changes() refuses the change with."""
+
+    def __init__(self, current: Parameter, reason: str):
+        super().__init__(current.name, current.type_, current.value)
+        self.reason = reason
+
+
+def check_types(node, changes: list[Parameter]) -> list[Parameter]:
+    """The node's pre-set callback. rclpy compares a change's type with the descriptor's before the
+    on-set callback sees it and refuses it in its own words ("Wrong parameter type, expected '3'
+    got '2'"); this runs before that comparison and turns a change of the wrong type into a
+    RefusedType, which check_changes() refuses with the sentence start-up gives."""
+    checked = []
+    for p in changes:
+        spec = SPECS.get(p.name)
+        if spec is not None and p.type_ not in (spec.type, Parameter.Type.NOT_SET):
+            p = RefusedType(node.get_parameter(p.name), spec.type_error(p.name))
+        checked.append(p)
+    return checked
+
+
 def check_changes(node, changes: list[Parameter], horizon: Optional[int]) -> SetParametersResult:
     """The node's answer to a parameter change: validate() on its values with the changes."""
+    refused = [p.reason for p in changes if isinstance(p, RefusedType)]
+    if refused:
+        return SetParametersResult(successful=False, reason="; ".join(refused))
     values = current_values(node)
     values.update({p.name: p.value for p in changes if p.name in values})
     try:

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -39,10 +40,64 @@ def _yaml(value: Any) -> str:
     return repr(value)
 
 
+# Where a test or a demo may pick its ROS domain: VLA_TEST_DOMAINS (e.g. `40-60`, inclusive), so that
+# test runs side by side, or beside a robot, can be given ranges of their own; else 30..101 (the
+# ports of higher domains fall into Linux's ephemeral range, where another socket can take them
+# and discovery fails).
+DOMAINS_VARIABLE = "VLA_TEST_DOMAINS"
+DEFAULT_DOMAINS = range(30, 102)
+MAX_DOMAIN = 232      # the highest domain whose ports are valid (the ROS 2 domain ID rules)
+# The domain this process was started in (a robot's, or the user's): never picked.
+STARTED_IN_DOMAIN = os.environ.get("ROS_DOMAIN_ID")
+DOMAIN_LOCKS = Path(tempfile.gettempdir()) / "vla_node_ros_domains"
+
+
+def ros_domains(spec: str | None = None, exclude: str | None = STARTED_IN_DOMAIN) -> list[int]:
+    """The domains ros_domain() picks from: `spec` (default: $VLA_TEST_DOMAINS, e.g. "40-60" or
+    "45"), else DEFAULT_DOMAINS, without `exclude` (default: the ROS_DOMAIN_ID this process was
+    started with). Raises ValueError with a sentence for a malformed or empty range."""
+    spec = os.environ.get(DOMAINS_VARIABLE, "") if spec is None else spec
+    if spec.strip():
+        low, _, high = spec.partition("-")
+        try:
+            domains = range(int(low), int(high or low) + 1)
+        except ValueError:
+            domains = range(0)
+        if not domains or domains.start < 0 or domains.stop > MAX_DOMAIN + 1:
+            raise ValueError(f"{DOMAINS_VARIABLE}={spec!r}: expected a range of ROS domains such as 40-60, "
+                             f"within 0..{MAX_DOMAIN}")
+    else:
+        domains = DEFAULT_DOMAINS
+    left = [d for d in domains if str(d) != (exclude or "").strip()]
+    if not left:
+        raise ValueError(f"{DOMAINS_VARIABLE}={spec!r} holds only ROS_DOMAIN_ID {exclude}, which is never picked")
+    return left
+
+
 def ros_domain(seed: int | None = None) -> str:
-    """A random ROS domain in 30..101: the ports of higher domains fall into Linux's ephemeral
-    range, where another socket can take them and discovery fails."""
-    return str(random.Random(seed).randint(30, 101))
+    """A random domain of ros_domains()."""
+    return str(random.Random(seed).choice(ros_domains()))
+
+
+def claim_ros_domain(avoid: str | None = None):
+    """A domain of ros_domains() that no other process on this machine has claimed, in random order
+    with `avoid` last (the previous test module's: its participants may linger a moment), and the
+    open lock file that holds the claim until it is closed (or the process exits). Raises
+    RuntimeError when every one is claimed."""
+    allowed = ros_domains()
+    domains = [str(d) for d in random.sample(allowed, len(allowed))]
+    domains.sort(key=lambda d: d == avoid)
+    DOMAIN_LOCKS.mkdir(exist_ok=True)
+    for domain in domains:
+        lock = open(DOMAIN_LOCKS / domain, "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
+        return domain, lock
+    raise RuntimeError(f"every ROS domain of {allowed[0]}..{allowed[-1]} is claimed by another test run on this "
+                       f"machine: give each run a range of its own ({DOMAINS_VARIABLE}=40-60)")
 
 
 
