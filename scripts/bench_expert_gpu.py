@@ -8,10 +8,13 @@ tokens (the DROID and 8-image prompts) with 10 % padding masked.
 
 Variants: eager (ActionExpert.velocity in the runner's loop), compiled (the engine's `fast`
 action stage: compiled blocks + few_query_attention; --no-compile skips it), fused per-phase
-(one launch per phase), fused persistent (one launch per loop; also without the L2 prefetch and
-with e4m3 weights). Needs no ROS. Prints a table last and writes bench_expert_gpu.json under
---out after every measurement; what the time budget leaves is listed as skipped. Without CUDA
-it is a dry run of the script (TRITON_INTERPRET=1 ... --preset tiny --contexts 30 --no-compile).
+(one launch per phase), fused persistent (one launch per loop; also with each phase's weights
+loaded after its barrier wait instead of before, with fewer cross-attention key splits, and
+with e4m3 weights). The anatomy part reads the persistent kernel's own timestamps: per phase, the
+barrier's release and the slowest program's work. Needs no ROS. Prints a table last and
+writes bench_expert_gpu.json under --out after every measurement; what the time budget leaves
+is listed as skipped. Without CUDA it is a dry run of the script (TRITON_INTERPRET=1 ...
+--preset tiny --contexts 30 --no-compile).
 """
 import argparse
 import copy
@@ -206,6 +209,50 @@ class Bench:
             print(f"phases failed:\n{traceback.format_exc()}", flush=True)
         self.save()
 
+    def anatomy(self, ctx: dict):
+        """Where the persistent loop's time goes, from its own timestamps (Tiling(trace=True)):
+        per phase, the span from the last arrival at the barrier before it to the last arrival
+        at the barrier after it, split into the barrier's release (last arrival -> a program
+        sees it, median over programs) and the slowest program's work (its wait's end -> its
+        arrival)."""
+        if DEVICE == "cpu" or self.left_s() < 20:
+            self.results["skipped"].append(f"anatomy @ {ctx['tokens']}")
+            return
+        try:
+            import numpy as np
+            for name, tiling in (("hoisted", Tiling(trace=True)), ("after the wait", Tiling(trace=True, hoist=False))):
+                fused = FusedExpert(self.expert, tiling=tiling)
+                inputs = fused.schedule(ctx["mods"])
+                for _ in range(3):  # the last of three
+                    fused.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
+                torch.cuda.synchronize()
+                buf = next(iter(fused._buffers.values()))
+                t = buf.trace.cpu().numpy().astype(np.float64) / 1e3  # us; [programs, segments, (start, end)]
+                names = ["in"] + [n for _ in range(len(self.expert.blocks))
+                                  for n in ("qkv", "self", "cross_q", "cross", "cross_out", "fc1", "fc2")] + ["out"]
+                names = names * STEPS
+                last_end = t[:, :, 1].max(0)
+                rows = {}
+                for s in range(1, len(names)):
+                    r = rows.setdefault(names[s], {"span": [], "release": [], "work": []})
+                    r["span"].append(last_end[s] - last_end[s - 1])
+                    r["release"].append(float(np.median(t[:, s, 0])) - last_end[s - 1])
+                    r["work"].append(float((t[:, s, 1] - t[:, s, 0]).max()))
+                total = last_end[-1] - t[:, 0, 0].min()
+                print(f"  anatomy ({name}): loop {total / 1e3:.2f} ms from the kernel's own clock", flush=True)
+                for phase, r in rows.items():
+                    row = dict(variant=name, phase=phase, count=len(r["span"]),
+                               **{k: float(np.median(v)) for k, v in r.items()},
+                               share=float(np.sum(r["span"]) / total))
+                    self.results.setdefault("anatomy", []).append(row)
+                    print(f"    {phase:10s} span {row['span']:6.2f} us = release {row['release']:5.2f} + slowest work "
+                          f"{row['work']:5.2f} (median of {row['count']}; {100 * row['share']:4.1f} % of the loop)",
+                          flush=True)
+        except Exception:
+            self.results["errors"][f"anatomy @ {ctx['tokens']}"] = traceback.format_exc()
+            print(f"anatomy failed:\n{traceback.format_exc()}", flush=True)
+        self.save()
+
     def barriers(self):
         """The grid barrier alone, as many as a 10-step loop has (36 x 7 + 2 per step)."""
         if DEVICE == "cpu":
@@ -233,20 +280,26 @@ class Bench:
         e = self.expert
         contexts = [self.context(int(t)) for t in self.args.contexts.split(",")]
         variants = {"fused persistent": self.fused,
+                    "fused persistent, weights after the wait": FusedExpert(e, tiling=Tiling(hoist=False)),
+                    "fused persistent, 8 key splits": FusedExpert(e, tiling=Tiling(key_splits=8)),
+                    "fused persistent, 4 key splits": FusedExpert(e, tiling=Tiling(key_splits=4)),
                     "fused per-phase": FusedExpert(e, tiling=Tiling(persistent=False)),
-                    "fused persistent, L2 prefetch": FusedExpert(e, tiling=Tiling(prefetch_l2=True)),
                     "fused persistent fp8": FusedExpert(e, fp8=True)}
         parts = self.args.parts.split(",")
         # Most telling first; the budget cuts from the end.
-        for ctx in contexts if "loops" in parts else ():
-            self.loop("eager", self.reference_loop(e.velocity, ctx), ctx, self.bf16_weight_bytes)
-            for name, fused in variants.items():
-                self.fused_loop(name, fused, ctx, needs_s=20)
+        for k, ctx in enumerate(contexts):
+            if "loops" in parts:
+                self.loop("eager", self.reference_loop(e.velocity, ctx), ctx, self.bf16_weight_bytes)
+                for name, fused in variants.items():
+                    if k == 0 or fused is self.fused:
+                        self.fused_loop(name, fused, ctx, needs_s=20)
+            if k == 0 and "anatomy" in parts:
+                self.anatomy(ctx)
+            for entries in (1, 4, 2, 8) if k == 0 and "batch" in parts else ():
+                self.fused_loop("fused persistent", self.fused, self.context(ctx["tokens"], entries), needs_s=30)
         if "phases" in parts:
-            self.phases(contexts[0])
             self.barriers()
-        for entries in (1, 4, 2, 8) if "batch" in parts else ():
-            self.fused_loop("fused persistent", self.fused, self.context(contexts[0]["tokens"], entries), needs_s=30)
+            self.phases(contexts[0])
         if "compiled" not in parts:
             pass
         elif self.args.no_compile:
@@ -282,6 +335,12 @@ class Bench:
                 ratio = x["us"] / x["floor_us"] if x["floor_us"] else float("nan")
                 print(f"{x['phase']:36s} {x['context']:5d} {x['us']:7.2f} {x['gb_s']:6.0f} {x['floor_us']:8.2f} "
                       f"{ratio:7.1f}")
+        if r.get("anatomy"):
+            print(f"\n{'persistent loop, own clock (median us)':40s} {'span':>6s} {'release':>7s} {'work':>6s} "
+                  f"{'share':>6s}")
+            for x in r["anatomy"]:
+                print(f"{x['variant'][:18]:18s} {x['phase']:21s} {x['span']:6.2f} {x['release']:7.2f} {x['work']:6.2f} "
+                      f"{100 * x['share']:5.1f}%")
         for what in r["skipped"]:
             print(f"skipped: {what}")
         for what, trace in r["errors"].items():
@@ -296,9 +355,10 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip what is left after this many seconds")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant (the slowest to build)")
-    ap.add_argument("--parts", default="loops,phases,batch,compiled",
-                    help="what to measure: loops (every variant), phases (each kernel, the barrier), batch (B = 1-8), "
-                         "compiled (the engine's compiled blocks)")
+    ap.add_argument("--parts", default="loops,anatomy,phases,batch,compiled",
+                    help="what to measure: loops (every variant), anatomy (the persistent loop's own timestamps per "
+                         "phase), phases (each kernel alone, the barrier), batch (B = 1-8), compiled (the engine's "
+                         "compiled blocks)")
     ap.add_argument("--preset", default="molmobot-4b", help="model preset (tiny: a CPU dry run of the script)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

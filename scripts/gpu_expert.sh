@@ -11,7 +11,7 @@ timeout "${TESTS_S:-150}" python3 -m pytest -q -rs -x -p no:cacheprovider -m cud
   | tee "$OUT/tests.log" | tail -4
 echo "tests done after $(( $(date +%s) - t0 )) s"
 timeout "${EXPERT_S:-330}" python3 scripts/bench_expert_gpu.py --out "$OUT" --budget-s "${EXPERT_BUDGET_S:-280}" \
-  ${EXPERT_ARGS:-} 2>&1 | grep -v Warning > "$OUT/expert.log"; tail -32 "$OUT/expert.log"
+  ${EXPERT_ARGS:-} 2>&1 | grep -v Warning > "$OUT/expert.log"; tail -${EXPERT_TAIL:-32} "$OUT/expert.log"
 echo "expert bench done after $(( $(date +%s) - t0 )) s"
 if [ -n "${NCU:-}" ]; then
   NCUBIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

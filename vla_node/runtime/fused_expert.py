@@ -58,13 +58,17 @@ class Tiling:
     x_tile: int = 64          # columns of the residual stream per tile (its writers, the LN statistics)
     block_k: int = 256        # K chunk of the LayerNorm linears (at most four chunks a row: larger if needed)
     fc2_block_k: int = 128
-    block_keys: int = 64
+    block_keys: int = 128     # keys of a chunk: the plan makes one chunk cover a key split when it can
+    key_splits: int = 0       # key splits per (entry, head) of the cross-attention; 0: as many as fill the programs
     num_warps: int = 8
     persistent: bool = True   # one launch per loop (GPU only); False: one launch per phase
-    # Ask L2 for the next phase's weights while waiting at each barrier (GPU only). Off: on the
-    # H200 it cost 1.2 ms per DROID loop (17.7 against 16.5 ms), the prefetches delaying arrivals.
-    prefetch_l2: bool = False
+    # Load each phase's first weights between a program's arrival at the barrier before it and
+    # its wait (persistent only): their memory latency runs while the other programs finish.
+    hoist: bool = True
     cooperative: bool = True  # a cooperative launch: CUDA guarantees every program is resident
+    # Each program's start and end time of every phase (globaltimer ns) into Buffers.trace
+    # (persistent only): what the benchmark's anatomy table reads.
+    trace: bool = False
 
 
 def interpreting() -> bool:
@@ -140,6 +144,7 @@ class Buffers:
     barrier: torch.Tensor  # int32 [1], zeroed before each persistent launch
     error: torch.Tensor    # int32 [1], set when a grid barrier timed out (sticky)
     kv: torch.Tensor       # [depth, 2, entries, heads, keys, hd] the context K/V, packed per call
+    trace: Optional[torch.Tensor] = None  # int64 [programs, segments, 2] with Tiling(trace=True)
 
 
 _INSTANCES: "weakref.WeakValueDictionary[int, FusedExpert]" = weakref.WeakValueDictionary()
@@ -227,11 +232,9 @@ class FusedExpert:
         fc2_splits = max(1, programs // nt)
         fc2_k = 16 * triton.cdiv(triton.cdiv(self.mlp, fc2_splits), 16)
         fc2_splits = triton.cdiv(self.mlp, fc2_k)
-        key_splits = 1 << max(0, (programs // (entries * self.heads)).bit_length() - 1)
+        key_splits = t.key_splits or 1 << max(0, (programs // (entries * self.heads)).bit_length() - 1)
         keys_per_split = 8 * triton.cdiv(triton.cdiv(n_keys, key_splits), 8)  # 16-byte aligned rows
         (qkv_cols, qkv_bn), (cq_cols, cq_bn), (fc1_cols, fc1_bn) = cols(3 * w), cols(w), cols(self.mlp)
-        line = 128 // self.qkv.weight.element_size()
-        lines = lambda n: triton.next_power_of_2(triton.cdiv(n, line))  # noqa: E731 (prefetch addresses)
         return dict(
             programs=programs, keys_per_split=keys_per_split,
             ENTRIES=entries, W=w, HEADS=self.heads, HD=self.head_dim, MLP=self.mlp, A=self.action_dim,
@@ -240,10 +243,7 @@ class FusedExpert:
             QKV_COLS=qkv_cols, QKV_BN=qkv_bn, CQ_COLS=cq_cols, CQ_BN=cq_bn, FC1_COLS=fc1_cols, FC1_BN=fc1_bn,
             FC2_SPLITS=fc2_splits, FC2_K=fc2_k,
             FC2_BK=max(min(t.fc2_block_k, _pow2(fc2_k)), _pow2(triton.cdiv(fc2_k, 4))),  # at most four chunks
-            KEY_SPLITS=key_splits, BLOCK_KEYS=min(t.block_keys, _pow2(keys_per_split)),
-            # One prefetch address per 128-byte line; a row slice that does not start on a line
-            # boundary touches one line more.
-            LINE=line, LINES_W=lines(w), LINES_HD=lines(self.head_dim + line), LINES_FC2=lines(fc2_k + line))
+            KEY_SPLITS=key_splits, BLOCK_KEYS=min(t.block_keys, _pow2(keys_per_split)))
 
     def buffers(self, entries: int, tokens: int, n_keys: int, steps: int, device) -> Buffers:
         """The scratch of a shape, made on its first call (warm up before capturing a graph, as
@@ -304,10 +304,18 @@ class FusedExpert:
     def _run(self, buf: Buffers, inputs: FlowInputs, ctx_mask: Optional[torch.Tensor], euler: bool) -> None:
         if self.persistent:
             buf.barrier.zero_()
+            if self.tiling.trace:
+                shape = (buf.plan["programs"], self.segments(inputs), 2)
+                if buf.trace is None or buf.trace.shape != shape:
+                    buf.trace = torch.zeros(shape, dtype=torch.int64, device=buf.x.device)
             self._launch(buf, inputs, ctx_mask, PERSISTENT, 0, inputs.steps, 0, euler)
             return
         for _, _, launch in self.phase_launches(buf, inputs, ctx_mask, euler):
             launch()
+
+    def segments(self, inputs: FlowInputs) -> int:
+        """Phases of the persistent loop, a grid barrier after each (a reused step: one)."""
+        return sum(1 if r >= 0 else 2 + len(BLOCK_PHASES) * self.depth for r in inputs.reuse_host)
 
     def phase_launches(self, buf: Buffers, inputs: FlowInputs, ctx_mask: Optional[torch.Tensor],
                        euler: bool = True) -> list[tuple[str, int, Callable[[], None]]]:
@@ -347,12 +355,13 @@ class FusedExpert:
             inputs.mods, inputs.final_mods, buf.kv, mask if mask is not None else buf.kv,
             buf.kv.shape[4] if mask is not None and mask.shape[0] > 1 else 0,
             buf.x, buf.stats, buf.qkv, buf.q, buf.y, buf.hidden, buf.o_part, buf.m_part, buf.l_part, buf.part,
-            buf.counter, buf.barrier, buf.error,
+            buf.counter, buf.barrier, buf.error, buf.trace if buf.trace is not None else buf.counter,
             buf.xa.shape[0], buf.kv.shape[4], plan["keys_per_split"], lo, hi, block, 1.0 / inputs.steps, LN_EPS,
             1.0 / math.sqrt(self.head_dim),
             PHASE=phase, EULER=euler, HAS_MASK=mask is not None, DOT=_triton_dtype(dot),
             PREC="ieee" if dot == torch.float32 else "tf32", SCALED=self.fp8,
-            PREFETCH=t.prefetch_l2 and not interpreting(), SPIN_LIMIT=SPIN_LIMIT, **constants, **options)
+            HOIST=t.hoist, SPIN_LIMIT=SPIN_LIMIT, TRACE=t.trace and phase == PERSISTENT,
+            SEGMENTS=self.segments(inputs) if t.trace else 1, **constants, **options)
 
     def run_velocity(self, x: torch.Tensor, block_mods: list[torch.Tensor], final_mod: torch.Tensor,
                      keys: list[torch.Tensor], values: list[torch.Tensor],

@@ -3,14 +3,14 @@
 Why: at batch 1 the expert's 36 blocks x 10 flow steps are 360 blocks of ~16 MB of weights
 each (~3.8 us at 4.3 TB/s), and on the H200 every kernel launch costs ~2.5-3 us of latency
 however few bytes it reads. So the whole loop runs in one launch of one program per SM; the
-phases of a block are separated by grid barriers (an atomic arrival counter each program spins
-on; 0.87 us each on the H200), each phase spreads its weights evenly over all programs, and
-optionally (PREFETCH) a program asks L2 for its next phase's weights while it waits. With
-PHASE >= 0 the same code runs one phase per launch: the host's loop (and the CPU interpreter,
-which runs programs one after another and so cannot spin) puts the launch boundary where the
-barrier would be. Measured (BENCHMARKS.md, issue 22): a phase takes 5-10 us whatever its
-bytes, a chain of dependent memory round trips, so the loop is ~10x its bandwidth floor; the
-next step is loading each phase's weights into registers before its barrier.
+phases of a block are separated by grid barriers (an arrival counter each program polls; 0.87
+us each on the H200), and each phase spreads its weights evenly over all programs. A program
+loads its next phase's weights between its arrival and its wait (HOIST): they do not depend on
+the barrier, so their memory latency overlaps the other programs' work. With PHASE >= 0 the
+same code runs one phase per launch: the host's loop (and the CPU interpreter, which runs
+programs one after another and so cannot spin) puts the launch boundary where the barrier
+would be. Measured (BENCHMARKS.md, issue 22): a phase takes 5-10 us whatever its bytes, a chain
+of dependent memory round trips, so the loop is ~10x its bandwidth floor.
 
 Phases of one block j at flow step i (M rows = batch entries x horizon tokens; w width):
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .few_query_attention import attend_keys, merge_partials
+from .few_query_attention import attend_chunk, attend_keys, load_keys, merge_partials, softmax_start
 
 INV_SQRT2 = tl.constexpr(0.7071067811865476)
 
@@ -49,19 +49,10 @@ PHASE_NAMES = ("in", "qkv", "self", "cross_q", "cross", "cross_out", "fc1", "fc2
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Bring the lines at ptrs into L2 (nothing lands in registers)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(Base, rows, row_ok, stride, col0, cols, LINE: tl.constexpr, LINES: tl.constexpr):
-    """L2 prefetch of elements col0 .. col0 + cols of the given rows, one address per line."""
-    offs = col0 + tl.arange(0, LINES) * LINE
-    ok = row_ok[:, None] & (offs < col0 + cols)[None, :]
-    _prefetch_l2(tl.where(ok, Base + rows[:, None] * stride + offs[None, :], Base))
-
+def _clock_ns(like):
+    """The GPU's global timer in ns (comparable across SMs), as a scalar like `like`."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [like], dtype=tl.int64, is_pure=False,
+                                     pack=1)
 
 @triton.jit
 def _grid_arrive(Bar):
@@ -75,16 +66,17 @@ def _grid_wait(Bar, Err, target, SPIN_LIMIT: tl.constexpr):
     """Wait until `target` arrivals (barrier k of a launch: k * programs; the counter is zeroed
     before the launch). A wait that outlasts SPIN_LIMIT polls (programs not all resident) sets
     Err and stops waiting, here and at every later barrier of the launch: a wrong result the
-    host detects instead of a hung GPU. Arrive and wait are apart so a program can ask L2 for
-    its next weights in between."""
-    if tl.atomic_add(Err, 0, sem="relaxed", scope="gpu") == 0:
+    host detects instead of a hung GPU. Polls are atomic adds of 0: on the H200 they release a
+    loop 1 ms sooner than acquire loads (13.9 against 14.9 ms). Arrive and wait are apart so a
+    program can load its next weights in between."""
+    failed = tl.atomic_add(Err, 0, sem="relaxed", scope="gpu")
+    seen = tl.atomic_add(Bar, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < SPIN_LIMIT) & (failed == 0):
         seen = tl.atomic_add(Bar, 0, sem="acquire", scope="gpu")
-        spins = 0
-        while (seen < target) & (spins < SPIN_LIMIT):
-            seen = tl.atomic_add(Bar, 0, sem="acquire", scope="gpu")
-            spins += 1
-        if seen < target:
-            tl.atomic_xchg(Err, 1, sem="relaxed", scope="gpu")
+        spins += 1
+    if (seen < target) & (failed == 0):
+        tl.atomic_xchg(Err, 1, sem="relaxed", scope="gpu")
     tl.debug_barrier()
 
 
@@ -116,15 +108,37 @@ def _store_x_tile(x, ok, X, Stats, t, rows, cols, W: tl.constexpr, NT: tl.conste
 
 
 @triton.jit
-def _chunk_loads(Src, src_stride, Wt, w_stride, k0, k_hi, rows, row_ok, cols, col_ok, ModRow, shift_off, scale_off,
-                 LN: tl.constexpr, BK: tl.constexpr):
-    """The loads of one K chunk: src rows [BLOCK_M, BK], weight rows [BN, BK], and with LN the
-    modulation's shift and scale (for every row)."""
+def _chunk_weights(Wt, w_stride, k0, k_hi, cols, col_ok, BK: tl.constexpr):
+    """Weight rows cols, columns k0 .. k0 + BK (clipped at k_hi): [BN, BK]."""
     offs_k = k0 + tl.arange(0, BK)
-    k_ok = offs_k < k_hi
-    a = tl.load(Src + rows[:, None] * src_stride + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                cache_modifier=".cg")
-    w = tl.load(Wt + cols[:, None] * w_stride + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    return tl.load(Wt + cols[:, None] * w_stride + offs_k[None, :], mask=col_ok[:, None] & (offs_k < k_hi)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _weights(Wt, w_stride, k_lo, k_hi, cols, col_ok, KC: tl.constexpr, BK: tl.constexpr):
+    """The KC (<= 4) K chunks of BK of weight rows cols from k_lo: four [BN, BK] (the unused
+    repeat the first). Loaded before a phase's barrier wait: they do not depend on it."""
+    tl.static_assert(KC <= 4, "at most four K chunks (the plan picks the chunk size)")
+    w0 = _chunk_weights(Wt, w_stride, k_lo, k_hi, cols, col_ok, BK)
+    w1, w2, w3 = w0, w0, w0
+    if KC > 1:
+        w1 = _chunk_weights(Wt, w_stride, k_lo + BK, k_hi, cols, col_ok, BK)
+    if KC > 2:
+        w2 = _chunk_weights(Wt, w_stride, k_lo + 2 * BK, k_hi, cols, col_ok, BK)
+    if KC > 3:
+        w3 = _chunk_weights(Wt, w_stride, k_lo + 3 * BK, k_hi, cols, col_ok, BK)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _chunk_inputs(Src, src_stride, k0, k_hi, rows, row_ok, ModRow, shift_off, scale_off, LN: tl.constexpr,
+                  BK: tl.constexpr):
+    """The inputs of one K chunk: src rows [BLOCK_M, BK], and with LN the modulation's shift and
+    scale (for every row)."""
+    offs_k = k0 + tl.arange(0, BK)
+    a = tl.load(Src + rows[:, None] * src_stride + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k_hi)[None, :],
+                other=0.0, cache_modifier=".cg")
     if LN:  # loaded per row, in a's layout: a broadcast of a [BK] load would pass through shared memory
         m = ModRow + offs_k[None, :] + 0 * rows[:, None]
         shift = tl.load(m + shift_off).to(tl.float32)
@@ -132,7 +146,7 @@ def _chunk_loads(Src, src_stride, Wt, w_stride, k0, k_hi, rows, row_ok, cols, co
     else:
         shift = tl.zeros([1, BK], tl.float32)
         scale = shift
-    return a, w, shift, scale
+    return a, shift, scale
 
 
 @triton.jit
@@ -144,30 +158,28 @@ def _chunk_dot(acc, a, w, shift, scale, mean, rstd, row_ok, LN: tl.constexpr, DO
 
 
 @triton.jit
-def _rows_dot(Src, src_stride, Wt, w_stride, k_lo, k_hi, rows, row_ok, cols, col_ok, ModRow, shift_off, scale_off,
-              Stats, eps, LN: tl.constexpr, KC: tl.constexpr, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
+def _rows_dot(Src, src_stride, k_lo, k_hi, rows, row_ok, w0, w1, w2, w3, ModRow, shift_off, scale_off, Stats, eps,
+              LN: tl.constexpr, KC: tl.constexpr, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
               NT_P2: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
               PREC: tl.constexpr):
-    """prologue(src[:, k_lo:k_hi]) @ Wt[cols, k_lo:k_hi]^T in KC chunks of BK: [BLOCK_M, BN] fp32;
-    the prologue with LN: LayerNorm from the x tiles' Stats, then modulate. The first four
-    chunks' loads are all issued before anything waits for one (the statistics, the first
-    dot): a dot's operands pass through shared memory behind a CTA barrier, and a load written
-    after it waits for it (one memory latency per chunk: the qkv phase took 8.4 us for 3.5 MB)."""
-    tl.static_assert(KC <= 4, "at most four K chunks (the plan picks the chunk size)")
-    a0, w0, s0, c0 = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo, k_hi, rows, row_ok, cols, col_ok, ModRow,
-                                  shift_off, scale_off, LN, BK)
-    a1, w1, s1, c1 = a0, w0, s0, c0
-    a2, w2, s2, c2 = a0, w0, s0, c0
-    a3, w3, s3, c3 = a0, w0, s0, c0
+    """prologue(src[:, k_lo:k_hi]) @ w^T for the weights' KC chunks w0.. (_weights): [BLOCK_M, BN]
+    fp32; the prologue with LN: LayerNorm from the x tiles' Stats, then modulate. Every chunk's
+    loads are issued before anything waits for one (the statistics, the first dot): a dot's
+    operands pass through shared memory behind a CTA barrier, and a load written after it waits
+    for it (one memory latency per chunk: the qkv phase took 8.4 us for 3.5 MB)."""
+    a0, s0, c0 = _chunk_inputs(Src, src_stride, k_lo, k_hi, rows, row_ok, ModRow, shift_off, scale_off, LN, BK)
+    a1, s1, c1 = a0, s0, c0
+    a2, s2, c2 = a0, s0, c0
+    a3, s3, c3 = a0, s0, c0
     if KC > 1:
-        a1, w1, s1, c1 = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo + BK, k_hi, rows, row_ok, cols, col_ok,
-                                      ModRow, shift_off, scale_off, LN, BK)
+        a1, s1, c1 = _chunk_inputs(Src, src_stride, k_lo + BK, k_hi, rows, row_ok, ModRow, shift_off, scale_off, LN,
+                                   BK)
     if KC > 2:
-        a2, w2, s2, c2 = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo + 2 * BK, k_hi, rows, row_ok, cols, col_ok,
-                                      ModRow, shift_off, scale_off, LN, BK)
+        a2, s2, c2 = _chunk_inputs(Src, src_stride, k_lo + 2 * BK, k_hi, rows, row_ok, ModRow, shift_off, scale_off,
+                                   LN, BK)
     if KC > 3:
-        a3, w3, s3, c3 = _chunk_loads(Src, src_stride, Wt, w_stride, k_lo + 3 * BK, k_hi, rows, row_ok, cols, col_ok,
-                                      ModRow, shift_off, scale_off, LN, BK)
+        a3, s3, c3 = _chunk_inputs(Src, src_stride, k_lo + 3 * BK, k_hi, rows, row_ok, ModRow, shift_off, scale_off,
+                                   LN, BK)
     if LN:
         mean, rstd = _row_stats(Stats, rows, eps, W, XT, NT, NT_P2, BLOCK_M)
     else:
@@ -184,45 +196,51 @@ def _rows_dot(Src, src_stride, Wt, w_stride, k_lo, k_hi, rows, row_ok, cols, col
 
 
 @triton.jit
-def _ln_gemv(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, cols, col_ok, rows, row_ok, eps,
+def _ln_gemv(X, Stats, ModRow, shift_off, scale_off, w0, w1, w2, w3, Bias, WScale, cols, col_ok, rows, row_ok, eps,
              W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr, BLOCK_M: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
-    """(LayerNorm(x) * (1 + scale) + shift) @ Wt[cols]^T (* w_scale) + bias: [BLOCK_M, BN] fp32.
-    Wt [N, W] row-major; BK divides W."""
-    acc = _rows_dot(X, W, Wt, W, 0, W, rows, row_ok, cols, col_ok, ModRow, shift_off, scale_off, Stats, eps,
+    """(LayerNorm(x) * (1 + scale) + shift) @ Wt[cols]^T (* w_scale) + bias: [BLOCK_M, BN] fp32,
+    w0.. the rows cols of Wt [N, W] (_weights over all of W; BK divides W)."""
+    bias = tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)  # in flight with the inputs
+    if SCALED:
+        w_scale = tl.load(WScale + cols, mask=col_ok, other=0.0)
+    acc = _rows_dot(X, W, 0, W, rows, row_ok, w0, w1, w2, w3, ModRow, shift_off, scale_off, Stats, eps,
                     True, W // BK, W, XT, NT, NT_P2, BLOCK_M, BN, BK, DOT, PREC)
     if SCALED:
-        acc *= tl.load(WScale + cols, mask=col_ok, other=0.0)[None, :]
-    return acc + tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc *= w_scale[None, :]
+    return acc + bias[None, :]
 
 
 @triton.jit
-def _ln_linear_phase(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, Out, pid, nprog, rows, row_ok, eps,
-                     N: tl.constexpr, COLS: tl.constexpr, GELU: tl.constexpr,
+def _linear_weights(Wt, item, n_cols, N: tl.constexpr, K: tl.constexpr, COLS: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    """The weights of item `item` (COLS output columns) of a column-range phase: the rows below
+    n_cols (N, or 0 to load none)."""
+    lane = tl.arange(0, BN)
+    cols = item * COLS + lane
+    return _weights(Wt, K, 0, K, cols, (lane < COLS) & (cols < n_cols), K // BK, BK)
+
+
+@triton.jit
+def _ln_linear_phase(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, Out, w0, w1, w2, w3, pid, nprog, rows,
+                     row_ok, eps, N: tl.constexpr, COLS: tl.constexpr, GELU: tl.constexpr,
                      W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                      SCALED: tl.constexpr):
-    """Out [M, N] = act(LN-modulated x @ Wt^T + b): items of COLS output columns (qkv, cross_q, fc1)."""
+    """Out [M, N] = act(LN-modulated x @ Wt^T + b): items of COLS output columns (qkv, cross_q,
+    fc1); w0.. are the weights of this program's first item (item pid)."""
     lane = tl.arange(0, BN)
     for item in range(pid, tl.cdiv(N, COLS), nprog):
+        if item != pid:
+            w0, w1, w2, w3 = _linear_weights(Wt, item, N, N, W, COLS, BN, BK)
         cols = item * COLS + lane
         col_ok = (lane < COLS) & (cols < N)
-        y = _ln_gemv(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, cols, col_ok, rows, row_ok, eps,
-                     W, XT, NT, NT_P2, BLOCK_M, BN, BK, DOT, PREC, SCALED)
+        y = _ln_gemv(X, Stats, ModRow, shift_off, scale_off, w0, w1, w2, w3, Bias, WScale, cols, col_ok, rows,
+                     row_ok, eps, W, XT, NT, NT_P2, BLOCK_M, BN, BK, DOT, PREC, SCALED)
         if GELU:  # exact (erf) GELU, as nn.functional.gelu
             y = 0.5 * y * (1.0 + tl.math.erf(y * INV_SQRT2))
         tl.store(Out + rows[:, None] * N + cols[None, :], y.to(Out.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _prefetch_linear(Wt, pid, nprog, N: tl.constexpr, K: tl.constexpr, COLS: tl.constexpr, BN: tl.constexpr,
-                     LINE: tl.constexpr, LINES: tl.constexpr):
-    """L2 prefetch of the weight rows this program's items of a column-range phase read."""
-    lane = tl.arange(0, BN)
-    for item in range(pid, tl.cdiv(N, COLS), nprog):
-        cols = item * COLS + lane
-        _prefetch_rows(Wt, cols, (lane < COLS) & (cols < N), K, 0, K, LINE, LINES)
 
 
 @triton.jit
@@ -233,6 +251,16 @@ def _finish_x(acc, t, part, PARTS: tl.constexpr, Part, Counter, X, Stats, Bias, 
     x += gate * (sum * w_scale + bias), and stores the tile with its LN stats."""
     lane = tl.arange(0, XT)
     offs = rows[:, None] * XT + lane[None, :]
+    cols = t * XT + lane
+    col_ok = cols < W
+    ok = row_ok[:, None] & col_ok[None, :]
+    # What does not depend on the other parts (x is this phase's input) is loaded before the
+    # counter: off the last arrival's chain of round trips.
+    bias = tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+    gate = tl.load(ModRow + gate_off + cols, mask=col_ok, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * W + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    if SCALED:
+        w_scale = tl.load(WScale + cols, mask=col_ok, other=0.0)
     tl.store(Part + (t * PARTS + part) * (BLOCK_M * XT) + offs, acc)
     tl.debug_barrier()  # the whole tile is written before this program arrives
     if tl.atomic_add(Counter + t, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
@@ -240,15 +268,9 @@ def _finish_x(acc, t, part, PARTS: tl.constexpr, Part, Counter, X, Stats, Bias, 
         for p in tl.static_range(PARTS):
             total += tl.load(Part + (t * PARTS + p) * (BLOCK_M * XT) + offs, cache_modifier=".cg")
         tl.store(Counter + t, 0)
-        cols = t * XT + lane
-        col_ok = cols < W
         if SCALED:
-            total *= tl.load(WScale + cols, mask=col_ok, other=0.0)[None, :]
-        y = total + tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        gate = tl.load(ModRow + gate_off + cols, mask=col_ok, other=0.0).to(tl.float32)
-        ok = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * W + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-        _store_x_tile(x + gate[None, :] * y, ok, X, Stats, t, rows, cols, W, NT, BLOCK_M)
+            total *= w_scale[None, :]
+        _store_x_tile(x + gate[None, :] * (total + bias[None, :]), ok, X, Stats, t, rows, cols, W, NT, BLOCK_M)
 
 
 @triton.jit
@@ -270,22 +292,31 @@ def _self_attention(Qkv, rows, row_ok, h, scale, offs_d, d_ok, W: tl.constexpr, 
 
 
 @triton.jit
-def _head_out_phase(Src, Wo, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, pid, nprog, rows, row_ok,
+def _head_out_weights(Wo, item, n_cols, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr, XT: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """Wo[x tile's columns, head's inputs] of item (x tile, head) [XT, BLOCK_D]: the columns
+    below n_cols (W, or 0 to load none)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    cols = (item // HEADS) * XT + tl.arange(0, XT)
+    return tl.load(Wo + cols[:, None] * W + (item % HEADS) * HD + offs_d[None, :],
+                   mask=(cols < n_cols)[:, None] & (offs_d < HD)[None, :], other=0.0)
+
+
+@triton.jit
+def _head_out_phase(Src, Wo, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, w, pid, nprog, rows, row_ok,
                     scale, ATTEND: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
                     TOKENS: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
     """x += gate * (y @ Wo^T + b) with items (x tile, head): y_h is the self-attention of the
-    fused q/k/v rows Src (ATTEND) or the merged cross-attention rows Src [M, w]."""
+    fused q/k/v rows Src (ATTEND) or the merged cross-attention rows Src [M, w]; w is the
+    weight slice of this program's first item."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
-    lane = tl.arange(0, XT)
     for item in range(pid, HEADS * NT, nprog):
+        if item != pid:
+            w = _head_out_weights(Wo, item, W, W, HEADS, HD, XT, BLOCK_D)
         h = item % HEADS
         t = item // HEADS
-        cols = t * XT + lane
-        col_ok = cols < W
-        w = tl.load(Wo + cols[:, None] * W + h * HD + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :],
-                    other=0.0)
         if ATTEND:
             y = _self_attention(Src, rows, row_ok, h, scale, offs_d, d_ok, W, HD, TOKENS, DOT, PREC)
         else:
@@ -297,27 +328,35 @@ def _head_out_phase(Src, Wo, Bias, WScale, Part, Counter, X, Stats, ModRow, gate
 
 
 @triton.jit
-def _prefetch_head_out(Wo, pid, nprog, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
-                       XT: tl.constexpr, NT: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
-    lane = tl.arange(0, XT)
-    for item in range(pid, HEADS * NT, nprog):
-        cols = (item // HEADS) * XT + lane
-        _prefetch_rows(Wo, cols, cols < W, W, (item % HEADS) * HD, HD, LINE, LINES)
+def _cross_keys(KVj, Mask, msb, item, live, n_keys, keys_per_split, ENTRIES: tl.constexpr, HEADS: tl.constexpr,
+                HD: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+                HAS_MASK: tl.constexpr):
+    """The first BLOCK_KEYS keys of item (entry, head, key split)'s split of KVj: K, V and which
+    count (load_keys; none unless live)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    bh = item // KEY_SPLITS
+    lo = (item % KEY_SPLITS) * keys_per_split
+    head = bh * n_keys * HD
+    return load_keys(KVj + head, KVj + ENTRIES * HEADS * n_keys * HD + head, Mask + (bh // HEADS) * msb, HD, HD, lo,
+                     lo + keys_per_split * live, n_keys, offs_d, offs_d < HD, BLOCK_KEYS, HAS_MASK)
 
 
 @triton.jit
-def _cross_phase(Q, KVj, Mask, msb, OPart, MPart, LPart, Counter, Y, pid, nprog, n_keys, keys_per_split, scale,
-                 ENTRIES: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
-                 TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KEY_SPLITS: tl.constexpr,
-                 BLOCK_KEYS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr):
+def _cross_phase(Q, KVj, Mask, msb, OPart, MPart, LPart, Counter, Y, k0, v0, ok0, pid, nprog, n_keys,
+                 keys_per_split, scale, ENTRIES: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr,
+                 HD: tl.constexpr, TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr):
     """Cross-attention of Q over block j's keys KVj [2, entries, heads, T, hd]: items (entry,
     head, key split) make flash-decoding partials; the last split of an (entry, head) merges
-    them into Y."""
+    them into Y. k0, v0, ok0: the first key chunk of this program's first item (_cross_keys)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
     qi = tl.arange(0, BLOCK_H)
     q_ok = qi < TOKENS
     for item in range(pid, ENTRIES * HEADS * KEY_SPLITS, nprog):
+        if item != pid:
+            k0, v0, ok0 = _cross_keys(KVj, Mask, msb, item, 1, n_keys, keys_per_split, ENTRIES, HEADS, HD,
+                                      KEY_SPLITS, BLOCK_D, BLOCK_KEYS, HAS_MASK)
         split = item % KEY_SPLITS
         bh = item // KEY_SPLITS
         b = bh // HEADS
@@ -327,9 +366,11 @@ def _cross_phase(Q, KVj, Mask, msb, OPart, MPart, LPart, Counter, Y, pid, nprog,
         q = tl.load(Q + qrows[:, None] * W + h * HD + offs_d[None, :], mask=ok, other=0.0, cache_modifier=".cg")
         head = bh * n_keys * HD
         lo = split * keys_per_split
+        acc, m_i, l_i = softmax_start(BLOCK_H, BLOCK_D)
+        acc, m_i, l_i = attend_chunk(q.to(DOT), k0, v0, ok0, scale, acc, m_i, l_i)
         acc, m_i, l_i = attend_keys(q.to(DOT), KVj + head, KVj + ENTRIES * HEADS * n_keys * HD + head,
-                                    Mask + b * msb, HD, HD, lo, lo + keys_per_split, n_keys, scale, offs_d, d_ok,
-                                    BLOCK_KEYS, HAS_MASK)
+                                    Mask + b * msb, HD, HD, lo + BLOCK_KEYS, lo + keys_per_split, n_keys, scale,
+                                    offs_d, d_ok, acc, m_i, l_i, BLOCK_KEYS, HAS_MASK)
         base = (bh * KEY_SPLITS + split) * BLOCK_H
         tl.store(OPart + (base + qi)[:, None] * BLOCK_D + offs_d[None, :], acc)
         tl.store(MPart + base + qi, m_i)
@@ -342,48 +383,34 @@ def _cross_phase(Q, KVj, Mask, msb, OPart, MPart, LPart, Counter, Y, pid, nprog,
             tl.store(Y + qrows[:, None] * W + h * HD + offs_d[None, :], y.to(Y.dtype.element_ty), mask=ok)
 
 
+
 @triton.jit
-def _prefetch_keys(KVj, pid, nprog, n_keys, keys_per_split, ENTRIES: tl.constexpr, HEADS: tl.constexpr,
-                   HD: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, LINE: tl.constexpr,
-                   LINES: tl.constexpr):
-    """The K and V rows of this program's key splits (each split's rows are contiguous)."""
-    keys = tl.arange(0, BLOCK_KEYS)
-    for item in range(pid, ENTRIES * HEADS * KEY_SPLITS, nprog):
-        head = (item // KEY_SPLITS) * n_keys * HD
-        lo = (item % KEY_SPLITS) * keys_per_split
-        for k0 in range(lo, lo + keys_per_split, BLOCK_KEYS):
-            ok = (keys + k0 < n_keys) & (keys + k0 < lo + keys_per_split)
-            for kv in tl.static_range(2):
-                _prefetch_rows(KVj + kv * ENTRIES * HEADS * n_keys * HD + head, keys + k0, ok, HD, 0, HD, LINE, LINES)
+def _fc2_weights(W2, item, n_cols, W: tl.constexpr, MLP: tl.constexpr, XT: tl.constexpr, SPLITS: tl.constexpr,
+                 SPLIT_K: tl.constexpr, BK: tl.constexpr):
+    """W2[x tile's columns, K split] of item (x tile, K split): the columns below n_cols (W, or 0)."""
+    cols = (item // SPLITS) * XT + tl.arange(0, XT)
+    k_lo = (item % SPLITS) * SPLIT_K
+    return _weights(W2, MLP, k_lo, tl.minimum(k_lo + SPLIT_K, MLP), cols, cols < n_cols, (SPLIT_K + BK - 1) // BK,
+                    BK)
 
 
 @triton.jit
-def _fc2_phase(Hid, W2, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, pid, nprog, rows, row_ok,
-               W: tl.constexpr, MLP: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fc2_phase(Hid, W2, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, w0, w1, w2, w3, pid, nprog, rows,
+               row_ok, W: tl.constexpr, MLP: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr,
                SPLITS: tl.constexpr, SPLIT_K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                PREC: tl.constexpr, SCALED: tl.constexpr):
-    """x += gate * (HID @ W2^T + b): items (x tile, K split of SPLIT_K), splits summed in order."""
-    lane = tl.arange(0, XT)
+    """x += gate * (HID @ W2^T + b): items (x tile, K split of SPLIT_K), splits summed in order;
+    w0.. are the weights of this program's first item."""
     for item in range(pid, NT * SPLITS, nprog):
+        if item != pid:
+            w0, w1, w2, w3 = _fc2_weights(W2, item, W, W, MLP, XT, SPLITS, SPLIT_K, BK)
         split = item % SPLITS
         t = item // SPLITS
-        cols = t * XT + lane
-        col_ok = cols < W
         k_lo = split * SPLIT_K
-        acc = _rows_dot(Hid, MLP, W2, MLP, k_lo, tl.minimum(k_lo + SPLIT_K, MLP), rows, row_ok, cols, col_ok, W2, 0, 0,
+        acc = _rows_dot(Hid, MLP, k_lo, tl.minimum(k_lo + SPLIT_K, MLP), rows, row_ok, w0, w1, w2, w3, W2, 0, 0,
                         Stats, 0.0, False, (SPLIT_K + BK - 1) // BK, W, XT, NT, 2, BLOCK_M, XT, BK, DOT, PREC)
         _finish_x(acc, t, split, SPLITS, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off, rows, row_ok,
                   W, XT, NT, BLOCK_M, SCALED)
-
-
-@triton.jit
-def _prefetch_fc2(W2, pid, nprog, W: tl.constexpr, MLP: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
-                  SPLITS: tl.constexpr, SPLIT_K: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
-    lane = tl.arange(0, XT)
-    for item in range(pid, NT * SPLITS, nprog):
-        cols = (item // SPLITS) * XT + lane
-        k0 = (item % SPLITS) * SPLIT_K
-        _prefetch_rows(W2, cols, cols < W, MLP, k0, tl.minimum(SPLIT_K, MLP - k0), LINE, LINES)
 
 
 @triton.jit
@@ -417,7 +444,8 @@ def _out_phase(X, Stats, FModRow, Wout, Bout, XA, VelOut, pid, rows, row_ok, dt,
     if pid == 0:
         offs_a = tl.arange(0, BLOCK_A)
         a_ok = offs_a < A
-        v = _ln_gemv(X, Stats, FModRow, 0, W, Wout, Bout, Bout, offs_a, a_ok, rows, row_ok, eps,
+        w0, w1, w2, w3 = _weights(Wout, W, 0, W, offs_a, a_ok, W // BK, BK)
+        v = _ln_gemv(X, Stats, FModRow, 0, W, w0, w1, w2, w3, Bout, Bout, offs_a, a_ok, rows, row_ok, eps,
                      W, XT, NT, NT_P2, BLOCK_M, BLOCK_A, BK, DOT, PREC, False)
         ok = row_ok[:, None] & a_ok[None, :]
         v = v.to(VelOut.dtype.element_ty)
@@ -441,7 +469,43 @@ def _reuse_phase(XA, Vel, pid, rows, row_ok, dt, A: tl.constexpr, BLOCK_A: tl.co
 
 
 @triton.jit
-def _block_phase(phase, i, j, pid, nprog, rows, row_ok,
+def _phase_weights(phase: tl.constexpr, j, pid, Wqkv, Wso, Wq, Wco, W1, W2, KV, Mask, msb, n_keys, keys_per_split,
+                   ENTRIES: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr, MLP: tl.constexpr,
+                   DEPTH: tl.constexpr, XT: tl.constexpr, BLOCK_D: tl.constexpr, BK: tl.constexpr,
+                   QKV_COLS: tl.constexpr, QKV_BN: tl.constexpr, CQ_COLS: tl.constexpr, CQ_BN: tl.constexpr,
+                   FC1_COLS: tl.constexpr, FC1_BN: tl.constexpr, FC2_SPLITS: tl.constexpr, FC2_K: tl.constexpr,
+                   FC2_BK: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+                   HAS_MASK: tl.constexpr):
+    """What this program's first item in phase `phase` of block j reads that no earlier phase
+    writes (none for j = DEPTH, the block after the last): the weights, as _weights, or for the
+    cross-attention its first key chunk (_cross_keys); a placeholder for the other phases."""
+    live = tl.where(j < DEPTH, 1, 0)
+    if phase == QKV:
+        return _linear_weights(Wqkv + j * (3 * W * W), pid, live * 3 * W, 3 * W, W, QKV_COLS, QKV_BN, BK)
+    elif phase == CROSS_Q:
+        return _linear_weights(Wq + j * (W * W), pid, live * W, W, W, CQ_COLS, CQ_BN, BK)
+    elif phase == FC1:
+        return _linear_weights(W1 + j * (MLP * W), pid, live * MLP, MLP, W, FC1_COLS, FC1_BN, BK)
+    elif phase == FC2:
+        return _fc2_weights(W2 + j * (W * MLP), pid, live * W, W, MLP, XT, FC2_SPLITS, FC2_K, FC2_BK)
+    elif phase == SELF:
+        w = _head_out_weights(Wso + j * (W * W), pid, live * W, W, HEADS, HD, XT, BLOCK_D)
+        return w, w, w, w
+    elif phase == CROSS_OUT:
+        w = _head_out_weights(Wco + j * (W * W), pid, live * W, W, HEADS, HD, XT, BLOCK_D)
+        return w, w, w, w
+    elif phase == CROSS:
+        k, v, ok = _cross_keys(KV + j * (2 * ENTRIES * HEADS * n_keys * HD), Mask, msb, pid,
+                               live * tl.where(pid < ENTRIES * HEADS * KEY_SPLITS, 1, 0), n_keys, keys_per_split,
+                               ENTRIES, HEADS, HD, KEY_SPLITS, BLOCK_D, BLOCK_KEYS, HAS_MASK)
+        return k, v, ok, ok
+    else:
+        none = tl.zeros([16, 16], tl.float32)
+        return none, none, none, none
+
+
+@triton.jit
+def _block_phase(phase: tl.constexpr, i, j, pid, nprog, rows, row_ok, w0, w1, w2, w3,
                  Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
                  Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter,
                  n_keys, keys_per_split, eps, attn_scale,
@@ -452,68 +516,74 @@ def _block_phase(phase, i, j, pid, nprog, rows, row_ok,
                  CQ_BN: tl.constexpr, FC1_COLS: tl.constexpr, FC1_BN: tl.constexpr, FC2_SPLITS: tl.constexpr,
                  FC2_K: tl.constexpr, FC2_BK: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
                  HAS_MASK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
-    """Phase `phase` of block j at flow step i."""
+    """Phase `phase` of block j at flow step i; w0.. from _phase_weights(phase, j)."""
     mod = Mods + (i * DEPTH + j) * (9 * W)
     if phase == QKV:
         _ln_linear_phase(X, Stats, mod, 0, W, Wqkv + j * (3 * W * W), Bqkv + j * 3 * W, Sqkv + j * 3 * W, QkvBuf,
-                         pid, nprog, rows, row_ok, eps, 3 * W, QKV_COLS, False, W, XT, NT, NT_P2, BLOCK_M, QKV_BN,
-                         BK, DOT, PREC, SCALED)
+                         w0, w1, w2, w3, pid, nprog, rows, row_ok, eps, 3 * W, QKV_COLS, False, W, XT, NT, NT_P2,
+                         BLOCK_M, QKV_BN, BK, DOT, PREC, SCALED)
     elif phase == SELF:
         _head_out_phase(QkvBuf, Wso + j * (W * W), Bso + j * W, Sso + j * W, Part, Counter, X, Stats, mod, 2 * W,
-                        pid, nprog, rows, row_ok, attn_scale, True, W, HEADS, HD, TOKENS, XT, NT, BLOCK_M,
+                        w0, pid, nprog, rows, row_ok, attn_scale, True, W, HEADS, HD, TOKENS, XT, NT, BLOCK_M,
                         BLOCK_D, DOT, PREC, SCALED)
     elif phase == CROSS_Q:
         _ln_linear_phase(X, Stats, mod, 3 * W, 4 * W, Wq + j * (W * W), Bq + j * W, Sq + j * W, Q,
-                         pid, nprog, rows, row_ok, eps, W, CQ_COLS, False, W, XT, NT, NT_P2, BLOCK_M, CQ_BN,
-                         BK, DOT, PREC, SCALED)
+                         w0, w1, w2, w3, pid, nprog, rows, row_ok, eps, W, CQ_COLS, False, W, XT, NT, NT_P2, BLOCK_M,
+                         CQ_BN, BK, DOT, PREC, SCALED)
     elif phase == CROSS:
         _cross_phase(Q, KV + j * (2 * ENTRIES * HEADS * n_keys * HD), Mask, msb, OPart, MPart, LPart, Counter, Y,
-                     pid, nprog, n_keys, keys_per_split, attn_scale, ENTRIES, W, HEADS, HD, TOKENS, BLOCK_H,
-                     BLOCK_D, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, DOT)
+                     w0, w1, w2, pid, nprog, n_keys, keys_per_split, attn_scale, ENTRIES, W, HEADS, HD, TOKENS,
+                     BLOCK_H, BLOCK_D, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, DOT)
     elif phase == CROSS_OUT:
         _head_out_phase(Y, Wco + j * (W * W), Bco + j * W, Sco + j * W, Part, Counter, X, Stats, mod, 5 * W,
-                        pid, nprog, rows, row_ok, attn_scale, False, W, HEADS, HD, TOKENS, XT, NT, BLOCK_M,
+                        w0, pid, nprog, rows, row_ok, attn_scale, False, W, HEADS, HD, TOKENS, XT, NT, BLOCK_M,
                         BLOCK_D, DOT, PREC, SCALED)
     elif phase == FC1:
         _ln_linear_phase(X, Stats, mod, 6 * W, 7 * W, W1 + j * (MLP * W), B1 + j * MLP, S1 + j * MLP, Hid,
-                         pid, nprog, rows, row_ok, eps, MLP, FC1_COLS, True, W, XT, NT, NT_P2, BLOCK_M, FC1_BN,
-                         BK, DOT, PREC, SCALED)
+                         w0, w1, w2, w3, pid, nprog, rows, row_ok, eps, MLP, FC1_COLS, True, W, XT, NT, NT_P2,
+                         BLOCK_M, FC1_BN, BK, DOT, PREC, SCALED)
     elif phase == FC2:
         _fc2_phase(Hid, W2 + j * (W * MLP), B2 + j * W, S2 + j * W, Part, Counter, X, Stats, mod, 8 * W,
-                   pid, nprog, rows, row_ok, W, MLP, XT, NT, BLOCK_M, FC2_SPLITS, FC2_K, FC2_BK, DOT, PREC, SCALED)
+                   w0, w1, w2, w3, pid, nprog, rows, row_ok, W, MLP, XT, NT, BLOCK_M, FC2_SPLITS, FC2_K, FC2_BK, DOT,
+                   PREC, SCALED)
 
 
 @triton.jit
-def _prefetch_phase(phase, j, pid, nprog, Wqkv, Wso, Wq, Wco, W1, W2, KV, n_keys, keys_per_split,
-                    ENTRIES: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
-                    MLP: tl.constexpr, DEPTH: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
-                    QKV_COLS: tl.constexpr, QKV_BN: tl.constexpr, CQ_COLS: tl.constexpr, CQ_BN: tl.constexpr,
-                    FC1_COLS: tl.constexpr, FC1_BN: tl.constexpr, FC2_SPLITS: tl.constexpr, FC2_K: tl.constexpr,
-                    KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, LINE: tl.constexpr, LINES_W: tl.constexpr,
-                    LINES_HD: tl.constexpr, LINES_FC2: tl.constexpr):
-    """Ask L2 for what this program reads in phase `phase` of block j (none past the last block)."""
-    if j < DEPTH:
-        if phase == QKV:
-            _prefetch_linear(Wqkv + j * (3 * W * W), pid, nprog, 3 * W, W, QKV_COLS, QKV_BN, LINE, LINES_W)
-        elif phase == SELF:
-            _prefetch_head_out(Wso + j * (W * W), pid, nprog, W, HEADS, HD, XT, NT, LINE, LINES_HD)
-        elif phase == CROSS_Q:
-            _prefetch_linear(Wq + j * (W * W), pid, nprog, W, W, CQ_COLS, CQ_BN, LINE, LINES_W)
-        elif phase == CROSS:
-            _prefetch_keys(KV + j * (2 * ENTRIES * HEADS * n_keys * HD), pid, nprog, n_keys, keys_per_split, ENTRIES,
-                           HEADS, HD, KEY_SPLITS, BLOCK_KEYS, LINE, LINES_HD)
-        elif phase == CROSS_OUT:
-            _prefetch_head_out(Wco + j * (W * W), pid, nprog, W, HEADS, HD, XT, NT, LINE, LINES_HD)
-        elif phase == FC1:
-            _prefetch_linear(W1 + j * (MLP * W), pid, nprog, MLP, W, FC1_COLS, FC1_BN, LINE, LINES_W)
-        elif phase == FC2:
-            _prefetch_fc2(W2 + j * (W * MLP), pid, nprog, W, MLP, XT, NT, FC2_SPLITS, FC2_K, LINE, LINES_FC2)
+def _sync(NEXT: tl.constexpr, jn, segment, pid, Bar, Err, Trace, target, Wqkv, Wso, Wq, Wco, W1, W2, KV, Mask, msb,
+          n_keys, keys_per_split, ENTRIES: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
+          MLP: tl.constexpr, DEPTH: tl.constexpr, XT: tl.constexpr, BLOCK_D: tl.constexpr, BK: tl.constexpr,
+          QKV_COLS: tl.constexpr, QKV_BN: tl.constexpr, CQ_COLS: tl.constexpr, CQ_BN: tl.constexpr,
+          FC1_COLS: tl.constexpr, FC1_BN: tl.constexpr, FC2_SPLITS: tl.constexpr, FC2_K: tl.constexpr,
+          FC2_BK: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, HAS_MASK: tl.constexpr,
+          HOIST: tl.constexpr, SPIN_LIMIT: tl.constexpr, TRACE: tl.constexpr, SEGMENTS: tl.constexpr):
+    """The grid barrier that ends this program's segment `segment` (a phase) and starts the next,
+    phase NEXT of block jn: its weights (_phase_weights) are loaded between this program's
+    arrival and its wait with HOIST (they do not depend on the barrier, so their memory latency
+    runs while the other programs finish), else after. TRACE: the segment's start and end times
+    (globaltimer ns) into Trace [programs, SEGMENTS, 2]."""
+    if TRACE:
+        tl.store(Trace + (pid * SEGMENTS + segment) * 2 + 1, _clock_ns(pid))
+    _grid_arrive(Bar)
+    if HOIST:
+        w0, w1, w2, w3 = _phase_weights(NEXT, jn, pid, Wqkv, Wso, Wq, Wco, W1, W2, KV, Mask, msb, n_keys,
+                                        keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS,
+                                        QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK,
+                                        KEY_SPLITS, BLOCK_KEYS, HAS_MASK)
+    _grid_wait(Bar, Err, target, SPIN_LIMIT)
+    if not HOIST:
+        w0, w1, w2, w3 = _phase_weights(NEXT, jn, pid, Wqkv, Wso, Wq, Wco, W1, W2, KV, Mask, msb, n_keys,
+                                        keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS,
+                                        QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK,
+                                        KEY_SPLITS, BLOCK_KEYS, HAS_MASK)
+    if TRACE:
+        tl.store(Trace + (pid * SEGMENTS + segment + 1) * 2, _clock_ns(pid))
+    return w0, w1, w2, w3
 
 
 @triton.jit
 def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
                 Win, Bin, Pos, Wout, Bout, Mods, FMods, KV, Mask, msb,
-                X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter, Bar, Err,
+                X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter, Bar, Err, Trace,
                 M, n_keys, keys_per_split, step_lo, step_hi, block, dt, eps, attn_scale,
                 PHASE: tl.constexpr, EULER: tl.constexpr, ENTRIES: tl.constexpr, W: tl.constexpr,
                 HEADS: tl.constexpr, HD: tl.constexpr, MLP: tl.constexpr, A: tl.constexpr, TOKENS: tl.constexpr,
@@ -523,8 +593,7 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
                 CQ_BN: tl.constexpr, FC1_COLS: tl.constexpr, FC1_BN: tl.constexpr, FC2_SPLITS: tl.constexpr,
                 FC2_K: tl.constexpr, FC2_BK: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
                 HAS_MASK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr,
-                PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES_W: tl.constexpr, LINES_HD: tl.constexpr,
-                LINES_FC2: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+                HOIST: tl.constexpr, SPIN_LIMIT: tl.constexpr, TRACE: tl.constexpr, SEGMENTS: tl.constexpr):
     """Flow steps step_lo .. step_hi - 1 of the expert on actions XA [M, A] (fp32, updated in
     place when EULER; Vel [steps, M, A] gets each computed step's velocity). PERSISTENT: the
     whole range in this launch, Reuse [steps] (int32, -1 or the step whose velocity a step
@@ -534,7 +603,9 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     if PHASE == PERSISTENT:
-        syncs = 0  # grid barriers passed
+        if TRACE:
+            tl.store(Trace + pid * SEGMENTS * 2, _clock_ns(pid))
+        seg = 0  # segments ended = grid barriers passed
         for i in range(step_lo, step_hi):
             source = tl.load(Reuse + i)
             if source >= 0:
@@ -542,36 +613,45 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
             else:
                 _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M, W, A, TOKENS, XT, NT, BLOCK_M,
                           BLOCK_A, DOT, PREC)
-                syncs += 1
-                _grid_arrive(Bar)
-                if PREFETCH:
-                    _prefetch_phase(QKV, 0, pid, nprog, Wqkv, Wso, Wq, Wco, W1, W2, KV, n_keys, keys_per_split,
-                                    ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, NT, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN,
-                                    FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, KEY_SPLITS, BLOCK_KEYS, LINE, LINES_W,
-                                    LINES_HD, LINES_FC2)
-                _grid_wait(Bar, Err, syncs * nprog, SPIN_LIMIT)
+                q0, q1, q2, q3 = _sync(QKV, 0, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco, W1, W2,
+                                       KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT,
+                                       BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS,
+                                       FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST, SPIN_LIMIT, TRACE,
+                                       SEGMENTS)
+                seg += 1
                 for j in range(DEPTH):
-                    for phase in range(QKV, FC2 + 1):  # a uniform branch per phase: one code copy
-                        _block_phase(phase, i, j, pid, nprog, rows, row_ok,
+                    # The phases unrolled: each holds its own preloaded registers (QKV's carried
+                    # from the previous block's last barrier).
+                    for phase in tl.static_range(QKV, FC2 + 1):
+                        if phase != QKV:
+                            w0, w1, w2, w3 = _sync(phase, j, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso,
+                                                   Wq, Wco, W1, W2, KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W,
+                                                   HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS,
+                                                   CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS,
+                                                   BLOCK_KEYS, HAS_MASK, HOIST, SPIN_LIMIT, TRACE, SEGMENTS)
+                            seg += 1
+                        else:
+                            w0, w1, w2, w3 = q0, q1, q2, q3
+                        _block_phase(phase, i, j, pid, nprog, rows, row_ok, w0, w1, w2, w3,
                                      Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2,
                                      S2, Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part,
                                      Counter, n_keys, keys_per_split, eps, attn_scale, ENTRIES, W, HEADS, HD, MLP,
                                      TOKENS, DEPTH, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_D, BK, QKV_COLS, QKV_BN,
                                      CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS,
                                      BLOCK_KEYS, HAS_MASK, DOT, PREC, SCALED)
-                        syncs += 1
-                        _grid_arrive(Bar)
-                        if PREFETCH:  # the next phase's weights stream into L2 while the others finish this one
-                            _prefetch_phase(phase % FC2 + 1, j + phase // FC2, pid, nprog, Wqkv, Wso, Wq, Wco, W1,
-                                            W2, KV, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, NT,
-                                            QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K,
-                                            KEY_SPLITS, BLOCK_KEYS, LINE, LINES_W, LINES_HD, LINES_FC2)
-                        _grid_wait(Bar, Err, syncs * nprog, SPIN_LIMIT)
+                    q0, q1, q2, q3 = _sync(QKV, j + 1, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco,
+                                           W1, W2, KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP,
+                                           DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN,
+                                           FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST,
+                                           SPIN_LIMIT, TRACE, SEGMENTS)
+                    seg += 1
                 _out_phase(X, Stats, FMods + i * (2 * W), Wout, Bout, XA, Vel + i * M * A, pid, rows, row_ok, dt, eps,
                            EULER, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_A, BK, DOT, PREC)
-            syncs += 1
-            _grid_arrive(Bar)
-            _grid_wait(Bar, Err, syncs * nprog, SPIN_LIMIT)
+            _sync(IN, 0, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco, W1, W2, KV, Mask, msb,
+                  n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS,
+                  CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST,
+                  SPIN_LIMIT, TRACE, SEGMENTS)
+            seg += 1
     elif PHASE == IN:
         _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M, W, A, TOKENS, XT, NT, BLOCK_M, BLOCK_A,
                   DOT, PREC)
@@ -581,10 +661,13 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
     elif PHASE == REUSE:
         _reuse_phase(XA, Vel + tl.load(Reuse + step_lo) * M * A, pid, rows, row_ok, dt, A, BLOCK_A)
     else:
-        _block_phase(PHASE, step_lo, block, pid, nprog, rows, row_ok,
+        w0, w1, w2, w3 = _phase_weights(PHASE, block, pid, Wqkv, Wso, Wq, Wco, W1, W2, KV, Mask, msb, n_keys,
+                                        keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS,
+                                        QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK,
+                                        KEY_SPLITS, BLOCK_KEYS, HAS_MASK)
+        _block_phase(PHASE, step_lo, block, pid, nprog, rows, row_ok, w0, w1, w2, w3,
                      Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
                      Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter,
                      n_keys, keys_per_split, eps, attn_scale, ENTRIES, W, HEADS, HD, MLP, TOKENS, DEPTH, XT, NT,
                      NT_P2, BLOCK_M, BLOCK_H, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN,
                      FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, DOT, PREC, SCALED)
-

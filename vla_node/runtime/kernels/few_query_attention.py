@@ -24,32 +24,51 @@ BLOCK_N = 64
 
 
 @triton.jit
-def attend_keys(q, K, V, Mask, skn, svn, lo, hi, n_keys, scale, offs_d, d_ok,
+def load_keys(K, V, Mask, skn, svn, start, hi, n_keys, offs_d, d_ok, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Keys start .. start + BLOCK_N - 1 (clipped to hi and n_keys) of one (batch, head): K and V
+    [BLOCK_N, BLOCK_D] and which of them count [BLOCK_N] (in range, and unmasked when HAS_MASK)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < n_keys) & (offs_n < hi)  # hi need not be a multiple of BLOCK_N
+    k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    if HAS_MASK:
+        n_ok = n_ok & (tl.load(Mask + offs_n, mask=n_ok, other=0) != 0)
+    return k, v, n_ok
+
+
+@triton.jit
+def attend_chunk(q, k, v, n_ok, scale, acc, m_i, l_i):
+    """One chunk of keys (load_keys) into the online softmax state (acc, m_i, l_i) of queries q."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+    s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attend_keys(q, K, V, Mask, skn, svn, lo, hi, n_keys, scale, offs_d, d_ok, acc, m_i, l_i,
                 BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
     """Online softmax of queries q [M, BLOCK_D] over keys lo..hi - 1 (clipped to n_keys) of one
-    (batch, head): K, V point at its key 0, Mask at its mask entry 0 (bool, read when HAS_MASK).
-    Returns (acc [M, BLOCK_D] fp32 un-normalised, running max m [M], denominator l [M]); a chunk
-    with no valid key gives m = -inf, l = 0. Dots run in q's dtype."""
-    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
-    l_i = tl.zeros([q.shape[0]], tl.float32)
-    acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
+    (batch, head), from the state (acc, m_i, l_i) (start: 0, -inf, 0): K, V point at its key 0,
+    Mask at its mask entry 0 (bool, read when HAS_MASK). Returns (acc [M, BLOCK_D] fp32
+    un-normalised, running max m [M], denominator l [M]); no valid key gives m = -inf, l = 0.
+    Dots run in q's dtype."""
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = (offs_n < n_keys) & (offs_n < hi)  # hi need not be a multiple of BLOCK_N
-        k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + offs_n[:, None] * svn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if HAS_MASK:
-            n_ok = n_ok & (tl.load(Mask + offs_n, mask=n_ok, other=0) != 0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+        k, v, n_ok = load_keys(K, V, Mask, skn, svn, start, hi, n_keys, offs_d, d_ok, BLOCK_N, HAS_MASK)
+        acc, m_i, l_i = attend_chunk(q, k, v, n_ok, scale, acc, m_i, l_i)
     return acc, m_i, l_i
+
+
+@triton.jit
+def softmax_start(M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax state before any key: (acc, m, l)."""
+    return (tl.zeros([M, BLOCK_D], tl.float32), tl.full([M], float("-inf"), tl.float32),
+            tl.zeros([M], tl.float32))
 
 
 @triton.jit
@@ -88,9 +107,10 @@ def _partial(Q, K, V, Mask, OPart, MPart, LPart, Out, n_keys, heads, scale,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    acc, m_i, l_i = softmax_start(M, BLOCK_D)
     acc, m_i, l_i = attend_keys(q, K + b * skb + h * skh, V + b * svb + h * svh, Mask + b * smb, skn, svn,
                                 split * KEYS_PER_PROGRAM, (split + 1) * KEYS_PER_PROGRAM, n_keys, scale,
-                                offs_d, d_ok, BLOCK_N, HAS_MASK)
+                                offs_d, d_ok, acc, m_i, l_i, BLOCK_N, HAS_MASK)
     if DIRECT:  # one chunk holds every key: normalise and write the output, no merge pass
         tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :],
                  (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=d_ok[None, :])
