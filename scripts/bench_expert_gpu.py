@@ -283,8 +283,8 @@ class Bench:
                     "fused persistent, weights after the wait": FusedExpert(e, tiling=Tiling(hoist=False)),
                     "fused persistent, 8 key splits": FusedExpert(e, tiling=Tiling(key_splits=8)),
                     "fused persistent, 4 key splits": FusedExpert(e, tiling=Tiling(key_splits=4)),
-                    "fused per-phase": FusedExpert(e, tiling=Tiling(persistent=False)),
-                    "fused persistent fp8": FusedExpert(e, fp8=True)}
+                    "fused persistent fp8": FusedExpert(e, fp8=True),
+                    "fused per-phase": FusedExpert(e, tiling=Tiling(persistent=False))}
         parts = self.args.parts.split(",")
         # Most telling first; the budget cuts from the end.
         for k, ctx in enumerate(contexts):
