@@ -18,7 +18,7 @@ import torch
 
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, euler, flow_times
-from vla_node.runtime import EngineConfig, PolicyEngine
+from vla_node.runtime import EngineConfig, PolicyEngine, fused_expert
 from vla_node.runtime.fused_expert import FusedExpert, Tiling
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,6 +160,16 @@ def test_fused_expert_rejects_more_than_128_rows(tiny):
         FusedExpert(expert).velocity(torch.zeros(9, 16, 8, device=DEVICE), mods, kv9)
 
 
+def test_batches_over_32_rows_run_one_launch_per_phase(tiny, monkeypatch):
+    """The persistent loop takes at most PERSISTENT_MAX_ROWS rows (2 observations of 16 actions):
+    at 64 it hit an illegal access on the H200, so larger batches take the per-phase launches."""
+    expert = tiny[0]
+    monkeypatch.setattr(fused_expert, "interpreting", lambda: False)
+    fused = FusedExpert(expert)
+    runs = {b: fused.runs_persistent(fused.buffers(b, 16, 20, 1, "cpu")) for b in (1, 2, 4)}
+    assert runs == {1: True, 2: True, 4: False}
+
+
 def test_engine_with_the_fused_expert_matches_the_reference_engine():
     """The engine's action stage on the kernel (static runner: one flow() per query) against the
     same engine's reference loop, with an action-cache schedule."""
@@ -229,7 +239,7 @@ def test_every_kernel_configuration_compiles_for_hopper(mode, kernels):
 
 # -- GPU only -----------------------------------------------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.parametrize("entries", [1, 4])
+@pytest.mark.parametrize("entries", [1, 2])
 def test_persistent_flow_on_gpu_replays_bit_identically_and_matches_per_phase(entries):
     expert, kv, mask, noise = expert_inputs("molmobot-4b" if entries == 1 else "tiny", entries, 200)
     expert16 = copy.deepcopy(expert).to(torch.bfloat16)

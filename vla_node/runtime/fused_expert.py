@@ -49,6 +49,11 @@ from .kernels.expert_flow import (
 BLOCK_PHASES = (QKV, SELF, CROSS_Q, CROSS, CROSS_OUT, FC1, FC2)
 MAX_ROWS = 128          # batch entries x horizon the kernel takes (8 observations of 16 actions)
 SPIN_LIMIT = 1 << 22    # polls of a grid barrier before it gives up (~seconds): see flow_kernel
+# Rows the persistent loop takes; more run one launch per phase. On the H200 the full-size
+# persistent loop hit an illegal memory access at 64 rows (4 observations), with and without the
+# weights hoisted, while the same phases launched one by one ran clean under compute-sanitizer
+# and the tiny preset's persistent loop passed at 64 rows (BENCHMARKS.md, issue 22): not found yet.
+PERSISTENT_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,10 @@ class FusedExpert:
     def persistent(self) -> bool:
         return self.tiling.persistent and not interpreting()
 
+    def runs_persistent(self, buf: Buffers) -> bool:
+        """Whether a call with these buffers is one persistent launch (else one per phase)."""
+        return self.persistent and buf.plan["BLOCK_M"] <= PERSISTENT_MAX_ROWS
+
     # -- inputs --------------------------------------------------------------------------------
     def schedule(self, mod_table: list, reuse: Optional[dict[int, int]] = None) -> FlowInputs:
         """FlowInputs of ActionExpert.modulations per flow step (mod_table[i] = (block mods
@@ -302,7 +311,7 @@ class FusedExpert:
         return buf
 
     def _run(self, buf: Buffers, inputs: FlowInputs, ctx_mask: Optional[torch.Tensor], euler: bool) -> None:
-        if self.persistent:
+        if self.runs_persistent(buf):
             buf.barrier.zero_()
             if self.tiling.trace:
                 shape = (buf.plan["programs"], self.segments(inputs), 2)
