@@ -31,6 +31,7 @@ from triton.testing import do_bench
 
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, euler, flow_times
+from vla_node.runtime import fused_expert
 from vla_node.runtime.compile import uncompile
 from vla_node.runtime.fused_expert import SPIN_LIMIT, FusedExpert, Tiling
 from vla_node.runtime.fusion import fuse_projections
@@ -172,7 +173,9 @@ class Bench:
 
     def fused_loop(self, name: str, fused: FusedExpert, ctx: dict, **kw):
         inputs = fused.schedule(ctx["mods"])
-        launches = 1 if fused.persistent else STEPS * (7 * len(self.expert.blocks) + 2)
+        noise = ctx["noise"]
+        buf = fused.buffers(ctx["entries"], noise.shape[1], ctx["kv"][0][0].shape[2], STEPS, noise.device)
+        launches = 1 if fused.runs_persistent(buf) else STEPS * (7 * len(self.expert.blocks) + 2)
         self.loop(name, lambda: fused.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"]), ctx,
                   fused.weight_bytes(), launches, fused=fused, **kw)
 
@@ -360,7 +363,11 @@ def main():
                          "phase), phases (each kernel alone, the barrier), batch (B = 1-8), compiled (the engine's "
                          "compiled blocks)")
     ap.add_argument("--preset", default="molmobot-4b", help="model preset (tiny: a CPU dry run of the script)")
+    ap.add_argument("--force-persistent", action="store_true",
+                    help="batches over PERSISTENT_MAX_ROWS persistent too (they run one launch per phase)")
     args = ap.parse_args()
+    if args.force_persistent:
+        fused_expert.PERSISTENT_MAX_ROWS = fused_expert.MAX_ROWS
     os.makedirs(args.out, exist_ok=True)
     with torch.inference_mode():
         Bench(args).run()

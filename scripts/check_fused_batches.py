@@ -4,6 +4,10 @@ and its error. Run under compute-sanitizer with --per-phase to find which phase 
 out of bounds (the persistent loop spins at barriers, which the sanitizer slows to a crawl).
 
     PYTHONPATH=$PWD python3 scripts/check_fused_batches.py --entries 1,2,4,8 [--per-phase] [--no-hoist] [--steps 10]
+
+--force-persistent runs batches over PERSISTENT_MAX_ROWS persistent too (to look for the bug that
+limit stands in for); --spin-limit N lets barriers give up after N polls, so the persistent loop
+finishes under compute-sanitizer (with wrong numbers, but the same addresses).
 """
 import argparse
 import copy
@@ -12,6 +16,7 @@ import torch
 
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, euler, flow_times
+from vla_node.runtime import fused_expert
 from vla_node.runtime.fused_expert import FusedExpert, Tiling
 from vla_node.runtime.fusion import fuse_projections
 
@@ -23,7 +28,13 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--per-phase", action="store_true", help="one launch per phase instead of the persistent loop")
     ap.add_argument("--no-hoist", action="store_true", help="each phase's weights loaded after its barrier wait")
+    ap.add_argument("--force-persistent", action="store_true", help="persistent whatever the rows")
+    ap.add_argument("--spin-limit", type=int, default=0, help="polls before a barrier gives up (0: the default)")
     args = ap.parse_args()
+    if args.force_persistent:
+        fused_expert.PERSISTENT_MAX_ROWS = fused_expert.MAX_ROWS
+    if args.spin_limit:
+        fused_expert.SPIN_LIMIT = args.spin_limit
     cfg = get_preset("molmobot-4b")
     with torch.device("cuda"):
         expert = ActionExpert(cfg).eval().requires_grad_(False)
