@@ -31,7 +31,6 @@ from triton.testing import do_bench
 
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, euler, flow_times
-from vla_node.runtime import fused_expert
 from vla_node.runtime.compile import uncompile
 from vla_node.runtime.fused_expert import SPIN_LIMIT, FusedExpert, Tiling
 from vla_node.runtime.fusion import fuse_projections
@@ -212,19 +211,20 @@ class Bench:
             print(f"phases failed:\n{traceback.format_exc()}", flush=True)
         self.save()
 
-    def anatomy(self, ctx: dict):
+    def anatomy(self, ctx: dict, variants: tuple[str, ...] = ("hoisted", "after the wait")):
         """Where the persistent loop's time goes, from its own timestamps (Tiling(trace=True)):
         per phase, the span from the last arrival at the barrier before it to the last arrival
         at the barrier after it, split into the barrier's release (last arrival -> a program
         sees it, median over programs) and the slowest program's work (its wait's end -> its
         arrival)."""
         if DEVICE == "cpu" or self.left_s() < 20:
-            self.results["skipped"].append(f"anatomy @ {ctx['tokens']}")
+            self.results["skipped"].append(f"anatomy @ {ctx['tokens']} x{ctx['entries']}")
             return
         try:
             import numpy as np
-            for name, tiling in (("hoisted", Tiling(trace=True)), ("after the wait", Tiling(trace=True, hoist=False))):
-                fused = FusedExpert(self.expert, tiling=tiling)
+            tilings = {"hoisted": Tiling(trace=True), "after the wait": Tiling(trace=True, hoist=False)}
+            for name in variants:
+                fused = FusedExpert(self.expert, tiling=tilings[name])
                 inputs = fused.schedule(ctx["mods"])
                 for _ in range(3):  # the last of three
                     fused.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
@@ -242,6 +242,7 @@ class Bench:
                     r["release"].append(float(np.median(t[:, s, 0])) - last_end[s - 1])
                     r["work"].append(float((t[:, s, 1] - t[:, s, 0]).max()))
                 total = last_end[-1] - t[:, 0, 0].min()
+                name = f"{name}, B={ctx['entries']}"
                 print(f"  anatomy ({name}): loop {total / 1e3:.2f} ms from the kernel's own clock", flush=True)
                 for phase, r in rows.items():
                     row = dict(variant=name, phase=phase, count=len(r["span"]),
@@ -252,7 +253,7 @@ class Bench:
                           f"{row['work']:5.2f} (median of {row['count']}; {100 * row['share']:4.1f} % of the loop)",
                           flush=True)
         except Exception:
-            self.results["errors"][f"anatomy @ {ctx['tokens']}"] = traceback.format_exc()
+            self.results["errors"][f"anatomy @ {ctx['tokens']} x{ctx['entries']}"] = traceback.format_exc()
             print(f"anatomy failed:\n{traceback.format_exc()}", flush=True)
         self.save()
 
@@ -299,7 +300,10 @@ class Bench:
             if k == 0 and "anatomy" in parts:
                 self.anatomy(ctx)
             for entries in (1, 4, 2, 8) if k == 0 and "batch" in parts else ():
-                self.fused_loop("fused persistent", self.fused, self.context(ctx["tokens"], entries), needs_s=30)
+                batch = self.context(ctx["tokens"], entries)
+                self.fused_loop("fused persistent", self.fused, batch, needs_s=30)
+                if entries in (4, 8) and "anatomy" in parts:
+                    self.anatomy(batch, ("hoisted",))
         if "phases" in parts:
             self.barriers()
             self.phases(contexts[0])
@@ -342,7 +346,7 @@ class Bench:
             print(f"\n{'persistent loop, own clock (median us)':40s} {'span':>6s} {'release':>7s} {'work':>6s} "
                   f"{'share':>6s}")
             for x in r["anatomy"]:
-                print(f"{x['variant'][:18]:18s} {x['phase']:21s} {x['span']:6.2f} {x['release']:7.2f} {x['work']:6.2f} "
+                print(f"{x['variant'][:26]:26s} {x['phase']:13s} {x['span']:6.2f} {x['release']:7.2f} {x['work']:6.2f} "
                       f"{100 * x['share']:5.1f}%")
         for what in r["skipped"]:
             print(f"skipped: {what}")
@@ -363,11 +367,7 @@ def main():
                          "phase), phases (each kernel alone, the barrier), batch (B = 1-8), compiled (the engine's "
                          "compiled blocks)")
     ap.add_argument("--preset", default="molmobot-4b", help="model preset (tiny: a CPU dry run of the script)")
-    ap.add_argument("--force-persistent", action="store_true",
-                    help="batches over PERSISTENT_MAX_ROWS persistent too (they run one launch per phase)")
     args = ap.parse_args()
-    if args.force_persistent:
-        fused_expert.PERSISTENT_MAX_ROWS = fused_expert.MAX_ROWS
     os.makedirs(args.out, exist_ok=True)
     with torch.inference_mode():
         Bench(args).run()

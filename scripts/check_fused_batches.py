@@ -5,9 +5,8 @@ out of bounds (the persistent loop spins at barriers, which the sanitizer slows 
 
     PYTHONPATH=$PWD python3 scripts/check_fused_batches.py --entries 1,2,4,8 [--per-phase] [--no-hoist] [--steps 10]
 
---force-persistent runs batches over PERSISTENT_MAX_ROWS persistent too (to look for the bug that
-limit stands in for); --spin-limit N lets barriers give up after N polls, so the persistent loop
-finishes under compute-sanitizer (with wrong numbers, but the same addresses).
+--spin-limit N lets barriers give up after N polls, so the persistent loop finishes under
+compute-sanitizer (with wrong numbers, but the same addresses).
 """
 import argparse
 import copy
@@ -28,11 +27,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--per-phase", action="store_true", help="one launch per phase instead of the persistent loop")
     ap.add_argument("--no-hoist", action="store_true", help="each phase's weights loaded after its barrier wait")
-    ap.add_argument("--force-persistent", action="store_true", help="persistent whatever the rows")
     ap.add_argument("--spin-limit", type=int, default=0, help="polls before a barrier gives up (0: the default)")
     args = ap.parse_args()
-    if args.force_persistent:
-        fused_expert.PERSISTENT_MAX_ROWS = fused_expert.MAX_ROWS
     if args.spin_limit:
         fused_expert.SPIN_LIMIT = args.spin_limit
     cfg = get_preset("molmobot-4b")

@@ -8,6 +8,7 @@ Tolerances: fp32 1e-5 relative. bf16 models: within bf16 noise, i.e. no farther 
 model than the eager bf16 expert is (~7e-3 on the tiny model; under the interpreter the dots
 run in fp32, on the GPU in bf16)."""
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -32,9 +33,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def expert_inputs(preset: str, entries: int, context: int, seed: int = 0):
-    """A random expert (fp32) and one query's context K/V (with padding masked), noise."""
+def expert_inputs(preset: str, entries: int, context: int, seed: int = 0, horizon: int = 0):
+    """A random expert (fp32) and one query's context K/V (with padding masked), noise; horizon:
+    the preset's, or this many actions."""
     cfg = get_preset(preset)
+    if horizon:
+        cfg = dataclasses.replace(cfg, action=dataclasses.replace(cfg.action, horizon=horizon))
     with torch.device(DEVICE):
         e = init_random_(ActionExpert(cfg).eval().requires_grad_(False), seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -79,14 +83,15 @@ def test_fused_velocity_matches_expert(tiny, tiling):
     assert rel(out, ref) < TOL
 
 
-@pytest.mark.parametrize("preset, entries, steps, reuse", [
-    ("tiny", 1, 4, None),
-    ("tiny", 1, 4, {2: 1, 3: 1}),       # action caching: steps 2 and 3 take step 1's velocity
-    ("tiny", 3, 2, None),               # three observations in one batch, each with its own mask
-    ("sim", 1, 1, None),                # the shipped policy's shapes: horizon 32, 14 joints, head_dim 48
+@pytest.mark.parametrize("preset, entries, steps, reuse, horizon", [
+    ("tiny", 1, 4, None, 0),
+    ("tiny", 1, 4, {2: 1, 3: 1}, 0),    # action caching: steps 2 and 3 take step 1's velocity
+    ("tiny", 3, 2, None, 0),            # three observations in one batch, each with its own mask
+    ("tiny", 3, 1, None, 10),           # entries of 10 rows in tiles of 16: a tile's last rows are the next entry's
+    ("sim", 1, 1, None, 0),             # the shipped policy's shapes: horizon 32, 14 joints, head_dim 48
 ])
-def test_fused_flow_matches_the_reference_loop(preset, entries, steps, reuse):
-    expert, kv, mask, noise = expert_inputs(preset, entries, 37)
+def test_fused_flow_matches_the_reference_loop(preset, entries, steps, reuse, horizon):
+    expert, kv, mask, noise = expert_inputs(preset, entries, 37, horizon=horizon)
     table = mod_table(expert, steps)
     fused = FusedExpert(expert, tiling=SMALL)
     with torch.no_grad():
@@ -160,14 +165,16 @@ def test_fused_expert_rejects_more_than_128_rows(tiny):
         FusedExpert(expert).velocity(torch.zeros(9, 16, 8, device=DEVICE), mods, kv9)
 
 
-def test_batches_over_32_rows_run_one_launch_per_phase(tiny, monkeypatch):
-    """The persistent loop takes at most PERSISTENT_MAX_ROWS rows (2 observations of 16 actions):
-    at 64 it hit an illegal access on the H200, so larger batches take the per-phase launches."""
+def test_batches_run_persistent_and_long_horizons_one_launch_per_phase(tiny, monkeypatch):
+    """Every dot takes one entry's rows, so any batch runs the persistent loop; a horizon over
+    PERSISTENT_MAX_TOKENS would make tiles that compile to wgmma, which failed in that loop on
+    the H200, so it takes the per-phase launches."""
     expert = tiny[0]
     monkeypatch.setattr(fused_expert, "interpreting", lambda: False)
     fused = FusedExpert(expert)
-    runs = {b: fused.runs_persistent(fused.buffers(b, 16, 20, 1, "cpu")) for b in (1, 2, 4)}
-    assert runs == {1: True, 2: True, 4: False}
+    runs = {(b, h): fused.runs_persistent(fused.buffers(b, h, 20, 1, "cpu")) for b, h in ((1, 16), (4, 16), (8, 16),
+                                                                                          (2, 32), (1, 64))}
+    assert runs == {(1, 16): True, (4, 16): True, (8, 16): True, (2, 32): True, (1, 64): False}
 
 
 def test_engine_with_the_fused_expert_matches_the_reference_engine():

@@ -49,11 +49,12 @@ from .kernels.expert_flow import (
 BLOCK_PHASES = (QKV, SELF, CROSS_Q, CROSS, CROSS_OUT, FC1, FC2)
 MAX_ROWS = 128          # batch entries x horizon the kernel takes (8 observations of 16 actions)
 SPIN_LIMIT = 1 << 22    # polls of a grid barrier before it gives up (~seconds): see flow_kernel
-# Rows the persistent loop takes; more run one launch per phase. On the H200 the full-size
-# persistent loop hit an illegal memory access at 64 rows (4 observations), with and without the
-# weights hoisted, while the same phases launched one by one ran clean under compute-sanitizer
-# and the tiny preset's persistent loop passed at 64 rows (BENCHMARKS.md, issue 22): not found yet.
-PERSISTENT_MAX_ROWS = 32
+# Every dot of the kernel takes one batch entry's rows (a tile of BLOCK_H >= horizon rows), so a
+# batch costs loops, not larger tiles. Tiles of 64 rows or more would compile to Hopper's wgmma,
+# which in the persistent loop's code (Triton 3.6) read shared memory out of range on the H200
+# (memcheck, the self-attention's p @ v; fine with DISABLE_MMA_V3=1 and in per-phase launches,
+# BENCHMARKS.md, issue 22): horizons above this run one launch per phase.
+PERSISTENT_MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class FusedExpert:
 
     def runs_persistent(self, buf: Buffers) -> bool:
         """Whether a call with these buffers is one persistent launch (else one per phase)."""
-        return self.persistent and buf.plan["BLOCK_M"] <= PERSISTENT_MAX_ROWS
+        return self.persistent and buf.plan["BLOCK_H"] <= PERSISTENT_MAX_TOKENS
 
     # -- inputs --------------------------------------------------------------------------------
     def schedule(self, mod_table: list, reuse: Optional[dict[int, int]] = None) -> FlowInputs:

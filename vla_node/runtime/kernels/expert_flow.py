@@ -12,7 +12,9 @@ programs one after another and so cannot spin) puts the launch boundary where th
 would be. Measured (BENCHMARKS.md, issue 22): a phase takes 5-10 us whatever its bytes, a chain
 of dependent memory round trips, so the loop is ~10x its bandwidth floor.
 
-Phases of one block j at flow step i (M rows = batch entries x horizon tokens; w width):
+Phases of one block j at flow step i (M rows = batch entries x horizon tokens; w width). Every
+dot takes one entry's rows (a tile of BLOCK_H rows) with the item's weights held in registers, so
+a batch adds loops over entries and reads the weights once, and no tile grows with the batch:
 
     qkv     x -> LN1 + modulate -> QKV [M, 3w]                 items: column ranges
     self    self-attention of head h -> y_h W_so[cols, h]^T     items: (x tile, head); the last
@@ -81,15 +83,16 @@ def _grid_wait(Bar, Err, target, SPIN_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(Stats, rows, eps, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr,
+def _row_stats(Stats, rows, row_ok, eps, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr,
                BLOCK_M: tl.constexpr):
-    """LayerNorm mean and 1/std [BLOCK_M] of x's rows from its tiles' (mean, M2) (Chan's formula)."""
+    """LayerNorm mean and 1/std of x's rows (a row tile) from its tiles' (mean, M2) (Chan's formula)."""
     t = tl.arange(0, NT_P2)
     t_ok = t < NT
     count = tl.where(t_ok, tl.minimum(XT, W - t * XT), 0).to(tl.float32)
     offs = t[:, None] * BLOCK_M + rows[None, :]
-    tile_mean = tl.load(Stats + offs, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
-    tile_m2 = tl.load(Stats + NT * BLOCK_M + offs, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+    ok = t_ok[:, None] & row_ok[None, :]
+    tile_mean = tl.load(Stats + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    tile_m2 = tl.load(Stats + NT * BLOCK_M + offs, mask=ok, other=0.0, cache_modifier=".cg")
     mean = tl.sum(count[:, None] * tile_mean, 0) / W
     d = tile_mean - mean[None, :]
     m2 = tl.sum(tile_m2 + count[:, None] * d * d, 0)
@@ -97,14 +100,14 @@ def _row_stats(Stats, rows, eps, W: tl.constexpr, XT: tl.constexpr, NT: tl.const
 
 
 @triton.jit
-def _store_x_tile(x, ok, X, Stats, t, rows, cols, W: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """x tile t [BLOCK_M, XT] (final values) and its per-row mean and M2 over its valid columns."""
+def _store_x_tile(x, ok, X, Stats, t, rows, row_ok, cols, W: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows `rows` of x tile t [rows, XT] (final values) and their mean and M2 over its valid columns."""
     tl.store(X + rows[:, None] * W + cols[None, :], x, mask=ok)
     count = tl.maximum(tl.sum(ok.to(tl.float32), 1), 1.0)
     mean = tl.sum(tl.where(ok, x, 0.0), 1) / count
     d = tl.where(ok, x - mean[:, None], 0.0)
-    tl.store(Stats + t * BLOCK_M + rows, mean)
-    tl.store(Stats + (NT + t) * BLOCK_M + rows, tl.sum(d * d, 1))
+    tl.store(Stats + t * BLOCK_M + rows, mean, mask=row_ok)
+    tl.store(Stats + (NT + t) * BLOCK_M + rows, tl.sum(d * d, 1), mask=row_ok)
 
 
 @triton.jit
@@ -134,7 +137,7 @@ def _weights(Wt, w_stride, k_lo, k_hi, cols, col_ok, KC: tl.constexpr, BK: tl.co
 @triton.jit
 def _chunk_inputs(Src, src_stride, k0, k_hi, rows, row_ok, ModRow, shift_off, scale_off, LN: tl.constexpr,
                   BK: tl.constexpr):
-    """The inputs of one K chunk: src rows [BLOCK_M, BK], and with LN the modulation's shift and
+    """The inputs of one K chunk: src rows [rows, BK], and with LN the modulation's shift and
     scale (for every row)."""
     offs_k = k0 + tl.arange(0, BK)
     a = tl.load(Src + rows[:, None] * src_stride + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k_hi)[None, :],
@@ -160,9 +163,9 @@ def _chunk_dot(acc, a, w, shift, scale, mean, rstd, row_ok, LN: tl.constexpr, DO
 @triton.jit
 def _rows_dot(Src, src_stride, k_lo, k_hi, rows, row_ok, w0, w1, w2, w3, ModRow, shift_off, scale_off, Stats, eps,
               LN: tl.constexpr, KC: tl.constexpr, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
-              NT_P2: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-              PREC: tl.constexpr):
-    """prologue(src[:, k_lo:k_hi]) @ w^T for the weights' KC chunks w0.. (_weights): [BLOCK_M, BN]
+              NT_P2: tl.constexpr, BLOCK_M: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              DOT: tl.constexpr, PREC: tl.constexpr):
+    """prologue(src[rows, k_lo:k_hi]) @ w^T for the weights' KC chunks w0.. (_weights): [R, BN]
     fp32; the prologue with LN: LayerNorm from the x tiles' Stats, then modulate. Every chunk's
     loads are issued before anything waits for one (the statistics, the first dot): a dot's
     operands pass through shared memory behind a CTA barrier, and a load written after it waits
@@ -181,11 +184,11 @@ def _rows_dot(Src, src_stride, k_lo, k_hi, rows, row_ok, w0, w1, w2, w3, ModRow,
         a3, s3, c3 = _chunk_inputs(Src, src_stride, k_lo + 3 * BK, k_hi, rows, row_ok, ModRow, shift_off, scale_off,
                                    LN, BK)
     if LN:
-        mean, rstd = _row_stats(Stats, rows, eps, W, XT, NT, NT_P2, BLOCK_M)
+        mean, rstd = _row_stats(Stats, rows, row_ok, eps, W, XT, NT, NT_P2, BLOCK_M)
     else:
-        mean = tl.zeros([BLOCK_M], tl.float32)
+        mean = tl.zeros([R], tl.float32)
         rstd = mean
-    acc = _chunk_dot(tl.zeros([BLOCK_M, BN], tl.float32), a0, w0, s0, c0, mean, rstd, row_ok, LN, DOT, PREC)
+    acc = _chunk_dot(tl.zeros([R, BN], tl.float32), a0, w0, s0, c0, mean, rstd, row_ok, LN, DOT, PREC)
     if KC > 1:
         acc = _chunk_dot(acc, a1, w1, s1, c1, mean, rstd, row_ok, LN, DOT, PREC)
     if KC > 2:
@@ -198,14 +201,15 @@ def _rows_dot(Src, src_stride, k_lo, k_hi, rows, row_ok, w0, w1, w2, w3, ModRow,
 @triton.jit
 def _ln_gemv(X, Stats, ModRow, shift_off, scale_off, w0, w1, w2, w3, Bias, WScale, cols, col_ok, rows, row_ok, eps,
              W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
-    """(LayerNorm(x) * (1 + scale) + shift) @ Wt[cols]^T (* w_scale) + bias: [BLOCK_M, BN] fp32,
+             R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+             SCALED: tl.constexpr):
+    """(LayerNorm(x[rows]) * (1 + scale) + shift) @ Wt[cols]^T (* w_scale) + bias: [R, BN] fp32,
     w0.. the rows cols of Wt [N, W] (_weights over all of W; BK divides W)."""
     bias = tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)  # in flight with the inputs
     if SCALED:
         w_scale = tl.load(WScale + cols, mask=col_ok, other=0.0)
     acc = _rows_dot(X, W, 0, W, rows, row_ok, w0, w1, w2, w3, ModRow, shift_off, scale_off, Stats, eps,
-                    True, W // BK, W, XT, NT, NT_P2, BLOCK_M, BN, BK, DOT, PREC)
+                    True, W // BK, W, XT, NT, NT_P2, BLOCK_M, R, BN, BK, DOT, PREC)
     if SCALED:
         acc *= w_scale[None, :]
     return acc + bias[None, :]
@@ -222,33 +226,46 @@ def _linear_weights(Wt, item, n_cols, N: tl.constexpr, K: tl.constexpr, COLS: tl
 
 
 @triton.jit
-def _ln_linear_phase(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, Out, w0, w1, w2, w3, pid, nprog, rows,
-                     row_ok, eps, N: tl.constexpr, COLS: tl.constexpr, GELU: tl.constexpr,
-                     W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                     SCALED: tl.constexpr):
+def _ln_linear_phase(X, Stats, ModRow, shift_off, scale_off, Wt, Bias, WScale, Out, w0, w1, w2, w3, pid, nprog, qi,
+                     tok_ok, eps, N: tl.constexpr, COLS: tl.constexpr, GELU: tl.constexpr, ENTRIES: tl.constexpr,
+                     TOKENS: tl.constexpr, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
     """Out [M, N] = act(LN-modulated x @ Wt^T + b): items of COLS output columns (qkv, cross_q,
-    fc1); w0.. are the weights of this program's first item (item pid)."""
+    fc1), each entry's rows in turn with the item's weights; w0.. are the weights of this
+    program's first item (item pid)."""
     lane = tl.arange(0, BN)
     for item in range(pid, tl.cdiv(N, COLS), nprog):
         if item != pid:
             w0, w1, w2, w3 = _linear_weights(Wt, item, N, N, W, COLS, BN, BK)
         cols = item * COLS + lane
         col_ok = (lane < COLS) & (cols < N)
-        y = _ln_gemv(X, Stats, ModRow, shift_off, scale_off, w0, w1, w2, w3, Bias, WScale, cols, col_ok, rows,
-                     row_ok, eps, W, XT, NT, NT_P2, BLOCK_M, BN, BK, DOT, PREC, SCALED)
-        if GELU:  # exact (erf) GELU, as nn.functional.gelu
-            y = 0.5 * y * (1.0 + tl.math.erf(y * INV_SQRT2))
-        tl.store(Out + rows[:, None] * N + cols[None, :], y.to(Out.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        for b in range(ENTRIES):
+            rows = b * TOKENS + qi
+            y = _ln_gemv(X, Stats, ModRow, shift_off, scale_off, w0, w1, w2, w3, Bias, WScale, cols, col_ok, rows,
+                         tok_ok, eps, W, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BN, BK, DOT, PREC, SCALED)
+            if GELU:  # exact (erf) GELU, as nn.functional.gelu
+                y = 0.5 * y * (1.0 + tl.math.erf(y * INV_SQRT2))
+            tl.store(Out + rows[:, None] * N + cols[None, :], y.to(Out.dtype.element_ty),
+                     mask=tok_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _finish_x(acc, t, part, PARTS: tl.constexpr, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off,
-              rows, row_ok, W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr,
-              SCALED: tl.constexpr):
-    """Part `part` of x tile t's update. The last of its PARTS to arrive adds them in order:
-    x += gate * (sum * w_scale + bias), and stores the tile with its LN stats."""
+def _store_part(acc, t, part, PARTS: tl.constexpr, Part, rows, row_ok, XT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows `rows` of part `part` of x tile t's update [rows, XT] (_finish_x adds the parts)."""
+    lane = tl.arange(0, XT)
+    tl.store(Part + (t * PARTS + part) * (BLOCK_M * XT) + rows[:, None] * XT + lane[None, :], acc,
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _finish_x(t, PARTS: tl.constexpr, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off, M,
+              W: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr, SCALED: tl.constexpr):
+    """After this program stored its part of x tile t's update (_store_part, every row): the last
+    of its PARTS to arrive adds them in order, x += gate * (sum * w_scale + bias), and stores the
+    tile with its LN stats. Elementwise over all rows at once (no dot: any number of rows)."""
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
     lane = tl.arange(0, XT)
     offs = rows[:, None] * XT + lane[None, :]
     cols = t * XT + lane
@@ -261,30 +278,30 @@ def _finish_x(acc, t, part, PARTS: tl.constexpr, Part, Counter, X, Stats, Bias, 
     x = tl.load(X + rows[:, None] * W + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
     if SCALED:
         w_scale = tl.load(WScale + cols, mask=col_ok, other=0.0)
-    tl.store(Part + (t * PARTS + part) * (BLOCK_M * XT) + offs, acc)
-    tl.debug_barrier()  # the whole tile is written before this program arrives
+    tl.debug_barrier()  # the whole part is written before this program arrives
     if tl.atomic_add(Counter + t, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
         total = tl.zeros([BLOCK_M, XT], tl.float32)
         for p in tl.static_range(PARTS):
-            total += tl.load(Part + (t * PARTS + p) * (BLOCK_M * XT) + offs, cache_modifier=".cg")
+            total += tl.load(Part + (t * PARTS + p) * (BLOCK_M * XT) + offs, mask=ok, other=0.0,
+                             cache_modifier=".cg")
         tl.store(Counter + t, 0)
         if SCALED:
             total *= w_scale[None, :]
-        _store_x_tile(x + gate[None, :] * (total + bias[None, :]), ok, X, Stats, t, rows, cols, W, NT, BLOCK_M)
+        _store_x_tile(x + gate[None, :] * (total + bias[None, :]), ok, X, Stats, t, rows, row_ok, cols, W, NT,
+                      BLOCK_M)
 
 
 @triton.jit
 def _self_attention(Qkv, rows, row_ok, h, scale, offs_d, d_ok, W: tl.constexpr, HD: tl.constexpr,
-                    TOKENS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Softmax attention of head h among the rows of the same batch entry: [BLOCK_M, BLOCK_D] fp32."""
+                    DOT: tl.constexpr, PREC: tl.constexpr):
+    """Softmax attention of head h among rows `rows` (one batch entry's): [rows, BLOCK_D] fp32."""
     ok = row_ok[:, None] & d_ok[None, :]
     base = Qkv + rows[:, None] * (3 * W) + h * HD + offs_d[None, :]
     q = tl.load(base, mask=ok, other=0.0, cache_modifier=".cg")
     k = tl.load(base + W, mask=ok, other=0.0, cache_modifier=".cg")
     v = tl.load(base + 2 * W, mask=ok, other=0.0, cache_modifier=".cg")
     s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC) * scale
-    same = ((rows // TOKENS)[:, None] == (rows // TOKENS)[None, :]) & row_ok[None, :]
-    s = tl.where(same, s, float("-inf"))
+    s = tl.where(row_ok[None, :], s, float("-inf"))
     m = tl.max(s, 1)
     p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
     l = tl.sum(p, 1)
@@ -303,10 +320,11 @@ def _head_out_weights(Wo, item, n_cols, W: tl.constexpr, HEADS: tl.constexpr, HD
 
 
 @triton.jit
-def _head_out_phase(Src, Wo, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, w, pid, nprog, rows, row_ok,
-                    scale, ATTEND: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr, HD: tl.constexpr,
-                    TOKENS: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr):
+def _head_out_phase(Src, Wo, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, w, pid, nprog, qi, tok_ok, M,
+                    scale, ATTEND: tl.constexpr, ENTRIES: tl.constexpr, W: tl.constexpr, HEADS: tl.constexpr,
+                    HD: tl.constexpr, TOKENS: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                    SCALED: tl.constexpr):
     """x += gate * (y @ Wo^T + b) with items (x tile, head): y_h is the self-attention of the
     fused q/k/v rows Src (ATTEND) or the merged cross-attention rows Src [M, w]; w is the
     weight slice of this program's first item."""
@@ -317,14 +335,16 @@ def _head_out_phase(Src, Wo, Bias, WScale, Part, Counter, X, Stats, ModRow, gate
             w = _head_out_weights(Wo, item, W, W, HEADS, HD, XT, BLOCK_D)
         h = item % HEADS
         t = item // HEADS
-        if ATTEND:
-            y = _self_attention(Src, rows, row_ok, h, scale, offs_d, d_ok, W, HD, TOKENS, DOT, PREC)
-        else:
-            y = tl.load(Src + rows[:, None] * W + h * HD + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                        other=0.0, cache_modifier=".cg")
-        acc = tl.dot(y.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
-        _finish_x(acc, t, h, HEADS, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off, rows, row_ok,
-                  W, XT, NT, BLOCK_M, SCALED)
+        for b in range(ENTRIES):
+            rows = b * TOKENS + qi
+            if ATTEND:
+                y = _self_attention(Src, rows, tok_ok, h, scale, offs_d, d_ok, W, HD, DOT, PREC)
+            else:
+                y = tl.load(Src + rows[:, None] * W + h * HD + offs_d[None, :], mask=tok_ok[:, None] & d_ok[None, :],
+                            other=0.0, cache_modifier=".cg")
+            acc = tl.dot(y.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
+            _store_part(acc, t, h, HEADS, Part, rows, tok_ok, XT, BLOCK_M)
+        _finish_x(t, HEADS, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off, M, W, XT, NT, BLOCK_M, SCALED)
 
 
 @triton.jit
@@ -395,8 +415,9 @@ def _fc2_weights(W2, item, n_cols, W: tl.constexpr, MLP: tl.constexpr, XT: tl.co
 
 
 @triton.jit
-def _fc2_phase(Hid, W2, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, w0, w1, w2, w3, pid, nprog, rows,
-               row_ok, W: tl.constexpr, MLP: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fc2_phase(Hid, W2, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off, w0, w1, w2, w3, pid, nprog, qi,
+               tok_ok, M, ENTRIES: tl.constexpr, TOKENS: tl.constexpr, W: tl.constexpr, MLP: tl.constexpr,
+               XT: tl.constexpr, NT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                SPLITS: tl.constexpr, SPLIT_K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                PREC: tl.constexpr, SCALED: tl.constexpr):
     """x += gate * (HID @ W2^T + b): items (x tile, K split of SPLIT_K), splits summed in order;
@@ -407,53 +428,60 @@ def _fc2_phase(Hid, W2, Bias, WScale, Part, Counter, X, Stats, ModRow, gate_off,
         split = item % SPLITS
         t = item // SPLITS
         k_lo = split * SPLIT_K
-        acc = _rows_dot(Hid, MLP, k_lo, tl.minimum(k_lo + SPLIT_K, MLP), rows, row_ok, w0, w1, w2, w3, W2, 0, 0,
-                        Stats, 0.0, False, (SPLIT_K + BK - 1) // BK, W, XT, NT, 2, BLOCK_M, XT, BK, DOT, PREC)
-        _finish_x(acc, t, split, SPLITS, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off, rows, row_ok,
-                  W, XT, NT, BLOCK_M, SCALED)
+        for b in range(ENTRIES):
+            rows = b * TOKENS + qi
+            acc = _rows_dot(Hid, MLP, k_lo, tl.minimum(k_lo + SPLIT_K, MLP), rows, tok_ok, w0, w1, w2, w3, W2, 0, 0,
+                            Stats, 0.0, False, (SPLIT_K + BK - 1) // BK, W, XT, NT, 2, BLOCK_M, BLOCK_H, XT, BK, DOT,
+                            PREC)
+            _store_part(acc, t, split, SPLITS, Part, rows, tok_ok, XT, BLOCK_M)
+        _finish_x(t, SPLITS, Part, Counter, X, Stats, Bias, WScale, ModRow, gate_off, M, W, XT, NT, BLOCK_M, SCALED)
 
 
 @triton.jit
-def _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M,
+def _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, qi, tok_ok, ENTRIES: tl.constexpr,
               W: tl.constexpr, A: tl.constexpr, TOKENS: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """x = action_in(actions) + pos, tile by tile, with its LN stats."""
+    """x = action_in(actions) + pos, tile by tile (each entry's rows in turn), with its LN stats."""
     offs_a = tl.arange(0, BLOCK_A)
     a_ok = offs_a < A
     lane = tl.arange(0, XT)
     for t in range(pid, NT, nprog):
         cols = t * XT + lane
         col_ok = cols < W
-        a = tl.load(XA + rows[:, None] * A + offs_a[None, :], mask=row_ok[:, None] & a_ok[None, :], other=0.0,
-                    cache_modifier=".cg")
         w = tl.load(Win + cols[:, None] * A + offs_a[None, :], mask=col_ok[:, None] & a_ok[None, :], other=0.0)
-        y = tl.dot(a.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC)
-        y += tl.load(Bin + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        ok = row_ok[:, None] & col_ok[None, :]
-        y += tl.load(Pos + (rows % TOKENS)[:, None] * W + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        _store_x_tile(y, ok, X, Stats, t, rows, cols, W, NT, BLOCK_M)
+        bias = tl.load(Bin + cols, mask=col_ok, other=0.0).to(tl.float32)
+        ok = tok_ok[:, None] & col_ok[None, :]
+        pos = tl.load(Pos + qi[:, None] * W + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        for b in range(ENTRIES):
+            rows = b * TOKENS + qi
+            a = tl.load(XA + rows[:, None] * A + offs_a[None, :], mask=tok_ok[:, None] & a_ok[None, :], other=0.0,
+                        cache_modifier=".cg")
+            y = tl.dot(a.to(DOT), tl.trans(w.to(DOT)), input_precision=PREC) + bias[None, :] + pos
+            _store_x_tile(y, ok, X, Stats, t, rows, tok_ok, cols, W, NT, BLOCK_M)
 
 
 @triton.jit
-def _out_phase(X, Stats, FModRow, Wout, Bout, XA, VelOut, pid, rows, row_ok, dt, eps, EULER: tl.constexpr,
-               W: tl.constexpr, A: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-               PREC: tl.constexpr):
+def _out_phase(X, Stats, FModRow, Wout, Bout, XA, VelOut, pid, qi, tok_ok, dt, eps, EULER: tl.constexpr,
+               ENTRIES: tl.constexpr, TOKENS: tl.constexpr, W: tl.constexpr, A: tl.constexpr, XT: tl.constexpr,
+               NT: tl.constexpr, NT_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_A: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """v = action_out(LN(x) * (1 + scale) + shift) in the model dtype (as the reference loop
-    rounds it), and with EULER actions += dt * v. One program: it is 8 outputs."""
+    rounds it), and with EULER actions += dt * v. One program: it is 8 outputs a row."""
     if pid == 0:
         offs_a = tl.arange(0, BLOCK_A)
         a_ok = offs_a < A
         w0, w1, w2, w3 = _weights(Wout, W, 0, W, offs_a, a_ok, W // BK, BK)
-        v = _ln_gemv(X, Stats, FModRow, 0, W, w0, w1, w2, w3, Bout, Bout, offs_a, a_ok, rows, row_ok, eps,
-                     W, XT, NT, NT_P2, BLOCK_M, BLOCK_A, BK, DOT, PREC, False)
-        ok = row_ok[:, None] & a_ok[None, :]
-        v = v.to(VelOut.dtype.element_ty)
-        tl.store(VelOut + rows[:, None] * A + offs_a[None, :], v, mask=ok)
-        if EULER:
+        ok = tok_ok[:, None] & a_ok[None, :]
+        for b in range(ENTRIES):
+            rows = b * TOKENS + qi
+            v = _ln_gemv(X, Stats, FModRow, 0, W, w0, w1, w2, w3, Bout, Bout, offs_a, a_ok, rows, tok_ok, eps,
+                         W, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_A, BK, DOT, PREC, False)
+            v = v.to(VelOut.dtype.element_ty)
             offs = rows[:, None] * A + offs_a[None, :]
-            xa = tl.load(XA + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(XA + offs, xa + dt * v.to(tl.float32), mask=ok)
+            tl.store(VelOut + offs, v, mask=ok)
+            if EULER:
+                xa = tl.load(XA + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(XA + offs, xa + dt * v.to(tl.float32), mask=ok)
 
 
 @triton.jit
@@ -505,7 +533,7 @@ def _phase_weights(phase: tl.constexpr, j, pid, Wqkv, Wso, Wq, Wco, W1, W2, KV, 
 
 
 @triton.jit
-def _block_phase(phase: tl.constexpr, i, j, pid, nprog, rows, row_ok, w0, w1, w2, w3,
+def _block_phase(phase: tl.constexpr, i, j, pid, nprog, qi, tok_ok, M, w0, w1, w2, w3,
                  Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
                  Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter,
                  n_keys, keys_per_split, eps, attn_scale,
@@ -520,32 +548,32 @@ def _block_phase(phase: tl.constexpr, i, j, pid, nprog, rows, row_ok, w0, w1, w2
     mod = Mods + (i * DEPTH + j) * (9 * W)
     if phase == QKV:
         _ln_linear_phase(X, Stats, mod, 0, W, Wqkv + j * (3 * W * W), Bqkv + j * 3 * W, Sqkv + j * 3 * W, QkvBuf,
-                         w0, w1, w2, w3, pid, nprog, rows, row_ok, eps, 3 * W, QKV_COLS, False, W, XT, NT, NT_P2,
-                         BLOCK_M, QKV_BN, BK, DOT, PREC, SCALED)
+                         w0, w1, w2, w3, pid, nprog, qi, tok_ok, eps, 3 * W, QKV_COLS, False, ENTRIES, TOKENS, W,
+                         XT, NT, NT_P2, BLOCK_M, BLOCK_H, QKV_BN, BK, DOT, PREC, SCALED)
     elif phase == SELF:
         _head_out_phase(QkvBuf, Wso + j * (W * W), Bso + j * W, Sso + j * W, Part, Counter, X, Stats, mod, 2 * W,
-                        w0, pid, nprog, rows, row_ok, attn_scale, True, W, HEADS, HD, TOKENS, XT, NT, BLOCK_M,
-                        BLOCK_D, DOT, PREC, SCALED)
+                        w0, pid, nprog, qi, tok_ok, M, attn_scale, True, ENTRIES, W, HEADS, HD, TOKENS, XT, NT,
+                        BLOCK_M, BLOCK_D, DOT, PREC, SCALED)
     elif phase == CROSS_Q:
         _ln_linear_phase(X, Stats, mod, 3 * W, 4 * W, Wq + j * (W * W), Bq + j * W, Sq + j * W, Q,
-                         w0, w1, w2, w3, pid, nprog, rows, row_ok, eps, W, CQ_COLS, False, W, XT, NT, NT_P2, BLOCK_M,
-                         CQ_BN, BK, DOT, PREC, SCALED)
+                         w0, w1, w2, w3, pid, nprog, qi, tok_ok, eps, W, CQ_COLS, False, ENTRIES, TOKENS, W, XT, NT,
+                         NT_P2, BLOCK_M, BLOCK_H, CQ_BN, BK, DOT, PREC, SCALED)
     elif phase == CROSS:
         _cross_phase(Q, KV + j * (2 * ENTRIES * HEADS * n_keys * HD), Mask, msb, OPart, MPart, LPart, Counter, Y,
                      w0, w1, w2, pid, nprog, n_keys, keys_per_split, attn_scale, ENTRIES, W, HEADS, HD, TOKENS,
                      BLOCK_H, BLOCK_D, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, DOT)
     elif phase == CROSS_OUT:
         _head_out_phase(Y, Wco + j * (W * W), Bco + j * W, Sco + j * W, Part, Counter, X, Stats, mod, 5 * W,
-                        w0, pid, nprog, rows, row_ok, attn_scale, False, W, HEADS, HD, TOKENS, XT, NT, BLOCK_M,
-                        BLOCK_D, DOT, PREC, SCALED)
+                        w0, pid, nprog, qi, tok_ok, M, attn_scale, False, ENTRIES, W, HEADS, HD, TOKENS, XT, NT,
+                        BLOCK_M, BLOCK_D, DOT, PREC, SCALED)
     elif phase == FC1:
         _ln_linear_phase(X, Stats, mod, 6 * W, 7 * W, W1 + j * (MLP * W), B1 + j * MLP, S1 + j * MLP, Hid,
-                         w0, w1, w2, w3, pid, nprog, rows, row_ok, eps, MLP, FC1_COLS, True, W, XT, NT, NT_P2,
-                         BLOCK_M, FC1_BN, BK, DOT, PREC, SCALED)
+                         w0, w1, w2, w3, pid, nprog, qi, tok_ok, eps, MLP, FC1_COLS, True, ENTRIES, TOKENS, W, XT,
+                         NT, NT_P2, BLOCK_M, BLOCK_H, FC1_BN, BK, DOT, PREC, SCALED)
     elif phase == FC2:
         _fc2_phase(Hid, W2 + j * (W * MLP), B2 + j * W, S2 + j * W, Part, Counter, X, Stats, mod, 8 * W,
-                   w0, w1, w2, w3, pid, nprog, rows, row_ok, W, MLP, XT, NT, BLOCK_M, FC2_SPLITS, FC2_K, FC2_BK, DOT,
-                   PREC, SCALED)
+                   w0, w1, w2, w3, pid, nprog, qi, tok_ok, M, ENTRIES, TOKENS, W, MLP, XT, NT, BLOCK_M, BLOCK_H,
+                   FC2_SPLITS, FC2_K, FC2_BK, DOT, PREC, SCALED)
 
 
 @triton.jit
@@ -600,8 +628,10 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
     takes) read on the device; else one phase of step step_lo (and `block`)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)  # every row (elementwise work)
     row_ok = rows < M
+    qi = tl.arange(0, BLOCK_H)    # one entry's rows (b * TOKENS + qi): the tiles of every dot, whatever the batch
+    tok_ok = qi < TOKENS
     if PHASE == PERSISTENT:
         if TRACE:
             tl.store(Trace + pid * SEGMENTS * 2, _clock_ns(pid))
@@ -611,8 +641,8 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
             if source >= 0:
                 _reuse_phase(XA, Vel + source * M * A, pid, rows, row_ok, dt, A, BLOCK_A)
             else:
-                _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M, W, A, TOKENS, XT, NT, BLOCK_M,
-                          BLOCK_A, DOT, PREC)
+                _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, qi, tok_ok, ENTRIES, W, A, TOKENS, XT, NT,
+                          BLOCK_M, BLOCK_A, DOT, PREC)
                 q0, q1, q2, q3 = _sync(QKV, 0, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco, W1, W2,
                                        KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT,
                                        BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS,
@@ -632,7 +662,7 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
                             seg += 1
                         else:
                             w0, w1, w2, w3 = q0, q1, q2, q3
-                        _block_phase(phase, i, j, pid, nprog, rows, row_ok, w0, w1, w2, w3,
+                        _block_phase(phase, i, j, pid, nprog, qi, tok_ok, M, w0, w1, w2, w3,
                                      Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2,
                                      S2, Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part,
                                      Counter, n_keys, keys_per_split, eps, attn_scale, ENTRIES, W, HEADS, HD, MLP,
@@ -645,19 +675,19 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
                                            FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST,
                                            SPIN_LIMIT, TRACE, SEGMENTS)
                     seg += 1
-                _out_phase(X, Stats, FMods + i * (2 * W), Wout, Bout, XA, Vel + i * M * A, pid, rows, row_ok, dt, eps,
-                           EULER, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_A, BK, DOT, PREC)
+                _out_phase(X, Stats, FMods + i * (2 * W), Wout, Bout, XA, Vel + i * M * A, pid, qi, tok_ok, dt, eps,
+                           EULER, ENTRIES, TOKENS, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_A, BK, DOT, PREC)
             _sync(IN, 0, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco, W1, W2, KV, Mask, msb,
                   n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS,
                   CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST,
                   SPIN_LIMIT, TRACE, SEGMENTS)
             seg += 1
     elif PHASE == IN:
-        _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, rows, row_ok, M, W, A, TOKENS, XT, NT, BLOCK_M, BLOCK_A,
-                  DOT, PREC)
+        _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, qi, tok_ok, ENTRIES, W, A, TOKENS, XT, NT, BLOCK_M,
+                  BLOCK_A, DOT, PREC)
     elif PHASE == OUT:
-        _out_phase(X, Stats, FMods + step_lo * (2 * W), Wout, Bout, XA, Vel + step_lo * M * A, pid, rows, row_ok, dt,
-                   eps, EULER, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_A, BK, DOT, PREC)
+        _out_phase(X, Stats, FMods + step_lo * (2 * W), Wout, Bout, XA, Vel + step_lo * M * A, pid, qi, tok_ok, dt,
+                   eps, EULER, ENTRIES, TOKENS, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_A, BK, DOT, PREC)
     elif PHASE == REUSE:
         _reuse_phase(XA, Vel + tl.load(Reuse + step_lo) * M * A, pid, rows, row_ok, dt, A, BLOCK_A)
     else:
@@ -665,7 +695,7 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
                                         keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS,
                                         QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK,
                                         KEY_SPLITS, BLOCK_KEYS, HAS_MASK)
-        _block_phase(PHASE, step_lo, block, pid, nprog, rows, row_ok, w0, w1, w2, w3,
+        _block_phase(PHASE, step_lo, block, pid, nprog, qi, tok_ok, M, w0, w1, w2, w3,
                      Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
                      Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter,
                      n_keys, keys_per_split, eps, attn_scale, ENTRIES, W, HEADS, HD, MLP, TOKENS, DEPTH, XT, NT,
