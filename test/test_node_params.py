@@ -66,17 +66,23 @@ def test_invalid_sets_are_rejected_with_a_reason_and_change_nothing(node, name, 
     assert h.get_parameter(name) == before
 
 
+def planned_period_ns(h, since: float) -> int:
+    """The control period of the first chunk published after `since` (its points' spacing)."""
+    traj = h.wait_until(lambda: h.messages("trajectory", since), 60, "a trajectory")[-1]
+    return traj.points[1].time_from_start.nanosec
+
+
 def test_control_rate_changes_at_run_time(node):
     _, h = node
     assert h.set_parameter("control_rate_hz", 25.0).successful
     try:
-        assert_ticks_at_since(h, time.monotonic(), 40, 1 / 25.0)
-        since = time.monotonic()      # 40 ticks at the new rate: any chunk arriving now is planned at it
-        traj = h.wait_until(lambda: h.messages("trajectory", since), 60, "a trajectory")[-1]
-        assert traj.points[1].time_from_start.nanosec == 40_000_000        # the new period
+        assert_ticks_at_since(h, time.monotonic(), 40, 1 / 25.0)     # never faster than 25 Hz now
+        # 40 ticks at the new rate: any chunk arriving now is planned at it.
+        assert planned_period_ns(h, time.monotonic()) == 40_000_000
     finally:
         assert h.set_parameter("control_rate_hz", 50.0).successful
     assert_ticks_at_since(h, time.monotonic(), 80, 1 / 50.0)
+    assert planned_period_ns(h, time.monotonic()) == 20_000_000
 
 
 def test_chunks_that_come_too_late_are_counted_apart_and_publish_nothing(node):
