@@ -192,53 +192,16 @@ def test_engine_with_the_fused_expert_matches_the_reference_engine():
         assert np.abs(a - b).max() < 1e-4
 
 
-# The interpreter accepts code the GPU compiler rejects (it ran a kernel that read a plain Python
-# global). This compiles, with the CUDA backend and ptxas and no GPU, every kernel a full-size
-# fp8 FusedExpert launches: the persistent loop and each phase (a superset of the bf16 paths).
-HOPPER_COMPILE = r"""
-import sys
-import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
-from triton.runtime.jit import JITFunction
-
-launches = {}
-def record(self, *args, grid, warmup, **kwargs):
-    launches.setdefault(str(kwargs["PHASE"]), (self, args, kwargs))
-JITFunction.run = record
-
-import vla_node.runtime.fused_expert as fused_expert
-from vla_node.model import get_preset
-from vla_node.model.action_expert import ActionExpert
-
-persistent = sys.argv[1] == "persistent"
-fused_expert.FusedExpert.persistent = persistent
-with torch.device("meta"):
-    expert = ActionExpert(get_preset("molmobot-4b")).to(torch.bfloat16)
-    kv = [(torch.empty(1, 8, 891, 96, dtype=torch.bfloat16),) * 2 for _ in expert.blocks]
-    mask = torch.empty(1, 1, 1, 891, dtype=torch.bool)
-    fused = fused_expert.FusedExpert(expert, fp8=True, tiling=fused_expert.Tiling(programs=132))
-    inputs = fused_expert.FlowInputs(torch.empty(2, 36, 9 * 768, dtype=torch.bfloat16),
-                                     torch.empty(2, 2 * 768, dtype=torch.bfloat16),
-                                     torch.empty(2, dtype=torch.int32), (-1, 0))
-    fused.flow(torch.empty(1, 16, 8), inputs, kv, mask)
-TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32",
-         torch.bool: "*i1"}
-for kernel, args, kwargs in launches.values():
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_cooperative_grid") if k in kwargs}
-    types = iter(TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
-                 for a in args)
-    signature = {p: "constexpr" if p in kwargs else next(types) for p in kernel.arg_names}
-    compile(ASTSource(kernel, signature, kwargs), target=GPUTarget("cuda", 90, 32), options=options)
-print(len(launches), "kernel configurations compiled for sm_90")
-"""
+# The interpreter accepts code the GPU compiler rejects: every kernel a full-size fp8 FusedExpert
+# launches (a superset of the bf16 paths) compiled for sm_90 with ptxas and no GPU.
+COMPILE_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "compile_flow_kernel.py")
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on the GPU every configuration runs natively")
 @pytest.mark.parametrize("mode, kernels", [("persistent", 1), ("per-phase", 10)])
 def test_every_kernel_configuration_compiles_for_hopper(mode, kernels):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, mode], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, COMPILE_SCRIPT, mode, "--fp8"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{kernels} kernel configurations compiled for sm_90" in done.stdout
