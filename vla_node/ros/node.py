@@ -41,12 +41,14 @@ from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
+from ..runtime.types import RUNTIME_OPTIONS
 from ..runtime.windows import Wait
 from . import params
+from .context import NodeContext
 from .control import LATE, NON_FINITE, STALE, ChunkScheduler, SafetyFilter, blocking_cause, may_send
 from .diagnostics import Faults, Key, NodeTelemetry, duration_in_words, status_pairs, summary
 from .engine_link import EngineLink
-from .engine_process import EngineError
+from .engine_process import Chunk, EngineError
 from .executor import TransitionsApartExecutor
 from .inputs import Inputs
 from .outputs import DiagnosticsPublisher, Outputs
@@ -75,6 +77,7 @@ class VLANode(LifecycleNode):
             JumpThreshold(min_forward=None, min_backward=Duration(nanoseconds=-1), on_clock_change=False),
             post_callback=self._on_clock_jump)
         self.telemetry = NodeTelemetry()
+        self._ctx = NodeContext(self, self.faults, self.telemetry, lambda: self.settings)
         self._state = "unconfigured"
         self._configure_stage = ""
         self._configure_error = ""
@@ -129,14 +132,14 @@ class VLANode(LifecycleNode):
         self.get_logger().info(f"configuring: {e.checkpoint or e.preset} ({s.engine_mode}, {e.device}, {e.dtype})")
         self._state = "configuring"
         try:
-            self._engine = EngineLink(self, self.telemetry, self._on_engine_lost, self._on_engine_restarted)
+            self._engine = EngineLink(self._ctx, self._on_engine_lost, self._on_engine_restarted)
             info = self._engine.start(self._configuring, self._while_configuring)
             self._configuring(SUBSCRIBING)
             offset_s = s.history_offset_s or info.history_offset_s
-            self._inputs = Inputs(self, self._engine.process, offset_s, self.telemetry)
+            self._inputs = Inputs(self._ctx, self._engine.process, offset_s)
         except (EngineError, ValueError, OSError) as error:
-            return self._fail_configure(str(error))
-        self._outputs = Outputs(self)
+            return self._fail_configure(str(error), getattr(error, "trace", ""))
+        self._outputs = Outputs(self._ctx)
         self._configure_error = ""
         self._state = "inactive"
         self._control.post = self._engine.post_process()
@@ -159,8 +162,8 @@ class VLANode(LifecycleNode):
             raise EngineError("the node is shutting down")
         self._diagnostics.after_tick()
 
-    def _fail_configure(self, reason: str) -> TransitionCallbackReturn:
-        self.get_logger().error(f"configure failed: {reason}")
+    def _fail_configure(self, reason: str, trace: str = "") -> TransitionCallbackReturn:
+        self.get_logger().error(f"configure failed: {reason}" + (f"\n{trace}" if trace else ""))
         self._configure_error = reason
         self._state = "unconfigured"
         self._release()
@@ -304,8 +307,8 @@ class VLANode(LifecycleNode):
             return
         request = self._control.answered(result.request_id)
         if request is not None:
-            self._inputs.ring.unpin()
-        if result.kind != "chunk":
+            self._inputs.release_window()
+        if not isinstance(result, Chunk):
             return      # rejected or failed: EngineLink.poll() reported it
         outcome = self._control.take(request, result.actions)
         if outcome == STALE:
@@ -380,7 +383,7 @@ class VLANode(LifecycleNode):
     # -- a lost engine (engine_link.EngineLink restarts it) ------------------------------------
     def _on_engine_lost(self) -> None:
         self._control.engine_lost()
-        self._inputs.ring.unpin()
+        self._inputs.release_window()
 
     def _on_engine_restarted(self) -> None:
         self.telemetry.counts[Key.ENGINE_RESTARTS] += 1
@@ -413,8 +416,8 @@ class VLANode(LifecycleNode):
             self.faults.clear("instruction")
         if names & {"sync_slop_s", "state_slop_s", "wait_for_history"} and self._inputs is not None:
             self._inputs.ring.spec = self._inputs.window_spec()
-        if "action_cache" in names and self._engine is not None:
-            self._engine.set_action_cache(new.engine.action_cache)
+        if names & set(RUNTIME_OPTIONS) and self._engine is not None:
+            self._engine.reconfigure(new.engine)
 
     # -- diagnostics ----------------------------------------------------------------------------
     def _on_diagnostics_timer(self) -> None:

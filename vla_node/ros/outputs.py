@@ -5,45 +5,45 @@ from start-up to the end, /diagnostics.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.clock import Clock, ClockType
 from rclpy.duration import Duration
+from rclpy.node import Node
 from rclpy.timer import Timer
 from sensor_msgs.msg import JointState
 from std_msgs.msg import Float64MultiArray
 from trajectory_msgs.msg import JointTrajectory
 
 from . import messages
-
-if TYPE_CHECKING:
-    from .node import VLANode
+from .context import NodeContext
 
 
 class Outputs:
     """~/command, ~/joint_trajectory and, with publish_joint_command, ~/joint_command."""
 
-    def __init__(self, node: VLANode):
-        self._node = node
+    def __init__(self, ctx: NodeContext):
+        self._ctx = ctx
+        node = self._node = ctx.ros
         self._command = node.create_lifecycle_publisher(Float64MultiArray, "~/command", 10)
         self._trajectory = node.create_lifecycle_publisher(JointTrajectory, "~/joint_trajectory", 10)
         self._joint_command = None
-        if node.settings.publish_joint_command:
+        if ctx.settings.publish_joint_command:
             self._joint_command = node.create_lifecycle_publisher(JointState, "~/joint_command", 10)
 
     def command(self, command: np.ndarray) -> None:
         self._command.publish(messages.command_msg(command))
         if self._joint_command is not None:
-            self._joint_command.publish(messages.joint_command_msg(self._node.settings.joint_names, command,
+            self._joint_command.publish(messages.joint_command_msg(self._ctx.settings.joint_names, command,
                                                                    self._node.get_clock().now().to_msg()))
 
     def trajectory(self, commands: np.ndarray, timer: Timer) -> None:
         """`commands` [n, joints] for the control ticks of `timer` from its next one on."""
         wait_ns = timer.time_until_next_call() or 0
         first = self._node.get_clock().now() + Duration(nanoseconds=wait_ns)
-        self._trajectory.publish(messages.trajectory_msg(self._node.settings.joint_names, commands, first.to_msg(),
+        self._trajectory.publish(messages.trajectory_msg(self._ctx.settings.joint_names, commands, first.to_msg(),
                                                          timer.timer_period_ns))
 
     def close(self) -> None:
@@ -61,7 +61,7 @@ class DiagnosticsPublisher:
     `on_period` publishes (its timer runs on wall time: diagnostics keep coming while a
     simulation is paused), and at once on now()."""
 
-    def __init__(self, node: VLANode, status: Callable[[], tuple[int, str, list]], on_period: Callable[[], None]):
+    def __init__(self, node: Node, status: Callable[[], tuple[int, str, list]], on_period: Callable[[], None]):
         self._node, self._status = node, status
         self._pub = node.create_publisher(DiagnosticArray, "/diagnostics", 10)
         # now() may be called on the decoder thread: the guard condition publishes from the executor.
