@@ -8,7 +8,6 @@ import threading
 import time
 from typing import Optional
 
-import numpy as np
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
@@ -17,12 +16,13 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, String
 
 from ..runtime import images
-from ..runtime.windows import InputError, JointStates, StampStep, Wait, WindowSpec, frames_to_keep
+from ..runtime.timeline import Change
+from ..runtime.windows import InputError, Wait, WindowSpec, frames_to_keep
 from . import FRAME_TRANSPORT_PROFILE, messages
 from .context import NodeContext
 from .diagnostics import Key, duration_in_words
 from .engine_process import EngineProcess
-from .frames import FrameRing, Window
+from .frames import FrameRing, SharedInputs, Window
 
 DRAIN_TIMEOUT_S = 10.0   # Decoder.drain: a conversion takes milliseconds; this only bounds the wait
 
@@ -99,18 +99,19 @@ class Inputs:
     source ("camera 'exo'", "joint_states", "instruction", "estop", "sync", "timeline" and
     "<input> stale"); the parameters are read from node.settings when used.
 
-    The frame ring lives in `engine`'s shared frames; it holds the history span, whose length in
-    time (`offset_s` between frame times) the checkpoint decides."""
+    The frames live in `engine`'s shared frames (frames.SharedInputs: an InputTimeline over a
+    FrameRing); they hold the history span, whose length in time (`offset_s` between frame times)
+    the checkpoint decides."""
 
     def __init__(self, ctx: NodeContext, engine: EngineProcess, offset_s: float):
         self._ctx, self._telemetry, self.offset_s = ctx, ctx.telemetry, offset_s
         node, s = ctx.ros, ctx.settings
         keep = frames_to_keep(s.history_frames, offset_s, s.max_camera_rate_hz)
         shape = FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width, keep, s.history_frames)
-        self.ring = FrameRing(list(s.camera_names), s.camera_height, s.camera_width, self.window_spec(), keep,
-                              engine.share_frames(shape))
-        self.joints = JointStates(s.joint_names)     # recent samples per joint, by header stamp
-        self.timeline_ended = threading.Event()     # an input's stamps stepped back: the control loop resets
+        self.shared = SharedInputs(list(s.camera_names), s.joint_names, s.camera_height, s.camera_width,
+                                   self.window_spec(), keep, engine.share_frames(shape), s.state_sync)
+        self.joints = self.shared.joints            # recent samples per joint, by header stamp
+        self.timeline_ended = threading.Event()     # the inputs' timeline changed: the control loop resets
         self.decoder = Decoder(self._ingest)
         self._subs: dict[str, Subscription] = {}   # by fault source
         self._lost_ns: dict[str, int] = {}          # by fault source: when DDS last reported messages lost
@@ -131,13 +132,17 @@ class Inputs:
         self._since_ns: Optional[int] = None        # the first control tick's time
         self._sync_wait_since: Optional[int] = None
         self._last_window_seq: Optional[int] = None
-        self.ring.unpin()
+        self.shared.unpin()
 
     def window_spec(self) -> WindowSpec:
         """Which frames make a window, from the parameters (sync_slop_s, state_slop_s and
-        wait_for_history change at run time: the node sets ring.spec anew)."""
+        wait_for_history change at run time: configure() applies them)."""
         s = self._ctx.settings
         return WindowSpec.of(s.history_frames, self.offset_s, s.sync_slop_s, s.state_slop_s, s.wait_for_history)
+
+    def configure(self) -> None:
+        """The run-time parameters that shape windows changed."""
+        self.shared.configure(self.window_spec(), self._ctx.settings.state_sync)
 
     def close(self) -> None:
         for sub in self._subs.values():
@@ -157,14 +162,12 @@ class Inputs:
         t0 = time.perf_counter()
         stamp = messages.stamp_ns(msg.header.stamp)
         try:
-            try:
-                self.ring.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
-            except StampStep as step:   # the first frame of a new timeline: forget the old one, keep this
-                self._end_timeline(step)
-                self.ring.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
+            change = self.shared.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
         except InputError as e:
             self._ctx.faults.set(self._camera(camera), str(e))
             return
+        if change is not None:   # the first frame of a new timeline: the old one is forgotten, this one kept
+            self._end_timeline(change)
         self._telemetry.ingest_ms.add((time.perf_counter() - t0) * 1e3)
         self._ctx.faults.clear(self._camera(camera))
 
@@ -173,33 +176,29 @@ class Inputs:
         message naming none of them (another robot part's driver) is not an error."""
         stamp, now = messages.stamp_ns(msg.header.stamp), self._ctx.now_ns()
         try:
-            try:
-                named = self.joints.add(stamp, msg.name, msg.position, now)
-            except StampStep as step:   # the first message of a new timeline: forget the old one, keep this
-                self._end_timeline(step)
-                named = self.joints.add(stamp, msg.name, msg.position, now)
+            named, change = self.shared.add_joint_states(stamp, msg.name, msg.position, now)
         except InputError as e:
             self._ctx.faults.set("joint_states", str(e))
             return
+        if change is not None:   # the first message of a new timeline: the old one is forgotten, this one kept
+            self._end_timeline(change)
         if named:
             self._ctx.faults.clear("joint_states")
 
-    def _end_timeline(self, step: StampStep) -> None:
-        """An input's stamps stepped back (any thread): a recorded simulation reset, an NTP
-        step, a restarted driver. Every stored frame and joint state belongs to the old timeline
-        and is forgotten at once; the control loop drops the plan and the chunk in flight on its
-        next tick. Observations resume with inputs that all arrived after the step."""
-        self.forget()
+    def _end_timeline(self, change: Change) -> None:
+        """The inputs' timeline changed (any thread; runtime/timeline.py says when): a recorded
+        simulation reset, an NTP step, a restarted driver, two recordings interleaved. Every
+        stored frame and joint state of the old timeline is forgotten already; the control loop
+        drops the plan and the chunk in flight on its next tick. Observations resume with inputs
+        all of the new timeline."""
         self.timeline_ended.set()
-        # StampStep's own words give seconds to 3 places: a 1 ms step read "0.000 s".
-        back = duration_in_words(step.back_ns / 1e9)
-        self._ctx.faults.set("timeline", f"{step.source} stamps stepped back by {back}: inputs and plan discarded, "
-                                          "resuming with inputs stamped after it")
+        by = f" by {duration_in_words(change.back_ns / 1e9)}" if change.back_ns else ""
+        self._ctx.faults.set("timeline", f"{change.reason}{by}: inputs and plan discarded, resuming with inputs "
+                                         "of the new timeline")
 
     def forget(self) -> None:
-        """Every stored frame and joint state (they are from an old timeline)."""
-        self.ring.clear()
-        self.joints.clear()
+        """Every stored frame and joint state, and the stamps they had (the clock jumped back)."""
+        self.shared.forget()
 
     def _on_instruction(self, msg: String) -> None:
         text = msg.data.strip()
@@ -225,7 +224,7 @@ class Inputs:
             self._since_ns = now_ns
         timeout_ns = int(s.input_timeout_s * 1e9)
         active = faults.sources()
-        for camera, received in enumerate(self.ring.newest_received_ns()):
+        for camera, received in enumerate(self.shared.newest_received_ns()):
             source = self._camera(camera)
             self._check_age(f"{source} stale", source, received, now_ns, timeout_ns, active)
         # Per joint: a gripper published apart from the arm may fall silent alone.
@@ -261,10 +260,10 @@ class Inputs:
         self._lost_ns[input_source] = self._ctx.now_ns()
 
     def take_window(self, now_ns: int) -> Window | Wait:
-        """The newest complete window (its frames pinned until ring.unpin()), or why there is
+        """The newest complete window (its frames pinned until release_window()), or why there is
         none. Inputs out of step are a fault once it lasts longer than input_timeout_s; history
         still filling is not."""
-        window = self.ring.take_window(self._observed_state)
+        window = self.shared.take_window()
         faults = self._ctx.faults
         if isinstance(window, Wait):
             if not window.sync:
@@ -285,28 +284,17 @@ class Inputs:
 
     def release_window(self) -> None:
         """The engine has answered (or lost) the window taken last: its frames may be reused."""
-        self.ring.unpin()
+        self.shared.unpin()
 
     def not_sending(self) -> None:
         """A fault holds observations too: being out of step is not timed meanwhile."""
         self._sync_wait_since = None
 
-    def _observed_state(self, frame_stamp_ns: int) -> tuple[np.ndarray, np.ndarray] | Wait:
-        """(positions, their stamps) [joints] for a window whose newest frame has this stamp, or
-        why there is none (a Wait: out of step, a fault once it lasts longer than input_timeout_s)."""
-        s = self._ctx.settings
-        if s.state_sync == "frame":
-            return self.joints.at(frame_stamp_ns, int(s.state_slop_s * 1e9))
-        newest = self.joints.newest()
-        if newest is None:
-            return Wait("no joint state for every joint of joint_names yet", sync=False, lacks="state")
-        return newest, np.zeros(len(newest), np.int64)
-
     def pairs(self, now_ns: int) -> list[tuple[str, object]]:
         """/diagnostics values: frames the decoder dropped, and the seconds since each camera's
         and the joint states' newest input."""
         pairs: list[tuple[str, object]] = [(Key.FRAMES_DROPPED_UNCONVERTED, self.decoder.dropped)]
-        for name, received in zip(self._ctx.settings.camera_names, self.ring.newest_received_ns()):
+        for name, received in zip(self._ctx.settings.camera_names, self.shared.newest_received_ns()):
             pairs.append((Key.input_age(name), (now_ns - received) / 1e9 if received is not None else "never"))
         received = self.joints.received_ns()   # the joint heard from longest ago
         pairs.append((Key.input_age("joint_states"),

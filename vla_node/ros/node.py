@@ -414,8 +414,8 @@ class VLANode(LifecycleNode):
             self._control.post = self._engine.post_process()
         if "instruction" in names:
             self.faults.clear("instruction")
-        if names & {"sync_slop_s", "state_slop_s", "wait_for_history"} and self._inputs is not None:
-            self._inputs.ring.spec = self._inputs.window_spec()
+        if names & {"sync_slop_s", "state_slop_s", "wait_for_history", "state_sync"} and self._inputs is not None:
+            self._inputs.configure()
         if names & set(RUNTIME_OPTIONS) and self._engine is not None:
             self._engine.reconfigure(new.engine)
 

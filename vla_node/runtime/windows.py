@@ -1,6 +1,5 @@
 """What the policy is shown: which camera frames make one window and which robot state goes with
-it. The one window picker and the one joint assembler, shared by the node (vla_node/ros/frames.py
-and node.py) and the bag reader (vla_node/tools/bag_io.py), so that both hand the engine the same
+it. The one window picker and the one joint assembler, used through runtime/timeline.py by the node, the bag reader and the simulator, so that both hand the engine the same
 observation for the same input. numpy only.
 
 A window has up to `frames` frame times, `offset` apart (a time: the checkpoint's training step,
@@ -16,8 +15,9 @@ or the nearest once that camera's next frame has arrived; a joint's sample once 
 arrived. So whenever a window is formed (the node: when the plan runs low; the bag reader: when
 the window completes) it is the same window.
 
-Timelines never mix: a source whose stamps step back (a reset simulation, an NTP step, a
-restarted driver) raises StampStep, and its owner forgets every source's history.
+Timelines never mix: runtime/timeline.py:InputTimeline, which every caller feeds, decides when the
+inputs' timeline changed and forgets every source's history then (JointStates alone raises
+StampStep for a joint's stamp stepping back).
 """
 from __future__ import annotations
 
@@ -94,19 +94,6 @@ class Wait:
 
 Rows = list[list[int]]   # [frame time, oldest first][camera]: index into that camera's stamps
 State = TypeVar("State")
-
-
-def check_frame_stamp(camera: str, last_ns: Optional[int], stamp_ns: int) -> None:
-    """A camera frame's stamp against the camera's previous one, before anything of it is kept:
-    StampStep when it went back (a new timeline), InputError for a frame to drop: the previous
-    frame's stamp again (a first frame stamped 0 is a simulation's at its start)."""
-    if last_ns is not None and stamp_ns < last_ns:
-        raise StampStep(camera, last_ns - stamp_ns)
-    if stamp_ns == last_ns == 0:
-        raise InputError("unstamped frames (header.stamp 0): frames are paired and timed by their stamps, the "
-                         "camera driver must set them")
-    if stamp_ns == last_ns:
-        raise InputError("repeated stamp: the same as the camera's previous frame; dropped")
 
 
 def frames_to_keep(frames: int, offset_s: float, max_rate_hz: float) -> int:
