@@ -1,6 +1,7 @@
 """What the policy is shown: which camera frames make one window and which robot state goes with
-it. The one window picker and the one joint assembler, used through runtime/timeline.py by the node, the bag reader and the simulator, so that both hand the engine the same
-observation for the same input. numpy only.
+it. The one window picker and the one joint assembler, used through runtime/timeline.py by the
+node, the bag reader and the simulator, so that they hand the engine the same observation for the
+same input. numpy only.
 
 A window has up to `frames` frame times, `offset` apart (a time: the checkpoint's training step,
 e.g. 8 steps at 15 Hz = 533 ms, whatever the cameras' rate), oldest first. The newest frame time
