@@ -263,6 +263,10 @@ class ChunkScheduler:
         flight; whatever answers a request sent before is stale."""
         self.state = ControlState(epoch=self.state.epoch + 1)
 
+    def hold(self, reason: str) -> None:
+        """Why the ticks hold until the next one says otherwise (an activation's first wait)."""
+        self.state.hold = reason
+
     def drop_plan(self) -> None:
         """Forget the plan and the chunk in flight (a new timeline, a hold); the request stays in
         flight until answered, and its answer is stale."""

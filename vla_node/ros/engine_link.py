@@ -129,6 +129,10 @@ class EngineLink:
                                             "fixed_latency_s made it due")
         return result
 
+    def latency_ticks(self, request) -> Optional[int]:
+        """fixed_latency_s in ticks: the tick a request's answer is taken at; None: when it comes."""
+        return self._ctx.settings.fixed_latency_ticks
+
     def reset_stream(self) -> None:
         """A new timeline: the engine's cached frames may carry stamps the new frames will reuse."""
         if self.serving:

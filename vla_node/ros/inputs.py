@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Optional
 
+import numpy as np
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
@@ -217,8 +218,24 @@ class Inputs:
             self._ctx.faults.clear("estop")
 
     # -- on the control loop --------------------------------------------------------------------
-    def check(self, now_ns: int) -> None:
-        """Every input silent for longer than input_timeout_s holds, with what DDS knows of why."""
+    def check(self, now_ns: int) -> bool:
+        """Every input silent for longer than input_timeout_s holds, with what DDS knows of why;
+        True once after the inputs' timeline changed (the control loop drops the plan then). With
+        fixed_latency_s, every frame that arrived before the tick is converted first
+        (reproducible)."""
+        if self._ctx.settings.fixed_latency_s:
+            self.decoder.drain()
+        changed = self.timeline_ended.is_set()
+        if changed:
+            self.timeline_ended.clear()
+        self._check_silence(now_ns)
+        return changed
+
+    def measured(self) -> Optional[np.ndarray]:
+        """[joints] each joint's newest position; None until every joint has one."""
+        return self.joints.newest()
+
+    def _check_silence(self, now_ns: int) -> None:
         s, faults = self._ctx.settings, self._ctx.faults
         if self._since_ns is None:
             self._since_ns = now_ns

@@ -41,16 +41,16 @@ from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
-from ..runtime.types import RUNTIME_OPTIONS
-from ..runtime.windows import Wait
+from ..runtime.types import RUNTIME_OPTIONS, history_offset
 from . import params
 from .context import NodeContext
-from .control import LATE, NON_FINITE, STALE, ChunkScheduler, SafetyFilter, blocking_cause, may_send
+from .control import ChunkScheduler, SafetyFilter
 from .diagnostics import Faults, Key, NodeTelemetry, duration_in_words, status_pairs, summary
 from .engine_link import EngineLink
-from .engine_process import Chunk, EngineError
+from .engine_process import EngineError
 from .executor import TransitionsApartExecutor
 from .inputs import Inputs
+from .loop import ControlLoop
 from .outputs import DiagnosticsPublisher, Outputs
 
 # rclpy's services whose callbacks only read: they answer from their own callback group (see above).
@@ -88,6 +88,7 @@ class VLANode(LifecycleNode):
         self._outputs: Optional[Outputs] = None
         self._control_timer = None
         self._control: Optional[ChunkScheduler] = None
+        self._loop: Optional[ControlLoop] = None
 
         self.settings = params.declare(self)
         self.add_pre_set_parameters_callback(self._check_parameter_types)
@@ -135,11 +136,13 @@ class VLANode(LifecycleNode):
             self._engine = EngineLink(self._ctx, self._on_engine_lost, self._on_engine_restarted)
             info = self._engine.start(self._configuring, self._while_configuring)
             self._configuring(SUBSCRIBING)
-            offset_s = s.history_offset_s or info.history_offset_s
+            offset_s = history_offset(s.history_offset_s, info.history_offset_s)
             self._inputs = Inputs(self._ctx, self._engine.process, offset_s)
         except (EngineError, ValueError, OSError) as error:
             return self._fail_configure(str(error), getattr(error, "trace", ""))
         self._outputs = Outputs(self._ctx)
+        self._loop = ControlLoop(self._control, self._engine, self._inputs, self._outputs, self.faults, self.telemetry,
+                                 lambda: self.settings, self.get_logger())
         self._configure_error = ""
         self._state = "inactive"
         self._control.post = self._engine.post_process()
@@ -174,8 +177,8 @@ class VLANode(LifecycleNode):
         self._reset_control()
         self._engine.reset_stream()
         self.telemetry.loop.clear()
-        self._control_timer = self._make_control_timer()
-        self._control.state.hold = self._first_tick_wait()
+        self._control_timer = self._outputs.timer = self._make_control_timer()
+        self._control.hold(self._first_tick_wait())
         self._state = "active"
         # Everything allocated so far lives as long as the node: move it out of the collector's
         # reach, so a full collection never stalls a control tick for milliseconds.
@@ -259,6 +262,7 @@ class VLANode(LifecycleNode):
         if self._inputs is not None:
             self._inputs.close()
             self._inputs = None
+        self._loop = None
         if self._engine is not None:    # after the inputs: nothing writes the frames any more
             self._engine.close()
             self._engine = None
@@ -270,97 +274,10 @@ class VLANode(LifecycleNode):
     def _horizon(self) -> Optional[int]:
         return self._engine.info.horizon if self._engine is not None and self._engine.info else None
 
-    # -- the control loop (its decisions: control.ChunkScheduler) ---------------------------------
+    # -- the control loop (its order: loop.ControlLoop; its decisions: control.ChunkScheduler) ----
     def _on_tick(self) -> None:
-        started = time.perf_counter()
-        now_ns = self.now_ns()
-        if self.settings.fixed_latency_s:   # reproducible: the tick sees every frame that came before it
-            self._inputs.decoder.drain()
-        if self._inputs.timeline_ended.is_set():
-            self._inputs.timeline_ended.clear()
-            self._drop_old_timeline()
-        self._inputs.check(now_ns)
-        target, ran_out = self._control.next_tick(blocking_cause(self.faults.sources(), self.settings.instruction))
-        command = self._control.command(target, self._inputs.joints.newest())
-        if command is not None:     # None: not every joint known yet, anything would be a guess
-            self._outputs.command(command)
-        self.telemetry.tick(started)
-        if ran_out:
-            self.telemetry.counts[Key.PLAN_UNDERRUNS] += 1
-            self.get_logger().warning(f"plan ran out before the next chunk: {self._control.underrun_cause()}",
-                                      throttle_duration_sec=5.0)
-        self._collect()
-        self._dispatch(now_ns)
+        self._loop.tick(self.now_ns())
         self._diagnostics.after_tick()
-
-    def _collect(self) -> None:
-        """Take the engine's answer, if there is one; with fixed_latency_s, at its due tick only,
-        waiting for it then."""
-        if self._control.answer_held_back():
-            return
-        due = self._control.due_request()
-        result = self._engine.poll() if due is None else self._engine.wait(due.id)
-        arrived = time.perf_counter()
-        if result is None:
-            if due is not None:
-                self._control.answer_overdue()
-            return
-        request = self._control.answered(result.request_id)
-        if request is not None:
-            self._inputs.release_window()
-        if not isinstance(result, Chunk):
-            return      # rejected or failed: EngineLink.poll() reported it
-        outcome = self._control.take(request, result.actions)
-        if outcome == STALE:
-            self.telemetry.counts[Key.DISCARDED] += 1
-            return
-        if outcome == NON_FINITE:
-            self.faults.set("output", "the chunk has non-finite actions; dropped")
-            return
-        self.faults.clear("engine")
-        self.faults.clear("output")
-        self.telemetry.chunk(request, result, arrived)   # the control loop has the chunk (or dropped it)
-        if outcome == LATE:
-            self.telemetry.counts[Key.LATE_CHUNKS] += 1
-            self.get_logger().warning(f"chunk arrived {self._control.state.tick - request.tick} ticks after its "
-                                      "request, after its last action: dropped (inference slower than the horizon)",
-                                      throttle_duration_sec=5.0)
-            return
-        t0 = time.perf_counter()
-        # The plan's relative moves, against the joints measured now.
-        self._outputs.trajectory(self._control.upcoming_commands(self._inputs.joints.newest()), self._control_timer)
-        self.telemetry.trajectory_ms.add((time.perf_counter() - t0) * 1e3)
-        self.telemetry.counts[Key.CHUNKS] += 1
-
-    def _dispatch(self, now_ns: int) -> None:
-        """Send the newest complete observation when the plan runs low and nothing is in flight."""
-        s, control = self.settings, self._control
-        if not self._engine.serving or not control.wants_observation():
-            return
-        if not may_send(self.faults.sources(), s.instruction):
-            control.waiting(None)
-            self._inputs.not_sending()
-            return
-        t0 = time.perf_counter()
-        window = self._inputs.take_window(now_ns)
-        if isinstance(window, Wait):
-            control.waiting(window)
-            return
-        request = control.request(window)
-        if not self._engine.submit(request.id, window, s.instruction.strip()):
-            return
-        request.sent_at = time.perf_counter()
-        request.send_ms = (request.sent_at - t0) * 1e3
-        control.sent(request, s.fixed_latency_ticks)
-        self.telemetry.counts[Key.REQUESTS] += 1
-
-    def _drop_old_timeline(self) -> None:
-        """An input's stamps stepped back: forget the plan, drop the chunk in flight, and the
-        engine's stream state (a frame of the new timeline may carry a stamp it has cached another
-        picture under). A clock jump does more (_on_clock_jump)."""
-        if self._engine is not None:
-            self._engine.reset_stream()
-        self._control.drop_plan()
 
     def _on_clock_jump(self, jump) -> None:
         """Time went backwards (a restarted simulation or bag): every stored stamp is from the
@@ -403,7 +320,7 @@ class VLANode(LifecycleNode):
         names = {p.name for p in changes}
         if "use_sim_time" in names and self._control_timer is not None:
             self.destroy_timer(self._control_timer)
-            self._control_timer = self._make_control_timer()
+            self._control_timer = self._outputs.timer = self._make_control_timer()
             self.telemetry.loop.clear()
         elif new.control_rate_hz != old.control_rate_hz and self._control_timer is not None:
             self._control_timer.timer_period_ns = int(new.control_period_s * 1e9)

@@ -5,7 +5,7 @@ from start-up to the end, /diagnostics.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray
@@ -30,6 +30,7 @@ class Outputs:
         self._command = node.create_lifecycle_publisher(Float64MultiArray, "~/command", 10)
         self._trajectory = node.create_lifecycle_publisher(JointTrajectory, "~/joint_trajectory", 10)
         self._joint_command = None
+        self.timer: Optional[Timer] = None    # the control timer: trajectories are timed by its ticks
         if ctx.settings.publish_joint_command:
             self._joint_command = node.create_lifecycle_publisher(JointState, "~/joint_command", 10)
 
@@ -39,8 +40,9 @@ class Outputs:
             self._joint_command.publish(messages.joint_command_msg(self._ctx.settings.joint_names, command,
                                                                    self._node.get_clock().now().to_msg()))
 
-    def trajectory(self, commands: np.ndarray, timer: Timer) -> None:
+    def trajectory(self, commands: np.ndarray) -> None:
         """`commands` [n, joints] for the control ticks of `timer` from its next one on."""
+        timer = self.timer
         wait_ns = timer.time_until_next_call() or 0
         first = self._node.get_clock().now() + Duration(nanoseconds=wait_ns)
         self._trajectory.publish(messages.trajectory_msg(self._ctx.settings.joint_names, commands, first.to_msg(),

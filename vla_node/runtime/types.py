@@ -79,6 +79,12 @@ class Policy(Protocol):
     def reset_stream(self) -> None: ...
 
 
+def history_offset(parameter_s: float, checkpoint_s: float) -> float:
+    """Seconds between a window's frame times: the history_offset_s parameter, or else (0: unset)
+    the checkpoint's (its training data's). The node, the simulator and offline replay ask here."""
+    return parameter_s or checkpoint_s
+
+
 # Engine options that may change while the engine runs: PolicyEngine.reconfigure applies them,
 # the node sends them on a parameter change (ros/params.py SPECS: not read_only).
 RUNTIME_OPTIONS = ("action_cache",)
