@@ -138,6 +138,14 @@ class EngineLink:
         if self.serving:
             self.process.reset_stream()
 
+    def settings_changed(self, names: set[str], control) -> None:
+        """Parameters `names` changed: the run-time engine options go to the engine, the
+        post-processing (postprocess, max_joint_delta_scale) to `control` (control.ChunkScheduler)."""
+        if names & {"postprocess", "max_joint_delta_scale"}:
+            control.post = self.post_process()
+        if names & set(RUNTIME_OPTIONS):
+            self.reconfigure(self._ctx.settings.engine)
+
     def reconfigure(self, wanted: EngineConfig) -> None:
         """Send the run-time options (RUNTIME_OPTIONS) where `wanted` (the parameters) differs
         from the configuration the engine last answered with; its answer arrives in poll()."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..runtime.windows import Wait
 from .control import LATE, NON_FINITE, STALE, ChunkScheduler, Request, blocking_cause, may_send
-from .diagnostics import Faults, Key, NodeTelemetry
+from .diagnostics import Faults, Key, NodeTelemetry, duration_in_words
 from .engine_process import Answer, Chunk
 
 
@@ -110,6 +110,16 @@ class ControlLoop:
         self.engine.reset_stream()
         self.control.drop_plan()
 
+    def engine_lost(self) -> None:
+        """The engine's worker is gone, and the request in flight with it."""
+        self.control.engine_lost()
+        self.inputs.release_window()
+
+    def engine_restarted(self) -> None:
+        """A new worker serves: nothing sent to the old one is waited for."""
+        self.telemetry.counts[Key.ENGINE_RESTARTS] += 1
+        self.control.drop_plan()
+
     def _collect(self, tick: Tick) -> None:
         """Take the engine's answer, if there is one; with a fixed latency, at its due tick only,
         waiting for it then."""
@@ -172,3 +182,21 @@ class ControlLoop:
         control.sent(request, self.engine.latency_ticks(request))
         tick.sent = request
         self.telemetry.counts[Key.REQUESTS] += 1
+
+
+def clock_jumped_back(back_s: float, control: ChunkScheduler, faults: Faults, inputs=None, engine=None) -> None:
+    """Time went backwards (a restarted simulation or bag): every stored stamp is from the future
+    now. Forget the frames, the joints and the engine's stream state (`inputs`, `engine`: None
+    before configure), and start the control loop over as an activation does (a reset: no plan, no
+    last command, nothing in flight waited for); the next complete window clears the fault."""
+    if inputs is not None:
+        inputs.forget()
+    if engine is not None:
+        engine.reset_stream()
+    # A restarted simulation has moved the robot: the hold restarts from its next measured
+    # position, not from the last command of the old timeline (stamps stepping back without
+    # a clock jump keep it: every command stays within max_step_per_tick). Its first request
+    # goes out at once, as after an activation, so an episode runs the same whatever the last
+    # one left in flight (the engine answers that one first: stale, dropped).
+    control.reset()
+    faults.set("clock", f"clock jumped back by {duration_in_words(back_s)}; inputs and plan discarded")

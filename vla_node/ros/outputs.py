@@ -19,6 +19,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from . import messages
 from .context import NodeContext
+from .diagnostics import Faults, Key, status_pairs, summary
 
 
 class Outputs:
@@ -78,8 +79,35 @@ class DiagnosticsPublisher:
         if time.monotonic() - self._sent >= DIAGNOSTICS_PERIOD_S:
             self.publish()
 
+    def when_idle(self, faults: Faults, telemetry) -> None:
+        """Diagnostics when no control tick sends them (inactive, or a paused simulation)."""
+        faults.flush()
+        newest = telemetry.loop.newest()
+        if newest is None or time.perf_counter() - newest > 0.5:
+            self.publish()
+
     def publish(self) -> None:
         level, message, values = self._status()
         self._pub.publish(messages.diagnostics_msg("vla_node: policy", self._node.get_fully_qualified_name(), level,
                                                    message, values, self._node.get_clock().now().to_msg()))
         self._sent = time.monotonic()
+
+
+def node_status(state: str, stage: str, configure_error: str, faults: Faults, control, parts, telemetry, settings,
+                sim_time: bool, now_ns: int) -> tuple[int, str, list]:
+    """/diagnostics of the node: level, message and values. `control` (control.ChunkScheduler) and
+    `parts` (the engine link and the inputs) may be None: not configured (yet)."""
+    active = faults.active()
+    hold = control.state.hold if control is not None else "inactive"
+    level, message = summary(state, configure_error, active, hold, stage)
+    values = status_pairs(state, configure_error, active, hold, faults.events, stage)
+    engine, inputs = parts
+    if engine is not None:
+        values += engine.pairs()
+    values.append((Key.CONTROL_RATE_HZ, settings.control_rate_hz))
+    if control is not None:
+        values += control.pairs()
+    values += telemetry.pairs(settings.control_period_s, sim_time, settings.engine.device)
+    if inputs is not None:
+        values += inputs.pairs(now_ns)
+    return level, message, values
