@@ -19,12 +19,12 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from ..runtime.windows import Wait
-from .diagnostics import Key
+from .diagnostics import FaultSource, Key
 
 LATENCY_WINDOW = 10     # recent inference latencies (in ticks) whose maximum is the rtc freeze
 # Fault sources the engine's next answer or the next observation sent clears: observations keep
 # being sent while they are active.
-RETRY_SOURCES = {"engine", "output", "sync", "clock", "timeline"}
+RETRY_SOURCES = {FaultSource.ENGINE, FaultSource.OUTPUT, FaultSource.SYNC, FaultSource.CLOCK, FaultSource.TIMELINE}
 
 
 def latency_ticks(latency_s: float, period_s: float) -> int:

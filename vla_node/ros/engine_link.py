@@ -18,7 +18,7 @@ from ..runtime.types import RUNTIME_OPTIONS, EngineConfig
 from . import params
 from .context import NodeContext
 from .control import PostProcess
-from .diagnostics import Key
+from .diagnostics import FaultSource, Key
 from .engine_process import (
     Answer,
     EngineError,
@@ -109,10 +109,10 @@ class EngineLink:
             self._reconfigured(result)
         if isinstance(result, Rejected):
             self._telemetry.counts[Key.REJECTED] += 1
-            self._ctx.faults.set("engine", f"observation rejected by the engine: {result.reason}")
+            self._ctx.faults.set(FaultSource.ENGINE, f"observation rejected by the engine: {result.reason}")
         elif isinstance(result, Failed):
             self._ctx.logger.error(f"inference failed: {result.reason}\n{result.trace}", throttle_duration_sec=5.0)
-            self._ctx.faults.set("engine", f"inference failed: {result.reason}")
+            self._ctx.faults.set(FaultSource.ENGINE, f"inference failed: {result.reason}")
         return result
 
     def wait(self, request_id: int) -> Optional[Answer]:
@@ -125,8 +125,8 @@ class EngineLink:
             if result.request_id == request_id:
                 break
         if result is None and self.serving:
-            self._ctx.faults.set("engine", f"no answer from the engine {FIXED_LATENCY_WAIT_S:g} s after the tick "
-                                            "fixed_latency_s made it due")
+            self._ctx.faults.set(FaultSource.ENGINE, f"no answer from the engine {FIXED_LATENCY_WAIT_S:g} s after "
+                                                     "the tick fixed_latency_s made it due")
         return result
 
     def latency_ticks(self, request) -> Optional[int]:
@@ -190,7 +190,7 @@ class EngineLink:
     # -- a lost worker --------------------------------------------------------------------------
     def lose(self, reason: str) -> None:
         ctx = self._ctx
-        ctx.faults.set("engine", f"engine lost: {reason}")
+        ctx.faults.set(FaultSource.ENGINE, f"engine lost: {reason}")
         self._on_lost()
         self._reconfiguring, self._refused = 0, False
         restart_s = ctx.settings.engine_restart_s
@@ -210,7 +210,7 @@ class EngineLink:
         try:
             info = self.process.step_restart(s.engine_start_timeout_s, retry_s, ctx.logger.info)
         except EngineError as e:
-            ctx.faults.set("engine", f"engine restart failed: {e}; retrying every {retry_s:g} s")
+            ctx.faults.set(FaultSource.ENGINE, f"engine restart failed: {e}; retrying every {retry_s:g} s")
             return
         if info is None:
             return
@@ -218,7 +218,7 @@ class EngineLink:
         self._end_restart()
         self._on_restarted()
         ctx.logger.info(f"engine restarted: {info.description}, engine process {info.pid}")
-        ctx.faults.clear("engine")
+        ctx.faults.clear(FaultSource.ENGINE)
         self.reconfigure(s.engine)   # a new worker starts from the configure-time options
 
     def _end_restart(self) -> None:

@@ -21,7 +21,7 @@ from ..runtime.timeline import Change
 from ..runtime.windows import InputError, Wait, WindowSpec, frames_to_keep
 from . import FRAME_TRANSPORT_PROFILE, messages
 from .context import NodeContext
-from .diagnostics import Key, duration_in_words
+from .diagnostics import FaultSource, Key, duration_in_words
 from .engine_process import EngineProcess
 from .frames import FrameRing, SharedInputs, Window
 
@@ -121,11 +121,12 @@ class Inputs:
             self._subs[self._camera(i)] = node.create_subscription(
                 kind, topic, lambda m, i=i: self.decoder.push(i, m, ctx.now_ns()), qos_profile_sensor_data,
                 event_callbacks=self._losses(self._camera(i)))
-        self._subs["joint_states"] = node.create_subscription(JointState, s.joint_states_topic, self._on_joint_state,
-                                                              qos_profile_sensor_data,
-                                                              event_callbacks=self._losses("joint_states"))
-        self._subs["instruction"] = node.create_subscription(String, s.instruction_topic, self._on_instruction, 10)
-        self._subs["estop"] = node.create_subscription(Bool, s.estop_topic, self._on_estop, 10)
+        joints = FaultSource.JOINT_STATES
+        self._subs[joints] = node.create_subscription(JointState, s.joint_states_topic, self._on_joint_state,
+                                                      qos_profile_sensor_data, event_callbacks=self._losses(joints))
+        self._subs[FaultSource.INSTRUCTION] = node.create_subscription(String, s.instruction_topic,
+                                                                       self._on_instruction, 10)
+        self._subs[FaultSource.ESTOP] = node.create_subscription(Bool, s.estop_topic, self._on_estop, 10)
         self.reset()
 
     def reset(self) -> None:
@@ -155,7 +156,7 @@ class Inputs:
         return SubscriptionEventCallbacks(message_lost=lambda _: self._on_message_lost(input_source))
 
     def _camera(self, camera: int) -> str:
-        return f"camera {self._ctx.settings.camera_names[camera]!r}"
+        return FaultSource.camera(self._ctx.settings.camera_names[camera])
 
     # -- callbacks ------------------------------------------------------------------------------
     def _ingest(self, camera: int, msg, arrived_ns: int, fill) -> None:
@@ -179,12 +180,12 @@ class Inputs:
         try:
             named, change = self.shared.add_joint_states(stamp, msg.name, msg.position, now)
         except InputError as e:
-            self._ctx.faults.set("joint_states", str(e))
+            self._ctx.faults.set(FaultSource.JOINT_STATES, str(e))
             return
         if change is not None:   # the first message of a new timeline: the old one is forgotten, this one kept
             self._end_timeline(change)
         if named:
-            self._ctx.faults.clear("joint_states")
+            self._ctx.faults.clear(FaultSource.JOINT_STATES)
 
     def _end_timeline(self, change: Change) -> None:
         """The inputs' timeline changed (any thread; runtime/timeline.py says when): a recorded
@@ -194,8 +195,8 @@ class Inputs:
         all of the new timeline."""
         self.timeline_ended.set()
         by = f" by {duration_in_words(change.back_ns / 1e9)}" if change.back_ns else ""
-        self._ctx.faults.set("timeline", f"{change.reason}{by}: inputs and plan discarded, resuming with inputs "
-                                         "of the new timeline")
+        self._ctx.faults.set(FaultSource.TIMELINE, f"{change.reason}{by}: inputs and plan discarded, resuming "
+                                                   "with inputs of the new timeline")
 
     def forget(self) -> None:
         """Every stored frame and joint state, and the stamps they had (the clock jumped back)."""
@@ -204,18 +205,19 @@ class Inputs:
     def _on_instruction(self, msg: String) -> None:
         text = msg.data.strip()
         if not text:
-            self._ctx.faults.set("instruction", f"empty instruction on {self._subs['instruction'].topic_name}; "
-                                                 f"holding until a non-empty one arrives")
+            topic = self._subs[FaultSource.INSTRUCTION].topic_name
+            self._ctx.faults.set(FaultSource.INSTRUCTION, f"empty instruction on {topic}; holding until a non-empty "
+                                                          "one arrives")
             return
         result = self._ctx.ros.set_parameters([Parameter("instruction", Parameter.Type.STRING, text)])[0]
         if not result.successful:
-            self._ctx.faults.set("instruction", f"instruction refused: {result.reason}")
+            self._ctx.faults.set(FaultSource.INSTRUCTION, f"instruction refused: {result.reason}")
 
     def _on_estop(self, msg: Bool) -> None:
         if msg.data:
-            self._ctx.faults.set("estop", f"e-stop engaged on {self._subs['estop'].topic_name}")
+            self._ctx.faults.set(FaultSource.ESTOP, f"e-stop engaged on {self._subs[FaultSource.ESTOP].topic_name}")
         else:
-            self._ctx.faults.clear("estop")
+            self._ctx.faults.clear(FaultSource.ESTOP)
 
     # -- on the control loop --------------------------------------------------------------------
     def check(self, now_ns: int) -> bool:
@@ -243,7 +245,7 @@ class Inputs:
         active = faults.sources()
         for camera, received in enumerate(self.shared.newest_received_ns()):
             source = self._camera(camera)
-            self._check_age(f"{source} stale", source, received, now_ns, timeout_ns, active)
+            self._check_age(FaultSource.stale(source), source, received, now_ns, timeout_ns, active)
         # Per joint: a gripper published apart from the arm may fall silent alone.
         received = self.joints.received_ns()
         silent = [name for name, r in zip(s.joint_names, received)
@@ -251,7 +253,8 @@ class Inputs:
         oldest = None if None in received else min(received)
         hint = f"; the latest message named only {list(self.joints.unknown)[:8]}" \
             if self.joints.unknown and len(silent) == len(received) else ""
-        self._check_age("joint_states stale", "joint_states", oldest, now_ns, timeout_ns, active,
+        joints = FaultSource.JOINT_STATES
+        self._check_age(FaultSource.stale(joints), joints, oldest, now_ns, timeout_ns, active,
                         f"no joint state for {silent} for more than {s.input_timeout_s:g} s "
                         f"(input_timeout_s){hint}" if silent else "")
 
@@ -288,12 +291,12 @@ class Inputs:
             elif self._sync_wait_since is None:
                 self._sync_wait_since = now_ns
             elif now_ns - self._sync_wait_since > self._ctx.settings.input_timeout_s * 1e9:
-                faults.set("sync", window.reason)
+                faults.set(FaultSource.SYNC, window.reason)
             return window
         self._sync_wait_since = None
-        faults.clear("sync")
-        faults.clear("clock")
-        faults.clear("timeline")   # every input of this window arrived after the step
+        faults.clear(FaultSource.SYNC)
+        faults.clear(FaultSource.CLOCK)
+        faults.clear(FaultSource.TIMELINE)   # every input of this window arrived after the step
         if self._last_window_seq is not None and window.seq > self._last_window_seq + 1:
             self._telemetry.counts[Key.OBSERVATIONS_DROPPED] += window.seq - self._last_window_seq - 1
         self._last_window_seq = window.seq

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..runtime.windows import Wait
 from .control import LATE, NON_FINITE, STALE, ChunkScheduler, Request, blocking_cause, may_send
-from .diagnostics import Faults, Key, NodeTelemetry, duration_in_words
+from .diagnostics import Faults, FaultSource, Key, NodeTelemetry, duration_in_words
 from .engine_process import Answer, Chunk
 
 
@@ -143,10 +143,10 @@ class ControlLoop:
             self.telemetry.counts[Key.DISCARDED] += 1
             return
         if outcome == NON_FINITE:
-            self.faults.set("output", "the chunk has non-finite actions; dropped")
+            self.faults.set(FaultSource.OUTPUT, "the chunk has non-finite actions; dropped")
             return
-        self.faults.clear("engine")
-        self.faults.clear("output")
+        self.faults.clear(FaultSource.ENGINE)
+        self.faults.clear(FaultSource.OUTPUT)
         self.telemetry.chunk(request, result, arrived)   # the control loop has the chunk (or dropped it)
         if outcome == LATE:
             self.telemetry.counts[Key.LATE_CHUNKS] += 1
@@ -199,4 +199,4 @@ def clock_jumped_back(back_s: float, control: ChunkScheduler, faults: Faults, in
     # goes out at once, as after an activation, so an episode runs the same whatever the last
     # one left in flight (the engine answers that one first: stale, dropped).
     control.reset()
-    faults.set("clock", f"clock jumped back by {duration_in_words(back_s)}; inputs and plan discarded")
+    faults.set(FaultSource.CLOCK, f"clock jumped back by {duration_in_words(back_s)}; inputs and plan discarded")

@@ -37,7 +37,7 @@ from ..runtime.types import history_offset
 from . import params
 from .context import NodeContext
 from .control import ChunkScheduler, SafetyFilter
-from .diagnostics import Faults, NodeTelemetry
+from .diagnostics import Faults, FaultSource, NodeTelemetry
 from .engine_link import EngineLink
 from .engine_process import EngineError
 from .executor import ANSWERED_APART, answer_apart
@@ -282,7 +282,7 @@ class VLANode(LifecycleNode):
         if names & {"joint_lower_limits", "joint_upper_limits", "max_step_per_tick"}:
             self._control.safety = SafetyFilter.of(new)
         if "instruction" in names:
-            self.faults.clear("instruction")
+            self.faults.clear(FaultSource.INSTRUCTION)
         if self._inputs is not None and names & {"sync_slop_s", "state_slop_s", "wait_for_history", "state_sync"}:
             self._inputs.configure()
         if self._engine is not None:
