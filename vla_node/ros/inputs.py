@@ -194,6 +194,8 @@ class Inputs:
         drops the plan and the chunk in flight on its next tick. Observations resume with inputs
         all of the new timeline."""
         self.timeline_ended.set()
+        if not change.announce:    # back to the timeline before a step: that step's fault stands
+            return
         by = f" by {duration_in_words(change.back_ns / 1e9)}" if change.back_ns else ""
         self._ctx.faults.set(FaultSource.TIMELINE, f"{change.reason}{by}: inputs and plan discarded, resuming "
                                                    "with inputs of the new timeline")

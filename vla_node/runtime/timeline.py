@@ -18,16 +18,17 @@ or two recordings whose messages interleave) when
   1. a source's stamps step back (a source: a camera, or one joint);
   2. a joint's sample repeats the stamp of its previous sample with another value (joint states on
      exact 10 ms stamps: the new timeline's sample would silently replace the old one's);
+  3. after a step back by D (at least AMBIGUOUS_STEP_S) to a new timeline, a source that has
+     delivered samples of the new timeline delivers one nearer the old timeline than the new one
+     (more than D / 2 ahead of the new timeline's newest stamp): its stamps step back and forth,
+     the old timeline is being delivered again (both clocks' messages alternate, or a source's
+     clock stepped back for a while and came back).
 Every change forgets every frame and joint sample (their stamps belong to another timeline) and
-keeps the message that showed it. After a step back from F to F - D (D of at least
-AMBIGUOUS_STEP_S), a sample stamped at or after its source's F that lies nearer the old timeline
-than the new one (more than D / 2 ahead of the new timeline's newest stamp) is a late message of
-the old timeline, still being delivered (both clocks' messages alternate, or a source's last
-message before the step arrives after another source's first after it): it is dropped (counted)
-until the new timeline passes F there, unless MAX_LATE of that source's messages in a row were
-(then it changes the timeline back); another source's own step back onto the new timeline is the
-same change, not a new one. Where the change cannot tell the old timeline's stamps from the
-new one's (rule 2, or a step back by less than AMBIGUOUS_STEP_S), messages of the old timeline may
+keeps the message that showed it; a change by rule 3 is no new fault (Change.announce: the fault
+of the step stands until a window is taken). After a step, another source's own step back onto the
+new timeline is the same change, not a new one: that source's samples of the old timeline are
+dropped, the others' kept. Where the change cannot tell the old timeline's stamps from the new
+one's (rule 2, or a step back by less than AMBIGUOUS_STEP_S), messages of the old timeline may
 still follow unnoticed, stamped near the newest stamp seen: windows then hold until their oldest
 frame is stamped a history span after it (every source monotonic again for at least the history
 span). No window ever holds samples from two timelines.
@@ -45,10 +46,6 @@ from .windows import InputError, JointStates, Wait, WindowSpec, evict, pick_wind
 # a sample lies from each (rule 3 needs the jump of D / 2 to exceed a source's largest gap between
 # samples: a camera dropout of LATENESS_S): such a change holds windows for a history span.
 AMBIGUOUS_STEP_S = 0.25
-# Late messages of the old timeline are dropped at most this many times in a row per source: a
-# source whose messages all look late (the new timeline is the one that stopped: a restarted
-# driver's clock alone stepped back) changes the timeline back instead of being starved.
-MAX_LATE = 4
 STATE_SYNC_MODES = ("frame", "newest")
 
 
@@ -62,14 +59,13 @@ class Frame:
 
 # Change.rule
 STEPPED_BACK, REPEATED, RETURNED = 1, 2, 3
-_LATE = object()    # _judge: a late message of the timeline before the step, to drop
 
 
 @dataclass(frozen=True)
 class Change:
     """A timeline change, and the message that showed it (kept, as the first of the new one)."""
     source: str         # "camera 'exo'", "joint_states (panda_joint1)"
-    rule: int           # STEPPED_BACK, REPEATED, or RETURNED (MAX_LATE late messages of a source)
+    rule: int           # STEPPED_BACK, REPEATED or RETURNED (the rules above)
     back_ns: int = 0    # STEPPED_BACK: by how much
 
     @property
@@ -77,7 +73,12 @@ class Change:
         """In words, without the size of the step (ros/inputs.py adds it in its words)."""
         return {STEPPED_BACK: f"{self.source} stamps stepped back",
                 REPEATED: f"{self.source} repeated a stamp with another value",
-                RETURNED: f"{self.source} stamps stay on the timeline before the step"}[self.rule]
+                RETURNED: f"{self.source} stamps returned to the timeline before the step"}[self.rule]
+
+    @property
+    def announce(self) -> bool:
+        """A new hold cause: not a return to the timeline before a step (that step's cause stands)."""
+        return self.rule != RETURNED
 
     @property
     def ambiguous(self) -> bool:
@@ -113,7 +114,7 @@ class TimelineCounts:
     timeline_restarts: int = 0            # timeline changes: every input before was forgotten
     joint_states_refused: int = 0         # malformed joint state messages
     frames_refused: int = 0               # unstamped frames, a repeated stamp
-    late_of_old_timeline: int = 0         # frames and joint state messages of the timeline before a step: dropped
+    old_timeline_dropped: int = 0         # a source's samples of the timeline before a step, once it joined the new one
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -129,11 +130,13 @@ class _Sources:
     """What the timeline rule remembers of every source, across forgetting the inputs."""
     last: dict[str, int] = field(default_factory=dict)           # newest stamp accepted
     value: dict[str, float] = field(default_factory=dict)        # joints: the value at it
-    marks: dict[str, int] = field(default_factory=dict)          # rule 3: each source's stamp before the step
-    step_ns: int = 0                                             # how far the latest step went back
-    since: dict[str, int] = field(default_factory=dict)          # newest stamp since the latest change
-    since_any: Optional[int] = None                              # ... of any source
-    late: dict[str, int] = field(default_factory=dict)           # late messages in a row, by source
+    step_ns: int = 0              # a step back under way (rule 3): by how much; 0: none
+    newest: int = 0               # ... the new timeline's newest stamp
+    joined: set = field(default_factory=set)                     # ... the sources that delivered samples of it
+
+    def new_like(self, stamp_ns: int) -> bool:
+        """Nearer the new timeline than the old one (a step under way)."""
+        return stamp_ns <= self.newest + self.step_ns // 2
 
 
 class InputTimeline:
@@ -158,6 +161,7 @@ class InputTimeline:
         self._settle_ns = 0             # windows' frames stamped at or after this (a change settling)
         self._taken_ns: Optional[int] = None   # the first camera's frame the last window taken ended with
         self._new_timeline = False
+        self._joint_sources: dict[int, str] = {}   # joint index -> its source's name (the topic's, per joint)
 
     # -- messages -------------------------------------------------------------------------------
     def check_frame(self, camera: int, stamp_ns: int) -> None:
@@ -178,13 +182,14 @@ class InputTimeline:
             self.counts.frames_refused += 1
             raise
         source = self._camera(camera)
-        change = self._judge([source], stamp_ns)
-        if change is _LATE:
-            self.counts.late_of_old_timeline += 1
-            return None
+        change, joining = self._judge([source], stamp_ns)
         if change is not None:
             self._change(change, stamp_ns)
         frames = self._frames[camera]
+        if joining:       # its frames of the old timeline
+            old = [i for i, f in enumerate(frames) if f.stamp_ns >= stamp_ns]
+            self.counts.old_timeline_dropped += len(old)
+            frames[:] = [f for f in frames if f.stamp_ns < stamp_ns]
         if len(frames) >= self.keep:
             i = evict([f.stamp_ns for f in frames], self.spec.span_ns)
             if camera == 0:
@@ -210,12 +215,13 @@ class InputTimeline:
             self.joints.add(stamp_ns, names, positions, received_ns)   # notes the joints it named instead
             return 0, None
         joints = [f"{source} ({self.joints.names[w]})" for w in index]
-        change = self._judge(joints, stamp_ns, values)
-        if change is _LATE:
-            self.counts.late_of_old_timeline += 1
-            return len(index), None
+        self._joint_sources.update(zip(index.tolist(), joints))
+        change, joining = self._judge(joints, stamp_ns, values)
         if change is not None:
             self._change(change, stamp_ns)
+        for k, name in enumerate(joints):
+            if name in joining:      # its samples of the old timeline
+                self.counts.old_timeline_dropped += self.joints.drop_from(int(index[k]), stamp_ns)
         self.joints.add(stamp_ns, names, positions, received_ns, source)
         for name, x in zip(joints, values):
             self._accepted(name, stamp_ns, float(x))
@@ -231,37 +237,36 @@ class InputTimeline:
 
     # -- the timeline rule ----------------------------------------------------------------------
     def _judge(self, sources: list[str], stamp_ns: int, values: Optional[np.ndarray] = None):
-        """The Change a message of `sources` shows, _LATE for a late one of the old timeline, or None."""
+        """(the Change a message of `sources` shows or None, the sources it makes join a step under way)."""
         s = self._sources
+        joining = []
         for k, source in enumerate(sources):
-            last, mark = s.last.get(source), s.marks.get(source)
-            newest = s.since.get(source, s.since_any)
-            near_new = newest is not None and abs(stamp_ns - newest) <= s.step_ns // 2
+            last = s.last.get(source)
+            if s.step_ns:
+                new_like = s.new_like(stamp_ns)
+                if source in s.joined and not new_like:
+                    return Change(source, RETURNED), []
+                if source not in s.joined and new_like and last is not None and stamp_ns < last:
+                    joining.append(source)     # its own step onto the new timeline: the same change
+                    continue
             if last is not None and stamp_ns < last:
-                if mark is not None and source not in s.since and near_new:
-                    continue     # this source's first message after the step already made
-                return Change(source, STEPPED_BACK, last - stamp_ns)
+                return Change(source, STEPPED_BACK, last - stamp_ns), []
             if values is not None and last == stamp_ns and s.value.get(source) != float(values[k]):
-                return Change(source, REPEATED)
-            if mark is not None and stamp_ns >= mark and newest is not None and newest < mark \
-                    and stamp_ns - newest > s.step_ns // 2:
-                s.late[source] = s.late.get(source, 0) + 1
-                return _LATE if s.late[source] <= MAX_LATE else Change(source, RETURNED)
-        return None
+                return Change(source, REPEATED), []
+        return None, joining
 
     def _change(self, change: Change, stamp_ns: int) -> None:
         """Forget the inputs of the old timeline; the message that showed the change is kept."""
         s = self._sources
         newest = max([stamp_ns, *s.last.values()])
+        s.step_ns, s.joined = 0, set()
         if change.ambiguous:         # late messages of the old timeline may follow unnoticed
-            s.marks = {}
             self._settle_ns = max(self._settle_ns, newest + self.spec.span_ns)
-        elif change.rule == STEPPED_BACK:   # every source's stamp before the step marks the old timeline
-            s.marks, s.step_ns = dict(s.last), change.back_ns
+        elif change.rule == STEPPED_BACK:   # rule 3 tells the two timelines apart from now on
+            s.step_ns, s.newest = change.back_ns, stamp_ns
             self._settle_ns = 0
         else:
-            s.marks, self._settle_ns = {}, 0
-        s.since, s.since_any, s.late = {}, None, {}
+            self._settle_ns = 0
         self._count_unused(len(self._frames[0]))
         self._forget_inputs()
         self.counts.timeline_restarts += 1
@@ -272,11 +277,9 @@ class InputTimeline:
         s.last[source] = stamp_ns
         if value is not None:
             s.value[source] = value
-        s.since[source] = max(stamp_ns, s.since.get(source, stamp_ns))
-        s.since_any = stamp_ns if s.since_any is None else max(s.since_any, stamp_ns)
-        s.late.pop(source, None)
-        if source in s.marks and stamp_ns >= s.marks[source]:
-            del s.marks[source]     # the new timeline has passed the old one's stamps here
+        if s.step_ns and s.new_like(stamp_ns):
+            s.joined.add(source)
+            s.newest = max(s.newest, stamp_ns)
 
     def _forget_inputs(self) -> None:
         for frames in self._frames:
@@ -328,6 +331,11 @@ class InputTimeline:
         newest = self.joints.newest()
         if newest is None:
             return Wait("no joint state for every joint of joint_names yet", sync=False, lacks="state")
+        s = self._sources
+        if s.step_ns and any((self._joint_sources.get(w) in s.joined) != s.new_like(frame_stamp_ns)
+                             for w in range(len(newest))):   # newest ignores stamps: a step's two sides apart
+            return Wait("timeline: a joint's newest sample is of the other timeline than the frames", sync=False,
+                        lacks="timeline")
         return newest, np.zeros(len(newest), np.int64)
 
     def _count_unused(self, upto: int) -> None:

@@ -280,6 +280,16 @@ class JointStates:
                 self._received[w] = received_ns
         return len(index)
 
+    def drop_from(self, joint: int, stamp_ns: int) -> int:
+        """Forget the samples of joint index `joint` stamped at or after `stamp_ns` (they belong to
+        a timeline that ended for it); how many."""
+        with self._lock:
+            stamps, samples = self._stamps[joint], self._values[joint]
+            keep = bisect.bisect_left(stamps, stamp_ns)
+            dropped = len(stamps) - keep
+            del stamps[keep:], samples[keep:]
+            return dropped
+
     def at(self, stamp_ns: int, slop_ns: int) -> tuple[np.ndarray, np.ndarray] | Wait:
         """(positions, their stamps) [joints]: each joint's sample stamped nearest `stamp_ns`,
         taken once a later sample exists (one exactly at it too); or why there is none yet."""

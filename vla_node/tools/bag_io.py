@@ -573,7 +573,7 @@ class StreamStats:
     timeline_restarts: int = 0            # timeline changes: every input before was dropped
     joint_states_refused: int = 0         # malformed joint state messages skipped
     frames_refused: int = 0               # camera frames the node would drop (unstamped, a repeated stamp)
-    late_of_old_timeline: int = 0         # messages of the timeline before a step back, arriving after it: dropped
+    old_timeline_dropped: int = 0         # a source's samples of the timeline before a step, once it joined the new one
 
 
 class ObservationStream:
