@@ -32,6 +32,7 @@ from ..ros.loop import QUIET, ControlLoop, Tick
 from ..runtime.timeline import InputTimeline, Picked
 from ..runtime.types import Observation, Policy, WindowLayout, history_offset
 from ..runtime.windows import Wait, WindowSpec, frames_to_keep
+from ..tools.stats import summary
 from .aloha import CONTROL_PERIOD_NS, GRIPPERS, JOINT_NAMES, SimState, TransferCube
 from .video import annotate
 
@@ -293,11 +294,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
 
 
 def percentiles(samples: Sequence[float]) -> dict:
-    a = np.asarray(samples, np.float64)
-    if a.size == 0:
-        return {"n": 0}
-    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+    return summary(samples)
 
 
 def summarize(results: Sequence[EpisodeResult]) -> dict:

@@ -36,6 +36,7 @@ from .bag_io import (
     resolve_inputs,
 )
 from .bench import STAGES, deviation
+from .stats import summary
 
 Progress = Callable[[str], None]
 
@@ -193,11 +194,7 @@ def skipped_text(stats: StreamStats) -> str:
 
 
 def distribution(samples: Sequence[float]) -> dict:
-    a = np.asarray(samples, np.float64)
-    if a.size == 0:
-        return {"n": 0}
-    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+    return summary(samples)
 
 
 def run_config(spec: ConfigSpec, config: EngineConfig, query: BagQuery, log: FrameLog, baseline: bool,
