@@ -133,6 +133,7 @@ class _Sources:
     step_ns: int = 0              # a step back under way (rule 3): by how much; 0: none
     newest: int = 0               # ... the new timeline's newest stamp
     joined: set = field(default_factory=set)                     # ... the sources that delivered samples of it
+    recent: int = 0               # the newest stamp accepted since the latest change
 
     def new_like(self, stamp_ns: int) -> bool:
         """Nearer the new timeline than the old one (a step under way)."""
@@ -187,6 +188,7 @@ class InputTimeline:
             self._change(change, stamp_ns)
         frames = self._frames[camera]
         if joining:       # its frames of the old timeline
+            self._joined(stamp_ns)
             old = [i for i, f in enumerate(frames) if f.stamp_ns >= stamp_ns]
             self.counts.old_timeline_dropped += len(old)
             frames[:] = [f for f in frames if f.stamp_ns < stamp_ns]
@@ -221,6 +223,7 @@ class InputTimeline:
             self._change(change, stamp_ns)
         for k, name in enumerate(joints):
             if name in joining:      # its samples of the old timeline
+                self._joined(stamp_ns)
                 self.counts.old_timeline_dropped += self.joints.drop_from(int(index[k]), stamp_ns)
         self.joints.add(stamp_ns, names, positions, received_ns, source)
         for name, x in zip(joints, values):
@@ -258,8 +261,8 @@ class InputTimeline:
     def _change(self, change: Change, stamp_ns: int) -> None:
         """Forget the inputs of the old timeline; the message that showed the change is kept."""
         s = self._sources
-        newest = max([stamp_ns, *s.last.values()])
-        s.step_ns, s.joined = 0, set()
+        newest = max(stamp_ns, s.recent)
+        s.step_ns, s.joined, s.recent = 0, set(), stamp_ns
         if change.ambiguous:         # late messages of the old timeline may follow unnoticed
             self._settle_ns = max(self._settle_ns, newest + self.spec.span_ns)
         elif change.rule == STEPPED_BACK:   # rule 3 tells the two timelines apart from now on
@@ -272,9 +275,17 @@ class InputTimeline:
         self.counts.timeline_restarts += 1
         self._new_timeline = True
 
+    def _joined(self, stamp_ns: int) -> None:
+        """A source joined the step under way: a window of the old timeline taken meanwhile is no
+        measure of which window is new."""
+        if self._taken_ns is not None and self._taken_ns >= stamp_ns:
+            self._taken_ns = None
+            self._new_timeline = True
+
     def _accepted(self, source: str, stamp_ns: int, value: Optional[float] = None) -> None:
         s = self._sources
         s.last[source] = stamp_ns
+        s.recent = max(s.recent, stamp_ns)
         if value is not None:
             s.value[source] = value
         if s.step_ns and s.new_like(stamp_ns):
