@@ -28,7 +28,7 @@ setup(
     entry_points={
         "console_scripts": [
             # One name per tool, the same for pip (on PATH) and colcon (`ros2 run vla_node vla-node`).
-            "vla-node = vla_node.ros.node:main",
+            "vla-node = vla_node.ros.main:main",
             "vla-bench = vla_node.tools.bench:main",
             "vla-replay = vla_node.tools.replay:main",
             "vla-demo = vla_node.tools.demo:main",

@@ -13,20 +13,13 @@ import torch
 from triton.testing import do_bench
 
 from vla_node.runtime import LAYOUTS, EngineConfig, PolicyEngine
+from vla_node.runtime.graphs import capture
 from vla_node.runtime.kernels.few_query_attention import few_query_attention
 
 
 def graph_ms(fn, reps: int = 20) -> float:
     """Median ms of `fn` captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=5, rep=reps, return_mode="median")
+    return do_bench(capture(fn).replay, warmup=5, rep=reps, return_mode="median")
 
 
 def main():

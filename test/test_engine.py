@@ -1,21 +1,100 @@
-"""The eager reference engine: determinism, input validation, output shapes."""
+"""The eager reference engine: determinism, input validation, output shapes; the tests that use
+only the Policy protocol (predict, reset_stream, history_offset_s) run twice: on PolicyEngine in
+this process, and through the engine process's boundary (ros.engine_process.EngineProcess: the
+typed messages, the shared-memory frames, the worker), as the node runs it, without DDS."""
 import numpy as np
 import pytest
 import torch
 
+from vla_node.ros.engine_process import EngineError, EngineProcess, WorkerOptions
 from vla_node.runtime import EngineConfig, Observation, PolicyEngine
+from vla_node.runtime.types import Policy
+
+START_TIMEOUT_S = 300.0   # a failure bound: loading the tiny model takes seconds
+
+
+def start_process(config: EngineConfig) -> EngineProcess:
+    process = EngineProcess(config, WorkerOptions("eager", threads=0, nice=0))
+    process.start(START_TIMEOUT_S, lambda m: None, lambda m: None, lambda: None)
+    return process
 
 
 @pytest.fixture(scope="module")
-def engine():
+def reference():
     return PolicyEngine(EngineConfig(seed=0))
 
 
-def test_chunk_shape_and_timings(engine):
-    chunk = engine.predict(engine.dummy_observation())
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def engine(request, reference):
+    """A Policy with seed 0: the reference itself, or an engine process."""
+    if request.param == "in-process":
+        yield reference
+        return
+    process = start_process(EngineConfig(seed=0))
+    yield process
+    process.close()
+
+
+def test_chunk_shape_and_timings(engine, reference):
+    assert isinstance(engine, Policy)
+    chunk = engine.predict(reference.dummy_observation())
     assert chunk.actions.shape == (16, 8) and chunk.actions.dtype == np.float32
     assert np.isfinite(chunk.actions).all()
     assert set(chunk.timings) == {"preprocess", "vision", "llm", "action", "total"}
+    assert engine.history_offset_s == reference.history_offset_s
+
+
+def test_the_engine_process_predicts_what_the_engine_does():
+    """Same seed, same observations: the same actions through the process boundary, query after
+    query (the noise stream), and frame ids carried across it (the stream reset keeps them apart)."""
+    local, process = PolicyEngine(EngineConfig(seed=4)), start_process(EngineConfig(seed=4))
+    local.warmup()   # as the worker does before it serves
+    try:
+        obs = local.dummy_observation()
+        obs.frame_ids = [("exo", 1), ("wrist", 1), ("exo", 2), ("wrist", 2)]
+        for _ in range(2):
+            a, b = local.predict(obs), process.predict(obs)
+            assert np.array_equal(a.actions, b.actions) and np.array_equal(a.normalized, b.normalized)
+        local.reset_stream()
+        process.reset_stream()
+        assert np.array_equal(local.predict(obs).actions, process.predict(obs).actions)
+    finally:
+        process.close()
+
+
+def test_reconfigure_answers_with_the_config_in_effect_or_the_error_with_its_traceback():
+    process = start_process(EngineConfig(seed=0))
+    try:
+        process.reconfigure({"action_cache": "3-6:2"})
+        answer = poll_answer(process)
+        assert answer.error == "" and answer.config.action_cache == "3-6:2"
+        assert process.config.action_cache == "3-6:2"     # the engine's answer is the one copy
+        process.reconfigure({"action_cache": "5:7"})
+        answer = poll_answer(process)
+        assert "can only reuse an earlier step" in answer.error and "Traceback" in answer.trace
+        assert answer.config.action_cache == "3-6:2" == process.config.action_cache
+        process.reconfigure({"camera_height": 10})
+        answer = poll_answer(process)
+        assert "cannot change while the engine runs" in answer.error
+    finally:
+        process.close()
+    with pytest.raises(ValueError, match="cannot change while the engine runs"):
+        PolicyEngine(EngineConfig()).reconfigure({"seed": 3})
+
+
+def poll_answer(process: EngineProcess):
+    answer = process.poll(START_TIMEOUT_S)
+    assert answer is not None, "no answer from the engine process"
+    return answer
+
+
+def test_a_failed_start_arrives_with_the_workers_traceback():
+    process = EngineProcess(EngineConfig(checkpoint="/nonexistent/checkpoint"), WorkerOptions("eager", 0, 0))
+    with pytest.raises(EngineError) as failed:
+        process.start(START_TIMEOUT_S, lambda m: None, lambda m: None, lambda: None)
+    process.close()
+    assert "/nonexistent/checkpoint" in str(failed.value) and "\n" not in str(failed.value)
+    assert "Traceback (most recent call last)" in failed.value.trace
 
 
 def test_deterministic_for_a_seed():
@@ -35,13 +114,15 @@ def test_noise_stream_is_the_same_in_every_mode_after_warmup():
     assert torch.equal(eager.draw_noise(), static.draw_noise())
 
 
-def test_given_noise_is_used(engine):
+def test_given_noise_is_used(reference):
+    engine = reference
     obs = engine.dummy_observation()
     noise = torch.randn(1, 16, 8)
     assert np.array_equal(engine.predict(obs, noise=noise).actions, engine.predict(obs, noise=noise).actions)
 
 
-def test_instruction_and_images_change_the_actions(engine):
+def test_instruction_and_images_change_the_actions(reference):
+    engine = reference
     obs = engine.dummy_observation()
     noise = torch.randn(1, 16, 8)
     base = engine.predict(obs, noise=noise).normalized
@@ -60,8 +141,8 @@ def test_instruction_and_images_change_the_actions(engine):
     (lambda o: setattr(o, "instruction", "   "), "instruction is empty"),
     (lambda o: setattr(o, "instruction", "pick up the red cup " * 30), "budget is 96"),
 ])
-def test_bad_inputs_are_rejected_clearly(engine, mutate, message):
-    obs = engine.dummy_observation()
+def test_bad_inputs_are_rejected_clearly(engine, reference, mutate, message):
+    obs = reference.dummy_observation()
     obs.images = list(obs.images)
     mutate(obs)
     with pytest.raises(ValueError, match=message):

@@ -11,9 +11,9 @@ from sensor_msgs.msg import CompressedImage, Image
 from vla_node.ros import messages, params
 from vla_node.ros.control import Plan, SafetyFilter
 from vla_node.ros.diagnostics import LOG_BURST, Faults, duration_in_words
-from vla_node.ros.frames import FrameRing, Window
+from vla_node.ros.frames import FrameRing, SharedInputs, Window
 from vla_node.runtime import images
-from vla_node.runtime.windows import InputError, StampStep, Wait, WindowSpec
+from vla_node.runtime.windows import InputError, Wait, WindowSpec
 
 H, W = 6, 8
 
@@ -270,18 +270,19 @@ def test_steps_shorter_than_a_second_are_given_in_milliseconds(seconds, words):
 
 # -- the frame buffer -------------------------------------------------------------------------------
 def ring(keep=8, cameras=("a", "b"), slop_ns=10):
-    """Frames 1000 ns apart in the tests: the history frame is 3 frames back."""
+    """The node's inputs without ROS (frames.SharedInputs: an InputTimeline over a FrameRing), one
+    joint "j"; frames 1000 ns apart in the tests: the history frame is 3 frames back."""
     spec = WindowSpec(frames=2, offset_ns=3000, sync_slop_ns=slop_ns, state_slop_ns=0)
-    return FrameRing(list(cameras), 2, 2, spec, keep,
-                     bytearray(int(np.prod(FrameRing.shape_of(len(cameras), 2, 2, keep, spec.frames)))))
+    return SharedInputs(list(cameras), ["j"], 2, 2, spec, keep,
+                        bytearray(int(np.prod(FrameRing.shape_of(len(cameras), 2, 2, keep, spec.frames)))))
 
 
 def put(r, camera, stamp, value=0):
-    r.write(camera, stamp, stamp, lambda out: out.fill(value))
-
-
-def state(stamp_ns):
-    return np.array([1.0]), np.array([stamp_ns])
+    """A frame; for the first camera, a joint sample at its stamp too."""
+    change = r.write(camera, stamp, stamp, lambda out: out.fill(value))
+    if camera == 0:
+        r.add_joint_states(stamp, ["j"], [1.0], stamp)
+    return change
 
 
 def test_window_takes_the_history_offset_back_and_matches_other_cameras_by_stamp():
@@ -289,22 +290,22 @@ def test_window_takes_the_history_offset_back_and_matches_other_cameras_by_stamp
     for t in range(10):
         put(r, 0, 1000 * t, t)
         put(r, 1, 1000 * t + 7, 100 + t)          # 7 ns behind: within the slop
-    w = r.take_window(state)
+    w = r.take_window()
     assert isinstance(w, Window) and w.stamp_ns == 9000 and w.state_stamps_ns.tolist() == [9000]
     assert w.frame_ids == [("a", 6000), ("b", 6007), ("a", 9000), ("b", 9007)]
-    assert [int(r.pixels[s][0, 0, 0]) for s in w.slots] == [6, 106, 9, 109]
+    assert [int(r.ring.pixels[s][0, 0, 0]) for s in w.slots] == [6, 106, 9, 109]
     r.unpin()
-    r.spec = WindowSpec(frames=2, offset_ns=3000, sync_slop_ns=5, state_slop_ns=0)
-    assert r.take_window(state) == Wait("camera 'b' has no frame within sync_slop_s of camera 'a'", sync=True)
+    r.configure(WindowSpec(frames=2, offset_ns=3000, sync_slop_ns=5, state_slop_ns=0), "frame")
+    assert r.take_window() == Wait("camera 'b' has no frame within sync_slop_s of camera 'a'", sync=True)
 
 
 def test_window_waits_for_the_other_camera_and_for_state():
     r = ring()
     for t in range(5):
-        put(r, 0, 1000 * t)
-    assert r.take_window(state) == Wait("waiting for camera 'b'", sync=False)
-    put(r, 1, 4000)
-    assert r.take_window(lambda t: Wait("no state", sync=True)) == Wait("no state", sync=True)
+        r.write(0, 1000 * t, 0, lambda out: None)
+    assert r.take_window() == Wait("waiting for camera 'b'", sync=False)
+    r.write(1, 4000, 0, lambda out: None)
+    assert r.take_window() == Wait("no joint state for ['j'] yet", sync=False, lacks="state")
 
 
 def test_newest_complete_window_wins_when_the_newest_frame_has_no_partner_yet():
@@ -313,17 +314,18 @@ def test_newest_complete_window_wins_when_the_newest_frame_has_no_partner_yet():
         put(r, 0, 1000 * t)
         put(r, 1, 1000 * t)
     put(r, 0, 5000)                        # b's frame for t=5 is still on its way
-    assert r.take_window(state).stamp_ns == 4000
+    assert r.take_window().stamp_ns == 4000
 
 
-def test_stamps_stepping_back_are_refused_before_any_copy():
+def test_a_repeated_stamp_is_refused_before_any_copy_and_a_step_back_forgets_the_old_timeline():
     r = ring()
     put(r, 0, 1000, 1)
     with pytest.raises(InputError, match="repeated stamp"):
-        put(r, 0, 1000, 2)
-    with pytest.raises(StampStep, match="camera 'a' stamps stepped back by 0.000 s") as step:
-        r.write(0, 500, 500, lambda out: pytest.fail("copied"))
-    assert step.value.back_ns == 500
+        r.write(0, 1000, 1000, lambda out: pytest.fail("copied"))
+    put(r, 1, 1000)
+    change = r.write(0, 500, 500, lambda out: out.fill(2))
+    assert change.reason == "camera 'a' stamps stepped back" and change.back_ns == 500
+    assert [f.stamp_ns for f in r.timeline.frames(0)] == [500] and not r.timeline.frames(1)
 
 
 def test_unstamped_frames_are_refused_with_the_reason():
@@ -338,32 +340,33 @@ def test_pinned_frames_are_never_overwritten():
     for t in range(4):
         put(r, 0, 1000 * t, t)
         put(r, 1, 1000 * t, t)
-    w = r.take_window(state)
-    pinned = {s: r.pixels[s].copy() for s in w.slots}
+    w = r.take_window()
+    pinned = {s: r.ring.pixels[s].copy() for s in w.slots}
     for t in range(4, 50):
         put(r, 0, 1000 * t, t % 250)
         put(r, 1, 1000 * t, t % 250)
     for s, pixels in pinned.items():
-        np.testing.assert_array_equal(r.pixels[s], pixels)
+        np.testing.assert_array_equal(r.ring.pixels[s], pixels)
     r.unpin()
 
 
-def test_a_frame_filled_across_a_clear_is_dropped():
+def test_a_frame_filled_across_forgetting_the_inputs_is_dropped():
     r = ring()
     put(r, 0, 5000)
-    r.write(0, 6000, 6000, lambda out: r.clear())      # the timeline ended while it was copied
+    r.write(0, 6000, 6000, lambda out: r.forget())     # the clock jumped back while it was copied
     put(r, 0, 10)                                       # so its stamp does not refuse later frames
     assert r.newest_received_ns()[0] == 10
+    assert [f.stamp_ns for f in r.timeline.frames(0)] == [10]
 
 
-def test_clear_forgets_frames_and_stamps():
+def test_forget_forgets_frames_and_stamps():
     r = ring()
     for t in range(5):
         put(r, 0, 1000 * t)
         put(r, 1, 1000 * t)
-    r.clear()
-    put(r, 0, 10)                          # an earlier stamp is fine after a clear
-    assert r.take_window(state) == Wait("waiting for camera 'b'", sync=False)
+    r.forget()
+    assert put(r, 0, 10) is None           # an earlier stamp is no step back after forgetting
+    assert r.take_window() == Wait("waiting for camera 'b'", sync=False)
 
 
 # -- hand-over and safety -----------------------------------------------------------------------------

@@ -99,6 +99,35 @@ def test_a_chunk_slower_than_the_horizon_is_dropped_and_the_arm_holds(env, setti
     np.testing.assert_allclose(sent, np.broadcast_to(sent[0], sent.shape))
 
 
+class Poisoned(ExpertReplay):
+    """ExpertReplay whose third chunk is all NaN."""
+
+    def predict(self, obs: Observation) -> ActionChunk:
+        chunk = super().predict(obs)
+        if len(self.queried_ticks) == 3:
+            chunk.actions[:] = np.nan
+        return chunk
+
+
+def test_a_non_finite_chunk_holds_the_arm_as_in_the_node(env, settings):
+    """The node's control loop (loop.ControlLoop) in the simulator too: a chunk with NaN is dropped
+    and holds ("output"): the plan is dropped, the command held, until the next chunk arrives.
+    The simulator used to ignore it and run on the old plan."""
+    latency_s, latency = 0.1, 5
+    clean = ClosedLoop(env, ExpertReplay(seed=2), settings, latency_s=latency_s, ticks=120, stop_on_success=False)
+    clean.run(2)
+    moving = np.stack(env.sent)
+    policy = Poisoned(seed=2)
+    result = ClosedLoop(env, policy, settings, latency_s=latency_s, ticks=120, stop_on_success=False).run(2)
+    sent = np.stack(env.sent)
+    assert result.non_finite_chunks == 1 and result.holds == 1 and result.chunks >= 4
+    taken = policy.queried_ticks[2] + 1 + latency    # the tick that took the NaN chunk (step index: tick - 1)
+    np.testing.assert_array_equal(sent[:taken], moving[:taken])
+    held = sent[taken:taken + latency]                # blocked from the next tick until a new chunk comes
+    np.testing.assert_array_equal(held, np.broadcast_to(sent[taken - 1], held.shape))
+    assert np.abs(moving[taken:taken + latency] - moving[taken - 1]).max() > 1e-3   # the clean run moves there
+
+
 def test_wilson_interval():
     assert wilson_interval(0, 0) == (0.0, 1.0)
     low, high = wilson_interval(45, 50)

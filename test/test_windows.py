@@ -5,7 +5,7 @@ message, stamps stepping back. No engine, no DDS."""
 import numpy as np
 import pytest
 
-from vla_node.ros.frames import FrameRing, Window
+from vla_node.ros.frames import FrameRing, SharedInputs, Window
 from vla_node.runtime import LAYOUTS, images
 from vla_node.runtime.windows import (
     LATENESS_S,
@@ -327,9 +327,8 @@ def node_windows(path, seed=0):
     layout = LAYOUTS["droid"]
     spec = WindowSpec.of(layout.frames, OFFSET_S)
     keep = frames_to_keep(layout.frames, OFFSET_S, 30.0)
-    ring = FrameRing(list(layout.cameras), 120, 160, spec, keep,
-                     bytearray(int(np.prod(FrameRing.shape_of(2, 120, 160, keep, layout.frames)))))
-    joints = JointStates(PANDA_JOINTS)
+    shared = SharedInputs(list(layout.cameras), PANDA_JOINTS, 120, 160, spec, keep,
+                          bytearray(int(np.prod(FrameRing.shape_of(2, 120, 160, keep, layout.frames)))))
     rng = np.random.default_rng(seed)
     windows, in_flight = [], []
     with Bag(path) as bag:
@@ -339,29 +338,21 @@ def node_windows(path, seed=0):
             msg = bag.deserialize(raw, msgtype, topic)
             stamp = stamp_ns(msg.header.stamp)
             fill = images.compressed_into if hasattr(msg, "format") else images.image_into
-
-            def store():
-                if topic in cameras:
-                    ring.write(cameras[topic], stamp, time_ns, lambda out: fill(msg, out))
-                elif topic == inputs.joint_states:
-                    joints.add(stamp, msg.name, msg.position, time_ns)
-            try:
-                store()
-            except StampStep:      # as the node: every input of the old timeline is forgotten, this one kept
-                ring.clear()
-                joints.clear()
-                store()
+            if topic in cameras:    # a timeline change forgets the old timeline's inputs, this one kept
+                shared.write(cameras[topic], stamp, time_ns, lambda out: fill(msg, out))
+            elif topic == inputs.joint_states:
+                shared.add_joint_states(stamp, msg.name, msg.position, time_ns)
             if in_flight and rng.random() < 0.3:   # its result: the engine read the pixels now
                 window = in_flight.pop()
-                windows.append((window, [ring.pixels[s].copy() for s in window.slots]))
-                ring.unpin()
-            fresh = all(r is not None and time_ns - r <= 0.5e9 for r in ring.newest_received_ns())
+                windows.append((window, [shared.ring.pixels[s].copy() for s in window.slots]))
+                shared.unpin()
+            fresh = all(r is not None and time_ns - r <= 0.5e9 for r in shared.newest_received_ns())
             if topic in cameras and fresh and not in_flight and rng.random() < 0.3:
-                window = ring.take_window(lambda t: joints.at(t, spec.state_slop_ns))
+                window = shared.take_window()
                 if isinstance(window, Window):
                     in_flight.append(window)
                 else:
-                    ring.unpin()
+                    shared.unpin()
     return windows
 
 

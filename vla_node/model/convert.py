@@ -104,10 +104,8 @@ def _stats(section: dict, repo: str, key_names: list[str], mode: str) -> list[li
     return [list(map(float, feature[n])) for n in names]
 
 
-def model_config_from_official(m: dict, name: str, norm_repo: str = "synthmanip",
-                               deployment: RobotConfig = DROID_ROBOT) -> tuple[ModelConfig, dict]:
-    """The project config for an official `model` section, and the normalisation statistics
-    ({"action": [2][A], "state": [2][S]})."""
+def _check_supported(m: dict, fmt: dict, image: dict) -> None:
+    """Refused for an official `model` section whose architecture this project does not implement."""
     llm, vb = m["llm"], m["vision_backbone"]
     vit = vb["vit"]
     for key, allowed in (("block_type", "sequential"), ("activation_type", "swiglu"), ("layer_norm_type", "rms"),
@@ -126,21 +124,23 @@ def model_config_from_official(m: dict, name: str, norm_repo: str = "synthmanip"
     _need("model", m, "action_expert_layer_mode", "per_layer")
     _need("model", m, "states_mode", "cross_attn")
     _need("model", m, "bi_directional_attn", (None, "image_tokens"))
-    fmt = m.get("data_formatter") or {}
     _need("data_formatter", fmt, "message_format", "qwen3")
     _need("data_formatter", fmt, "prompt_templates", ("uber_model_v2", "uber_model", "none"))
-    image = (m.get("mm_preprocessor") or {}).get("image") or {}
     _need("mm_preprocessor.image", image, "crop_mode", "resize")
     col_tokens = image.get("use_single_crop_col_tokens")
     if (image.get("use_col_tokens", True) if col_tokens is None else col_tokens):
         raise Refused("config.yaml: column tokens after each row of image patches (mm_preprocessor.image."
                       "use_single_crop_col_tokens) are not supported")
+
+
+def _vision_config(vb: dict, image: dict) -> VisionConfig:
+    """The ViT and its pooling, from the official vision_backbone and mm_preprocessor.image."""
+    vit = vb["vit"]
     windows = {(image.get("pooling_w", 2), image.get("pooling_h", 2))}
     if image.get("max_images") is not None:
         windows.add((image.get("multi_image_pooling_w", 2), image.get("multi_image_pooling_h", 2)))
     if len(windows) != 1 or len({*next(iter(windows))}) != 1:
         raise Refused(f"config.yaml: image pooling windows {sorted(windows)} (w, h) must be one square window")
-
     size = vit["image_default_input_size"]
     if len(set(size)) != 1:
         raise Refused(f"config.yaml: non-square ViT input {size} is not supported")
@@ -156,6 +156,18 @@ def model_config_from_official(m: dict, name: str, norm_repo: str = "synthmanip"
     if vit.get("image_num_pos", vision.grid ** 2) != vision.grid ** 2:
         raise Refused(f"config.yaml: {vit['image_num_pos']} ViT positions for a {vision.grid}x{vision.grid} grid "
                       f"(position interpolation) is not supported")
+    return vision
+
+
+def model_config_from_official(m: dict, name: str, norm_repo: str = "synthmanip",
+                               deployment: RobotConfig = DROID_ROBOT) -> tuple[ModelConfig, dict]:
+    """The project config for an official `model` section, and the normalisation statistics
+    ({"action": [2][A], "state": [2][S]})."""
+    llm, vb = m["llm"], m["vision_backbone"]
+    fmt = m.get("data_formatter") or {}
+    image = (m.get("mm_preprocessor") or {}).get("image") or {}
+    _check_supported(m, fmt, image)
+    vision = _vision_config(vb, image)
 
     d_model, n_heads = llm["d_model"], llm["n_heads"]
     hidden = llm.get("mlp_hidden_size") or llm["mlp_ratio"] * d_model
@@ -201,29 +213,52 @@ def model_config_from_official(m: dict, name: str, norm_repo: str = "synthmanip"
     return cfg, stats
 
 
-def convert_state_dict(official: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Official keys -> this project's keys (fused projections split, embeddings joined). Every
-    official key is used or named unused; anything else is an error naming the key."""
-    src = dict(official)
-    out: dict[str, torch.Tensor] = {}
+class _Keys:
+    """The official state dict being taken apart into this project's (`out`)."""
 
-    def take(key: str) -> torch.Tensor:
+    def __init__(self, official: dict[str, torch.Tensor]):
+        self.src = dict(official)
+        self.out: dict[str, torch.Tensor] = {}
+
+    def take(self, key: str) -> torch.Tensor:
         try:
-            return src.pop(key)
+            return self.src.pop(key)
         except KeyError:
             raise CheckpointError(f"official checkpoint lacks {key!r}") from None
 
-    def linear(ours: str, theirs: str, bias: bool = True) -> None:
-        out[f"{ours}.weight"] = take(f"{theirs}.weight")
+    def linear(self, ours: str, theirs: str, bias: bool = True) -> None:
+        self.out[f"{ours}.weight"] = self.take(f"{theirs}.weight")
         if bias:
-            out[f"{ours}.bias"] = take(f"{theirs}.bias")
+            self.out[f"{ours}.bias"] = self.take(f"{theirs}.bias")
 
-    def split(ours: list[str], theirs: str, sizes: list[int], bias: bool) -> None:
+    def split(self, ours: list[str], theirs: str, sizes: list[int], bias: bool) -> None:
         for part in ("weight", "bias") if bias else ("weight",):
-            for name, chunk in zip(ours, take(f"{theirs}.{part}").split(sizes)):
-                out[f"{name}.{part}"] = chunk
+            for name, chunk in zip(ours, self.take(f"{theirs}.{part}").split(sizes)):
+                self.out[f"{name}.{part}"] = chunk
 
-    llm = cfg.llm
+
+def convert_state_dict(official: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Official keys -> this project's keys (fused projections split, embeddings joined). Every
+    official key is used or named unused; anything else is an error naming the key."""
+    keys = _Keys(official)
+    _llm_keys(keys, cfg)
+    _vision_keys(keys, cfg)
+    _expert_keys(keys, cfg)
+    src, vit = keys.src, "vision_backbone.image_vit"
+    for key in UNUSED_KEYS:
+        src.pop(key, None)
+    for key in [k for k in src if k.startswith(f"{vit}.transformer.resblocks.")]:
+        if int(key.split(".")[4]) >= cfg.vision.layers_run:  # layers past the deepest feature layer never run
+            del src[key]
+    if src:
+        extra = sorted(src)
+        raise CheckpointError(f"official checkpoint has key {extra[0]!r} this converter does not know"
+                              + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
+    return keys.out
+
+
+def _llm_keys(keys: _Keys, cfg: ModelConfig) -> None:
+    llm, out, take, linear, split = cfg.llm, keys.out, keys.take, keys.linear, keys.split
     out["llm.embed.weight"] = torch.cat([take("transformer.wte.embedding"), take("transformer.wte.new_embedding")])
     q, kv = llm.heads * llm.head_dim, llm.kv_heads * llm.head_dim
     for i in range(llm.layers):
@@ -237,6 +272,9 @@ def convert_state_dict(official: dict[str, torch.Tensor], cfg: ModelConfig) -> d
         split([f"{o}.mlp.gate_up.up", f"{o}.mlp.gate_up.gate"], f"{t}.ff_proj", [llm.mlp, llm.mlp], bias=False)
         linear(f"{o}.mlp.down", f"{t}.ff_out", bias=False)
 
+
+def _vision_keys(keys: _Keys, cfg: ModelConfig) -> None:
+    out, take, linear = keys.out, keys.take, keys.linear
     vit = "vision_backbone.image_vit"
     out["vision.encoder.pos_embed"] = take(f"{vit}.positional_embedding")
     linear("vision.encoder.patch_embed", f"{vit}.patch_embedding")
@@ -254,6 +292,9 @@ def convert_state_dict(official: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     for ours, theirs in (("gate_up.gate", "w1"), ("gate_up.up", "w3"), ("down", "w2")):
         linear(f"vision.projector.{ours}", f"{proj}.{theirs}", bias=False)
 
+
+def _expert_keys(keys: _Keys, cfg: ModelConfig) -> None:
+    out, take, linear, split = keys.out, keys.take, keys.linear, keys.split
     ae, w = "action_expert", cfg.action.width
     out["expert.action_pos"] = take(f"{ae}.action_pos_embed")[0]
     for ours, theirs, bias in (("action_in", "action_embed", True), ("time_mlp.0", "time_embed.1", True),
@@ -272,17 +313,6 @@ def convert_state_dict(official: dict[str, torch.Tensor], cfg: ModelConfig) -> d
         linear(f"{o}.fc1", f"{t}.mlp.fc1")
         linear(f"{o}.fc2", f"{t}.mlp.fc2")
         linear(f"{o}.ada", f"{t}.adaLN_modulation.1")
-
-    for key in UNUSED_KEYS:
-        src.pop(key, None)
-    for key in [k for k in src if k.startswith(f"{vit}.transformer.resblocks.")]:
-        if int(key.split(".")[4]) >= cfg.vision.layers_run:  # layers past the deepest feature layer never run
-            del src[key]
-    if src:
-        extra = sorted(src)
-        raise CheckpointError(f"official checkpoint has key {extra[0]!r} this converter does not know"
-                              + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
-    return out
 
 
 # -- reading the official weights ----------------------------------------------------------------

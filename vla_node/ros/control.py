@@ -19,12 +19,12 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from ..runtime.windows import Wait
-from .diagnostics import Key
+from .diagnostics import FaultSource, Key
 
 LATENCY_WINDOW = 10     # recent inference latencies (in ticks) whose maximum is the rtc freeze
 # Fault sources the engine's next answer or the next observation sent clears: observations keep
 # being sent while they are active.
-RETRY_SOURCES = {"engine", "output", "sync", "clock", "timeline"}
+RETRY_SOURCES = {FaultSource.ENGINE, FaultSource.OUTPUT, FaultSource.SYNC, FaultSource.CLOCK, FaultSource.TIMELINE}
 
 
 def latency_ticks(latency_s: float, period_s: float) -> int:
@@ -262,6 +262,10 @@ class ChunkScheduler:
         """Start over (activation, deactivation, cleanup): no plan, no last command, nothing in
         flight; whatever answers a request sent before is stale."""
         self.state = ControlState(epoch=self.state.epoch + 1)
+
+    def hold(self, reason: str) -> None:
+        """Why the ticks hold until the next one says otherwise (an activation's first wait)."""
+        self.state.hold = reason
 
     def drop_plan(self) -> None:
         """Forget the plan and the chunk in flight (a new timeline, a hold); the request stays in

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from enum import Enum
 from typing import Callable, Optional
 
 import numpy as np
@@ -13,6 +14,33 @@ import numpy as np
 # A source logs (and announces) at most this many changes ...
 LOG_BURST = 10
 LOG_WINDOW_S = 10.0   # ... in this many seconds; flush() sums up the rest once the window allows
+
+
+class FaultSource(str, Enum):
+    """Where a hold cause comes from: the keys of Faults (cameras are named: camera(name), and a
+    silent input is stale(source)). A str, so that logs, /diagnostics and the tests read its value."""
+    ENGINE = "engine"              # the engine process: lost, rejected or failed an observation, no answer
+    OUTPUT = "output"              # a chunk with non-finite actions
+    SYNC = "sync"                  # the inputs out of step for longer than input_timeout_s
+    CLOCK = "clock"                # the node's clock jumped back
+    TIMELINE = "timeline"          # the inputs' timeline changed (runtime/timeline.py)
+    JOINT_STATES = "joint_states"  # a malformed joint state message
+    INSTRUCTION = "instruction"    # an empty or refused instruction
+    ESTOP = "estop"                # the e-stop is engaged
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    @staticmethod
+    def camera(name: str) -> str:
+        return f"camera {name!r}"
+
+    @staticmethod
+    def stale(source: str) -> str:
+        """An input silent for longer than input_timeout_s."""
+        return f"{source} stale"
 
 
 def duration_in_words(seconds: float) -> str:

@@ -7,8 +7,10 @@ niced process leaves the node's interpreter to the control loop (BENCHMARKS.md, 
 Frames travel through shared memory (an anonymous memfd both processes map): the node writes
 each camera frame into a slot once and the engine reads it in place. The buffer is made after the
 engine is ready, because its size follows the checkpoint's history offset (EngineInfo). The worker
-is built from the node's frozen EngineConfig (validated when the parameters were); requests and
-results are small pickled tuples on a pipe. Only one request is in flight at a time, so nothing
+is built from the node's frozen EngineConfig (validated when the parameters were); what crosses
+the pipe are the small frozen dataclasses below (Predict -> Chunk | Rejected | Failed,
+Reconfigure -> Reconfigured, ...), matched by type on both sides; an error crosses it with its
+traceback. Only one request is in flight at a time, so nothing
 queues.
 The worker exits when its pipe closes or its parent dies, and cleanup joins it, so closing the
 engine really frees its memory (device memory included). Ending it is bounded (stop_worker): a
@@ -23,14 +25,15 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections import deque
+import traceback
 from dataclasses import dataclass
 from multiprocessing import reduction
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 
-from ..runtime.types import EngineConfig
+from ..runtime.images import check_frames
+from ..runtime.types import ActionChunk, EngineConfig, Observation
 
 # A serving worker asked to end finishes the prediction under way and exits: 0.5-0.6 s for the
 # tiny model on the idle 2-core VM, most of it torch's teardown. One that takes longer (a niced
@@ -50,7 +53,12 @@ WARMUP_GATE_ENV = "VLA_NODE_TEST_WARMUP_GATE"
 
 
 class EngineError(RuntimeError):
-    """The engine could not start, or its process is gone; str() is the reason."""
+    """The engine could not start, failed, or its process is gone; str() is the reason, `trace`
+    the worker's traceback when it raised (empty otherwise)."""
+
+    def __init__(self, reason: str, trace: str = ""):
+        super().__init__(reason)
+        self.trace = trace
 
 
 @dataclass
@@ -64,17 +72,108 @@ class EngineInfo:
     robot: dict                # the checkpoint's RobotConfig: its deployment's action post-processing
 
 
-@dataclass
-class Result:
+# -- what crosses the boundary: frozen dataclasses, matched by type on both sides -------------------
+# Node -> worker.
+@dataclass(frozen=True)
+class FrameBuffer:
+    """The shared frames (their file descriptor follows on the pipe): uint8 `shape`."""
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Predict:
     request_id: int
-    kind: str                  # "chunk", "rejected" (bad observation), "failed" (engine error), "schedule"
-    actions: Optional[np.ndarray] = None
-    timings: Optional[dict] = None
-    reason: str = ""
-    received_at: float = 0.0   # time.perf_counter() in the worker: request received ...
-    predict_ms: float = 0.0    # ... engine.predict() wall time
-    sent_at: float = 0.0       # ... result sent
+    slots: list[int]            # the window's frames in the shared buffer, in slot order
+    frame_ids: Optional[list]   # (camera, stamp_ns) per slot: the engine's frame identity; None: all new
+    state: np.ndarray           # [state_dim] float32
+    instruction: str
+    stamp: float                # seconds: the newest frame's
+
+
+@dataclass(frozen=True)
+class ResetStream:
+    """A new timeline: the engine forgets what it carries between queries."""
+
+
+@dataclass(frozen=True)
+class Reconfigure:
+    """Change run-time options (runtime.types.RUNTIME_OPTIONS) between predictions."""
+    changes: dict
+
+
+@dataclass(frozen=True)
+class Close:
+    """End the worker once the prediction under way is done."""
+
+
+# Worker -> node.
+@dataclass(frozen=True)
+class Progress:
+    message: str
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str                   # STARTING, LOADING, WARMING_UP
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    reason: str                 # one line: for /diagnostics and configure's answer
+    trace: str                  # the worker's traceback: the node logs it once
+
+
+@dataclass(frozen=True)
+class Ready:
+    horizon: int
+    action_dim: int
+    state_dim: int
+    description: str
+    history_offset_s: float
+    robot: dict
+    config: EngineConfig        # what the engine runs: the node mirrors this, not its own copy
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request_id: int
+    actions: np.ndarray         # [horizon, action_dim] float32
+    normalized: np.ndarray      # [horizon, action_dim] the model's output in [-1, 1]
+    timings: dict
+    received_at: float = 0.0    # time.perf_counter() in the worker: request received ...
+    predict_ms: float = 0.0     # ... engine.predict() wall time
+    sent_at: float = 0.0        # ... result sent
     memory: Optional[tuple] = None   # (allocated, reserved) device bytes; None on the CPU
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The engine's verdict on the observation (its ValueError): nothing ran."""
+    request_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The engine raised while predicting."""
+    request_id: int
+    reason: str
+    trace: str
+
+
+@dataclass(frozen=True)
+class Reconfigured:
+    """The answer to Reconfigure: the configuration in effect now (unchanged after an error)."""
+    config: EngineConfig
+    error: str = ""
+    trace: str = ""
+
+
+Answer = Union[Chunk, Rejected, Failed, Reconfigured]   # what poll() returns
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 @dataclass(frozen=True)
@@ -103,7 +202,8 @@ class EngineProcess:
         self._warm = False                      # the worker said "ready": it reads messages
         self._deadline = 0.0
         self._timeout_s = 0.0
-        self._schedules: deque[str] = deque()   # sent to the worker, not answered yet
+        self.info: Optional[EngineInfo] = None  # the last worker's, once it was ready
+        self._next_id = 0                       # predict()'s own request ids (below the node's: negative)
         self.lost: Optional[str] = None         # why the last worker was lost; None while one serves
         self.restart_due: Optional[float] = None   # time.monotonic() of the next start; None: none planned
         self.restart_attempt = 0
@@ -140,16 +240,19 @@ class EngineProcess:
         Raises EngineError when the worker failed, exited or missed the start timeout."""
         alive = self._process.is_alive()   # before reading: a worker that reports, then exits, is heard
         while self._conn.poll():
-            kind, payload = self._receive()
-            if kind == "progress":
-                progress(payload)
-            elif kind == "stage":
-                stage(payload)
-            elif kind == "error":
-                raise EngineError(payload)
-            elif kind == "ready":
-                self._warm = True
-                return EngineInfo(pid=self._process.pid, **payload)
+            match self._receive():
+                case Progress(message=message):
+                    progress(message)
+                case Stage(name=name):
+                    stage(name)
+                case StartFailed(reason=reason, trace=trace):
+                    raise EngineError(reason, trace)
+                case Ready() as ready:
+                    self._warm = True
+                    self.config = ready.config
+                    self.info = EngineInfo(self._process.pid, ready.horizon, ready.action_dim, ready.state_dim,
+                                           ready.description, ready.history_offset_s, ready.robot)
+                    return self.info
         if not alive:
             raise EngineError(f"engine process exited with code {self._process.exitcode} while starting")
         if time.monotonic() > self._deadline:
@@ -172,7 +275,7 @@ class EngineProcess:
 
     def send_frames(self) -> None:
         """Give the worker the frame buffer: after share_frames(), and to a worker started again."""
-        self._conn.send(("frames", self._frames_shape))
+        self._conn.send(FrameBuffer(self._frames_shape))
         reduction.send_handle(self._conn, self._frames_fd, self._process.pid)
 
     def _receive(self):
@@ -182,38 +285,75 @@ class EngineProcess:
             self._process.join(1.0)
             raise EngineError(f"engine process exited (code {self._process.exitcode})") from None
 
-    def submit(self, request_id: int, slots: list[int], frame_ids: list, state: np.ndarray, instruction: str,
-               stamp: float) -> None:
-        self._conn.send(("predict", (request_id, slots, frame_ids, state, instruction, stamp)))
+    def submit(self, request: Predict) -> None:
+        """Send one observation (its frames already in the shared buffer); poll() answers it."""
+        self._conn.send(request)
 
     def reset_stream(self) -> None:
-        self._conn.send(("reset", None))
+        self._conn.send(ResetStream())
 
-    def set_action_cache(self, schedule: str) -> None:
-        """Applied between predictions; the answer comes back from poll() as kind "schedule"
-        (reason empty: accepted, and config.action_cache is this schedule from then on)."""
-        self._conn.send(("schedule", schedule))
-        self._schedules.append(schedule)
+    def reconfigure(self, changes: dict) -> None:
+        """Change run-time options between predictions; poll() returns the Reconfigured answer,
+        and `config` is the engine's configuration from then on (unchanged after an error)."""
+        self._conn.send(Reconfigure(dict(changes)))
 
-    def poll(self, timeout_s: float = 0.0) -> Optional[Result]:
-        """A result if one is waiting or comes within timeout_s. Raises EngineError if the worker
+    def poll(self, timeout_s: float = 0.0) -> Optional[Answer]:
+        """An answer if one is waiting or comes within timeout_s. Raises EngineError if the worker
         died."""
         if not self._conn.poll(timeout_s):
             return None
-        kind, payload = self._receive()
-        result = Result(kind=kind, **payload)
-        if kind == "schedule":
-            schedule = self._schedules.popleft()
-            if not result.reason:
-                self.config = self.config.replace(action_cache=schedule)
-        return result
+        answer = self._receive()
+        if isinstance(answer, Reconfigured):
+            self.config = answer.config
+        return answer
+
+    # -- the Policy protocol (runtime.types.Policy), without the node -----------------------------
+    @property
+    def history_offset_s(self) -> float:
+        return self.info.history_offset_s
+
+    def predict(self, obs: Observation, timeout_s: float = 600.0) -> ActionChunk:
+        """One observation through the process boundary, blocking: its images are copied into the
+        shared frames (made here if share_frames() has not been called), then submit() and poll()
+        until the answer. Raises ValueError for an observation the engine rejects (as
+        PolicyEngine.predict does), EngineError if it failed, died or did not answer in timeout_s.
+        Not beside the node's requests: answers to those would be dropped."""
+        c = self.config
+        slots = max(layout.images for layout in c.layouts) if c.layouts else len(obs.images)
+        if len(obs.images) > slots:
+            raise ValueError(f"expected at most {slots} images for the window layouts, got {len(obs.images)}")
+        check_frames(obs.images, len(obs.images), c.camera_height, c.camera_width)   # what the slots hold
+        if self.frames is None:
+            self.share_frames((slots, c.camera_height, c.camera_width, 3))
+        pixels = np.ndarray(self._frames_shape, dtype=np.uint8, buffer=self.frames)
+        for slot, image in enumerate(obs.images):
+            pixels[slot] = image
+        self._next_id -= 1
+        request_id = self._next_id
+        frame_ids = list(obs.frame_ids) if obs.frame_ids is not None else None
+        self.submit(Predict(request_id, list(range(len(obs.images))), frame_ids, np.asarray(obs.state, np.float32),
+                            obs.instruction, obs.stamp))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answer = self.poll(max(0.0, deadline - time.monotonic()))
+            if answer is None:
+                raise EngineError(f"no answer from the engine process within {timeout_s:g} s")
+            if getattr(answer, "request_id", None) != request_id:
+                continue
+            match answer:
+                case Chunk():
+                    return ActionChunk(actions=answer.actions, normalized=answer.normalized, stamp=obs.stamp,
+                                       timings=dict(answer.timings))
+                case Rejected(reason=reason):
+                    raise ValueError(reason)
+                case Failed(reason=reason, trace=trace):
+                    raise EngineError(reason, trace)
 
     # -- losing the worker, and replacing it ---------------------------------------------------
     def lose(self, reason: str, restart_s: float) -> None:
         """The worker died or cannot be reached: end it, keeping the shared frames (the frame ring
         keeps writing into them); with restart_s > 0 a new one is started that long from now."""
         self.stop_worker()
-        self._schedules.clear()
         self.lost = reason
         self.restart_due = time.monotonic() + restart_s if restart_s else None
         self.restart_attempt = 1 if restart_s else 0
@@ -248,7 +388,7 @@ class EngineProcess:
         if self._process is not None:
             if self._process.is_alive() and self._warm:
                 try:
-                    self._conn.send(("close", None))
+                    self._conn.send(Close())
                 except OSError:
                     pass
                 self._process.join(STOP_GRACE_S)
@@ -292,25 +432,18 @@ def _worker_main(conn, config: EngineConfig, worker: WorkerOptions) -> None:
     try:
         engine = _load_engine(conn, config, worker)
     except Exception as e:   # every start-up failure becomes the configure transition's reason
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(StartFailed(_reason(e), traceback.format_exc()))
         return
+    frames: list[mmap.mmap] = []   # the shared frames, once FrameBuffer came
     try:
-        kind, shape = conn.recv()   # ("frames", shape) and the buffer's file descriptor, or "close"
-        fd = reduction.recv_handle(conn) if kind == "frames" else None
-    except (EOFError, OSError):
-        fd = None   # the node is gone
-    if fd is None:
-        engine.close()
-        return
-    frames = mmap.mmap(fd, 0)
-    os.close(fd)
-    pixels = np.ndarray(shape, dtype=np.uint8, buffer=frames)
-    try:
-        _serve(conn, engine, pixels)
+        _serve(conn, engine, frames)
     finally:
         engine.close()
-        del pixels
-        frames.close()
+        for buffer in frames:
+            try:
+                buffer.close()
+            except BufferError:   # a view of it is still alive (an exception's frame): exiting frees it
+                pass
 
 
 def _load_engine(conn, config: EngineConfig, worker: WorkerOptions):
@@ -320,59 +453,62 @@ def _load_engine(conn, config: EngineConfig, worker: WorkerOptions):
         torch.set_num_threads(worker.threads)
     from ..runtime import PolicyEngine
 
-    conn.send(("stage", LOADING))
-    engine = PolicyEngine(config, progress=lambda message: conn.send(("progress", message)))
-    conn.send(("stage", WARMING_UP))
+    conn.send(Stage(LOADING))
+    engine = PolicyEngine(config, progress=lambda message: conn.send(Progress(message)))
+    conn.send(Stage(WARMING_UP))
     if gate := os.environ.get(WARMUP_GATE_ENV):
         while not os.path.exists(gate):
             time.sleep(0.05)
     engine.warmup()
     a = engine.model_cfg.action
-    conn.send(("ready", dict(horizon=a.horizon, action_dim=a.action_dim, state_dim=a.state_dim,
-                             description=f"{engine.model_cfg.name} {worker.mode} on {engine.device}",
-                             history_offset_s=engine.history_offset_s,
-                             robot=dataclasses.asdict(engine.model_cfg.robot))))
+    conn.send(Ready(horizon=a.horizon, action_dim=a.action_dim, state_dim=a.state_dim,
+                    description=f"{engine.model_cfg.name} {worker.mode} on {engine.device}",
+                    history_offset_s=engine.history_offset_s, robot=dataclasses.asdict(engine.model_cfg.robot),
+                    config=engine.config))
     return engine
 
 
-def _serve(conn, engine, pixels: np.ndarray) -> None:
-    from ..runtime import Observation
-
-    cuda = engine.device.type == "cuda"
+def _serve(conn, engine, frames: list) -> None:
+    pixels = None
     while True:
         try:
-            kind, payload = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
             return   # the node is gone
         received = time.perf_counter()
-        if kind == "close":
-            return
-        if kind == "reset":
-            engine.reset_stream()
-        elif kind == "schedule":
-            try:
-                engine.set_flow(action_cache=payload)
-                conn.send(("schedule", dict(request_id=-1, reason="")))
-            except Exception as e:
-                conn.send(("schedule", dict(request_id=-1, reason=f"{type(e).__name__}: {e}")))
-        elif kind == "predict":
-            request_id, slots, frame_ids, state, instruction, stamp = payload
-            obs = Observation(images=[pixels[s] for s in slots], state=state, instruction=instruction,
-                              stamp=stamp, frame_ids=frame_ids)
-            t0 = time.perf_counter()
-            try:
-                chunk = engine.predict(obs)
-            except ValueError as e:   # the engine's verdict on the inputs
-                conn.send(("rejected", dict(request_id=request_id, reason=str(e))))
-                continue
-            except Exception as e:
-                conn.send(("failed", dict(request_id=request_id, reason=f"{type(e).__name__}: {e}")))
-                continue
-            predict_ms = (time.perf_counter() - t0) * 1e3
-            memory = None
-            if cuda:
-                import torch
-                memory = (torch.cuda.memory_allocated(engine.device), torch.cuda.memory_reserved(engine.device))
-            conn.send(("chunk", dict(request_id=request_id, actions=chunk.actions, timings=chunk.timings,
-                                     received_at=received, predict_ms=predict_ms, sent_at=time.perf_counter(),
-                                     memory=memory)))
+        match message:
+            case Close():
+                return
+            case FrameBuffer(shape=shape):   # its file descriptor follows
+                fd = reduction.recv_handle(conn)
+                frames.append(mmap.mmap(fd, 0))
+                os.close(fd)
+                pixels = np.ndarray(shape, dtype=np.uint8, buffer=frames[-1])
+            case ResetStream():
+                engine.reset_stream()
+            case Reconfigure(changes=changes):
+                try:
+                    conn.send(Reconfigured(engine.reconfigure(changes)))
+                except Exception as e:
+                    conn.send(Reconfigured(engine.config, _reason(e), traceback.format_exc()))
+            case Predict() as request:
+                conn.send(_predict(engine, pixels, request, received))
+
+
+def _predict(engine, pixels: np.ndarray, p: Predict, received: float) -> Answer:
+    obs = Observation(images=[pixels[s] for s in p.slots], state=p.state, instruction=p.instruction, stamp=p.stamp,
+                      frame_ids=p.frame_ids)
+    t0 = time.perf_counter()
+    try:
+        chunk = engine.predict(obs)
+    except ValueError as e:   # the engine's verdict on the inputs
+        return Rejected(p.request_id, str(e))
+    except Exception as e:
+        return Failed(p.request_id, _reason(e), traceback.format_exc())
+    predict_ms = (time.perf_counter() - t0) * 1e3
+    memory = None
+    if engine.device.type == "cuda":
+        import torch
+        memory = (torch.cuda.memory_allocated(engine.device), torch.cuda.memory_reserved(engine.device))
+    return Chunk(p.request_id, chunk.actions, chunk.normalized, chunk.timings, received_at=received,
+                 predict_ms=predict_ms, sent_at=time.perf_counter(), memory=memory)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
+from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.executors import ConditionReachedException, Executor, ShutdownException, TimeoutException
 from rclpy.task import Task
 
@@ -54,3 +55,18 @@ class TransitionsApartExecutor(Executor):
         done = super().shutdown(timeout_sec)
         self._thread.shutdown(wait=True)
         return done
+
+
+# rclpy's services whose callbacks only read: they answer from their own callback group (VLANode).
+ANSWERED_APART = ("get_state", "get_available_states", "get_available_transitions", "get_transition_graph",
+                  "get_parameters", "get_parameter_types", "describe_parameters", "list_parameters",
+                  "get_type_description")
+
+
+def answer_apart(node, names: tuple[str, ...]) -> None:
+    """Move the node's rclpy services of these names into a callback group of their own."""
+    group = ReentrantCallbackGroup()
+    for service in node.services:
+        if service.srv_name.rsplit("/", 1)[-1] in names:
+            service.callback_group = group
+            group.add_entity(service)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 from rclpy.event_handler import SubscriptionEventCallbacks
@@ -17,15 +17,13 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, String
 
 from ..runtime import images
-from ..runtime.windows import InputError, JointStates, StampStep, Wait, WindowSpec, frames_to_keep
+from ..runtime.timeline import Change
+from ..runtime.windows import InputError, Wait, WindowSpec, frames_to_keep
 from . import FRAME_TRANSPORT_PROFILE, messages
-from .diagnostics import Key, NodeTelemetry, duration_in_words
+from .context import NodeContext
+from .diagnostics import FaultSource, Key, duration_in_words
 from .engine_process import EngineProcess
-from .frames import FrameRing, Window
-
-if TYPE_CHECKING:
-    from .node import VLANode
-
+from .frames import FrameRing, SharedInputs, Window
 
 DRAIN_TIMEOUT_S = 10.0   # Decoder.drain: a conversion takes milliseconds; this only bounds the wait
 
@@ -102,31 +100,33 @@ class Inputs:
     source ("camera 'exo'", "joint_states", "instruction", "estop", "sync", "timeline" and
     "<input> stale"); the parameters are read from node.settings when used.
 
-    The frame ring lives in `engine`'s shared frames; it holds the history span, whose length in
-    time (`offset_s` between frame times) the checkpoint decides."""
+    The frames live in `engine`'s shared frames (frames.SharedInputs: an InputTimeline over a
+    FrameRing); they hold the history span, whose length in time (`offset_s` between frame times)
+    the checkpoint decides."""
 
-    def __init__(self, node: VLANode, engine: EngineProcess, offset_s: float, telemetry: NodeTelemetry):
-        self._node, self._telemetry, self.offset_s = node, telemetry, offset_s
-        s = node.settings
+    def __init__(self, ctx: NodeContext, engine: EngineProcess, offset_s: float):
+        self._ctx, self._telemetry, self.offset_s = ctx, ctx.telemetry, offset_s
+        node, s = ctx.ros, ctx.settings
         keep = frames_to_keep(s.history_frames, offset_s, s.max_camera_rate_hz)
         shape = FrameRing.shape_of(len(s.camera_names), s.camera_height, s.camera_width, keep, s.history_frames)
-        self.ring = FrameRing(list(s.camera_names), s.camera_height, s.camera_width, self.window_spec(), keep,
-                              engine.share_frames(shape))
-        self.joints = JointStates(s.joint_names)     # recent samples per joint, by header stamp
-        self.timeline_ended = threading.Event()     # an input's stamps stepped back: the control loop resets
+        self.shared = SharedInputs(list(s.camera_names), s.joint_names, s.camera_height, s.camera_width,
+                                   self.window_spec(), keep, engine.share_frames(shape), s.state_sync)
+        self.joints = self.shared.joints            # recent samples per joint, by header stamp
+        self.timeline_ended = threading.Event()     # the inputs' timeline changed: the control loop resets
         self.decoder = Decoder(self._ingest)
         self._subs: dict[str, Subscription] = {}   # by fault source
         self._lost_ns: dict[str, int] = {}          # by fault source: when DDS last reported messages lost
         for i, topic in enumerate(s.camera_topics):
             kind = CompressedImage if topic.rstrip("/").endswith("/compressed") else Image
             self._subs[self._camera(i)] = node.create_subscription(
-                kind, topic, lambda m, i=i: self.decoder.push(i, m, node.now_ns()), qos_profile_sensor_data,
+                kind, topic, lambda m, i=i: self.decoder.push(i, m, ctx.now_ns()), qos_profile_sensor_data,
                 event_callbacks=self._losses(self._camera(i)))
-        self._subs["joint_states"] = node.create_subscription(JointState, s.joint_states_topic, self._on_joint_state,
-                                                              qos_profile_sensor_data,
-                                                              event_callbacks=self._losses("joint_states"))
-        self._subs["instruction"] = node.create_subscription(String, s.instruction_topic, self._on_instruction, 10)
-        self._subs["estop"] = node.create_subscription(Bool, s.estop_topic, self._on_estop, 10)
+        joints = FaultSource.JOINT_STATES
+        self._subs[joints] = node.create_subscription(JointState, s.joint_states_topic, self._on_joint_state,
+                                                      qos_profile_sensor_data, event_callbacks=self._losses(joints))
+        self._subs[FaultSource.INSTRUCTION] = node.create_subscription(String, s.instruction_topic,
+                                                                       self._on_instruction, 10)
+        self._subs[FaultSource.ESTOP] = node.create_subscription(Bool, s.estop_topic, self._on_estop, 10)
         self.reset()
 
     def reset(self) -> None:
@@ -134,17 +134,21 @@ class Inputs:
         self._since_ns: Optional[int] = None        # the first control tick's time
         self._sync_wait_since: Optional[int] = None
         self._last_window_seq: Optional[int] = None
-        self.ring.unpin()
+        self.shared.unpin()
 
     def window_spec(self) -> WindowSpec:
         """Which frames make a window, from the parameters (sync_slop_s, state_slop_s and
-        wait_for_history change at run time: the node sets ring.spec anew)."""
-        s = self._node.settings
+        wait_for_history change at run time: configure() applies them)."""
+        s = self._ctx.settings
         return WindowSpec.of(s.history_frames, self.offset_s, s.sync_slop_s, s.state_slop_s, s.wait_for_history)
+
+    def configure(self) -> None:
+        """The run-time parameters that shape windows changed."""
+        self.shared.configure(self.window_spec(), self._ctx.settings.state_sync)
 
     def close(self) -> None:
         for sub in self._subs.values():
-            self._node.destroy_subscription(sub)
+            self._ctx.ros.destroy_subscription(sub)
         self._subs = {}
         self.decoder.close()
 
@@ -152,7 +156,7 @@ class Inputs:
         return SubscriptionEventCallbacks(message_lost=lambda _: self._on_message_lost(input_source))
 
     def _camera(self, camera: int) -> str:
-        return f"camera {self._node.settings.camera_names[camera]!r}"
+        return FaultSource.camera(self._ctx.settings.camera_names[camera])
 
     # -- callbacks ------------------------------------------------------------------------------
     def _ingest(self, camera: int, msg, arrived_ns: int, fill) -> None:
@@ -160,77 +164,90 @@ class Inputs:
         t0 = time.perf_counter()
         stamp = messages.stamp_ns(msg.header.stamp)
         try:
-            try:
-                self.ring.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
-            except StampStep as step:   # the first frame of a new timeline: forget the old one, keep this
-                self._end_timeline(step)
-                self.ring.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
+            change = self.shared.write(camera, stamp, arrived_ns, lambda out: fill(msg, out))
         except InputError as e:
-            self._node.faults.set(self._camera(camera), str(e))
+            self._ctx.faults.set(self._camera(camera), str(e))
             return
+        if change is not None:   # the first frame of a new timeline: the old one is forgotten, this one kept
+            self._end_timeline(change)
         self._telemetry.ingest_ms.add((time.perf_counter() - t0) * 1e3)
-        self._node.faults.clear(self._camera(camera))
+        self._ctx.faults.clear(self._camera(camera))
 
     def _on_joint_state(self, msg: JointState) -> None:
         """Samples of the configured joints, however the drivers split them into messages; a
         message naming none of them (another robot part's driver) is not an error."""
-        stamp, now = messages.stamp_ns(msg.header.stamp), self._node.now_ns()
+        stamp, now = messages.stamp_ns(msg.header.stamp), self._ctx.now_ns()
         try:
-            try:
-                named = self.joints.add(stamp, msg.name, msg.position, now)
-            except StampStep as step:   # the first message of a new timeline: forget the old one, keep this
-                self._end_timeline(step)
-                named = self.joints.add(stamp, msg.name, msg.position, now)
+            named, change = self.shared.add_joint_states(stamp, msg.name, msg.position, now)
         except InputError as e:
-            self._node.faults.set("joint_states", str(e))
+            self._ctx.faults.set(FaultSource.JOINT_STATES, str(e))
             return
+        if change is not None:   # the first message of a new timeline: the old one is forgotten, this one kept
+            self._end_timeline(change)
         if named:
-            self._node.faults.clear("joint_states")
+            self._ctx.faults.clear(FaultSource.JOINT_STATES)
 
-    def _end_timeline(self, step: StampStep) -> None:
-        """An input's stamps stepped back (any thread): a recorded simulation reset, an NTP
-        step, a restarted driver. Every stored frame and joint state belongs to the old timeline
-        and is forgotten at once; the control loop drops the plan and the chunk in flight on its
-        next tick. Observations resume with inputs that all arrived after the step."""
-        self.forget()
+    def _end_timeline(self, change: Change) -> None:
+        """The inputs' timeline changed (any thread; runtime/timeline.py says when): a recorded
+        simulation reset, an NTP step, a restarted driver, two recordings interleaved. Every
+        stored frame and joint state of the old timeline is forgotten already; the control loop
+        drops the plan and the chunk in flight on its next tick. Observations resume with inputs
+        all of the new timeline."""
         self.timeline_ended.set()
-        # StampStep's own words give seconds to 3 places: a 1 ms step read "0.000 s".
-        back = duration_in_words(step.back_ns / 1e9)
-        self._node.faults.set("timeline", f"{step.source} stamps stepped back by {back}: inputs and plan discarded, "
-                                          "resuming with inputs stamped after it")
+        if not change.announce:    # back to the timeline before a step: that step's fault stands
+            return
+        by = f" by {duration_in_words(change.back_ns / 1e9)}" if change.back_ns else ""
+        self._ctx.faults.set(FaultSource.TIMELINE, f"{change.reason}{by}: inputs and plan discarded, resuming "
+                                                   "with inputs of the new timeline")
 
     def forget(self) -> None:
-        """Every stored frame and joint state (they are from an old timeline)."""
-        self.ring.clear()
-        self.joints.clear()
+        """Every stored frame and joint state, and the stamps they had (the clock jumped back)."""
+        self.shared.forget()
 
     def _on_instruction(self, msg: String) -> None:
         text = msg.data.strip()
         if not text:
-            self._node.faults.set("instruction", f"empty instruction on {self._subs['instruction'].topic_name}; "
-                                                 f"holding until a non-empty one arrives")
+            topic = self._subs[FaultSource.INSTRUCTION].topic_name
+            self._ctx.faults.set(FaultSource.INSTRUCTION, f"empty instruction on {topic}; holding until a non-empty "
+                                                          "one arrives")
             return
-        result = self._node.set_parameters([Parameter("instruction", Parameter.Type.STRING, text)])[0]
+        result = self._ctx.ros.set_parameters([Parameter("instruction", Parameter.Type.STRING, text)])[0]
         if not result.successful:
-            self._node.faults.set("instruction", f"instruction refused: {result.reason}")
+            self._ctx.faults.set(FaultSource.INSTRUCTION, f"instruction refused: {result.reason}")
 
     def _on_estop(self, msg: Bool) -> None:
         if msg.data:
-            self._node.faults.set("estop", f"e-stop engaged on {self._subs['estop'].topic_name}")
+            self._ctx.faults.set(FaultSource.ESTOP, f"e-stop engaged on {self._subs[FaultSource.ESTOP].topic_name}")
         else:
-            self._node.faults.clear("estop")
+            self._ctx.faults.clear(FaultSource.ESTOP)
 
     # -- on the control loop --------------------------------------------------------------------
-    def check(self, now_ns: int) -> None:
-        """Every input silent for longer than input_timeout_s holds, with what DDS knows of why."""
-        s, faults = self._node.settings, self._node.faults
+    def check(self, now_ns: int) -> bool:
+        """Every input silent for longer than input_timeout_s holds, with what DDS knows of why;
+        True once after the inputs' timeline changed (the control loop drops the plan then). With
+        fixed_latency_s, every frame that arrived before the tick is converted first
+        (reproducible)."""
+        if self._ctx.settings.fixed_latency_s:
+            self.decoder.drain()
+        changed = self.timeline_ended.is_set()
+        if changed:
+            self.timeline_ended.clear()
+        self._check_silence(now_ns)
+        return changed
+
+    def measured(self) -> Optional[np.ndarray]:
+        """[joints] each joint's newest position; None until every joint has one."""
+        return self.joints.newest()
+
+    def _check_silence(self, now_ns: int) -> None:
+        s, faults = self._ctx.settings, self._ctx.faults
         if self._since_ns is None:
             self._since_ns = now_ns
         timeout_ns = int(s.input_timeout_s * 1e9)
         active = faults.sources()
-        for camera, received in enumerate(self.ring.newest_received_ns()):
+        for camera, received in enumerate(self.shared.newest_received_ns()):
             source = self._camera(camera)
-            self._check_age(f"{source} stale", source, received, now_ns, timeout_ns, active)
+            self._check_age(FaultSource.stale(source), source, received, now_ns, timeout_ns, active)
         # Per joint: a gripper published apart from the arm may fall silent alone.
         received = self.joints.received_ns()
         silent = [name for name, r in zip(s.joint_names, received)
@@ -238,7 +255,8 @@ class Inputs:
         oldest = None if None in received else min(received)
         hint = f"; the latest message named only {list(self.joints.unknown)[:8]}" \
             if self.joints.unknown and len(silent) == len(received) else ""
-        self._check_age("joint_states stale", "joint_states", oldest, now_ns, timeout_ns, active,
+        joints = FaultSource.JOINT_STATES
+        self._check_age(FaultSource.stale(joints), joints, oldest, now_ns, timeout_ns, active,
                         f"no joint state for {silent} for more than {s.input_timeout_s:g} s "
                         f"(input_timeout_s){hint}" if silent else "")
 
@@ -246,13 +264,13 @@ class Inputs:
                    active: set, reason: str = "") -> None:
         # A broken input already holds with its own reason; silence is reported only for the
         # rest, and only once it lasts longer than the timeout (at start-up too).
-        faults = self._node.faults
+        faults = self._ctx.faults
         if received is None:
             received = self._since_ns
         if input_source not in active and now_ns - received > timeout_ns:
             sub, lost_ns = self._subs[input_source], self._lost_ns.get(input_source)
             faults.set(source, (reason or f"no {input_source} input for more than "
-                                          f"{self._node.settings.input_timeout_s:g} s (input_timeout_s)")
+                                          f"{self._ctx.settings.input_timeout_s:g} s (input_timeout_s)")
                        + silence_hint(sub.topic_name, sub.get_publisher_count(),
                                       lost_ns is not None and lost_ns > received, sub.msg_type is Image))
         elif source in active and now_ns - received <= timeout_ns:
@@ -261,51 +279,44 @@ class Inputs:
     def _on_message_lost(self, input_source: str) -> None:
         """DDS dropped messages of this input on their way (Fast DDS's default transports do so
         with large raw frames)."""
-        self._lost_ns[input_source] = self._node.now_ns()
+        self._lost_ns[input_source] = self._ctx.now_ns()
 
     def take_window(self, now_ns: int) -> Window | Wait:
-        """The newest complete window (its frames pinned until ring.unpin()), or why there is
+        """The newest complete window (its frames pinned until release_window()), or why there is
         none. Inputs out of step are a fault once it lasts longer than input_timeout_s; history
         still filling is not."""
-        window = self.ring.take_window(self._observed_state)
-        faults = self._node.faults
+        window = self.shared.take_window()
+        faults = self._ctx.faults
         if isinstance(window, Wait):
             if not window.sync:
                 self._sync_wait_since = None
             elif self._sync_wait_since is None:
                 self._sync_wait_since = now_ns
-            elif now_ns - self._sync_wait_since > self._node.settings.input_timeout_s * 1e9:
-                faults.set("sync", window.reason)
+            elif now_ns - self._sync_wait_since > self._ctx.settings.input_timeout_s * 1e9:
+                faults.set(FaultSource.SYNC, window.reason)
             return window
         self._sync_wait_since = None
-        faults.clear("sync")
-        faults.clear("clock")
-        faults.clear("timeline")   # every input of this window arrived after the step
+        faults.clear(FaultSource.SYNC)
+        faults.clear(FaultSource.CLOCK)
+        faults.clear(FaultSource.TIMELINE)   # every input of this window arrived after the step
         if self._last_window_seq is not None and window.seq > self._last_window_seq + 1:
             self._telemetry.counts[Key.OBSERVATIONS_DROPPED] += window.seq - self._last_window_seq - 1
         self._last_window_seq = window.seq
         return window
 
+    def release_window(self) -> None:
+        """The engine has answered (or lost) the window taken last: its frames may be reused."""
+        self.shared.unpin()
+
     def not_sending(self) -> None:
         """A fault holds observations too: being out of step is not timed meanwhile."""
         self._sync_wait_since = None
-
-    def _observed_state(self, frame_stamp_ns: int) -> tuple[np.ndarray, np.ndarray] | Wait:
-        """(positions, their stamps) [joints] for a window whose newest frame has this stamp, or
-        why there is none (a Wait: out of step, a fault once it lasts longer than input_timeout_s)."""
-        s = self._node.settings
-        if s.state_sync == "frame":
-            return self.joints.at(frame_stamp_ns, int(s.state_slop_s * 1e9))
-        newest = self.joints.newest()
-        if newest is None:
-            return Wait("no joint state for every joint of joint_names yet", sync=False, lacks="state")
-        return newest, np.zeros(len(newest), np.int64)
 
     def pairs(self, now_ns: int) -> list[tuple[str, object]]:
         """/diagnostics values: frames the decoder dropped, and the seconds since each camera's
         and the joint states' newest input."""
         pairs: list[tuple[str, object]] = [(Key.FRAMES_DROPPED_UNCONVERTED, self.decoder.dropped)]
-        for name, received in zip(self._node.settings.camera_names, self.ring.newest_received_ns()):
+        for name, received in zip(self._ctx.settings.camera_names, self.shared.newest_received_ns()):
             pairs.append((Key.input_age(name), (now_ns - received) / 1e9 if received is not None else "never"))
         received = self.joints.received_ns()   # the joint heard from longest ago
         pairs.append((Key.input_age("joint_states"),

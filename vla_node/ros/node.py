@@ -17,44 +17,34 @@ which stage, published from configure's wait (the diagnostics timer is in the de
 With autostart the node configures once the executor spins, not in the constructor.
 
 The control loop runs on the executor at control_rate_hz and never waits for the model: each
-tick publishes one command, takes a finished chunk if the engine has one, and sends the newest
-complete observation when the plan runs low. What to do at each tick is decided by
-control.ChunkScheduler; this class connects it to ROS (inputs.Inputs, engine_link.EngineLink,
-outputs.Outputs, parameters, lifecycle). Everything unsafe makes it hold position and say why, once,
-in the log and on /diagnostics.
+tick (loop.ControlLoop, which the simulator runs too) publishes one command, takes a finished chunk
+if the engine has one, and sends the newest complete observation when the plan runs low, as
+control.ChunkScheduler decides; this class connects them to ROS (inputs.Inputs,
+engine_link.EngineLink, outputs.Outputs, parameters, lifecycle). Everything unsafe makes it hold
+position and say why, once, in the log and on /diagnostics.
 """
 from __future__ import annotations
 
-import faulthandler
 import gc
-import signal
-import sys
-import time
 from typing import Optional
 
-import rclpy
-from rcl_interfaces.msg import SetParametersResult
-from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType, JumpThreshold
 from rclpy.duration import Duration
-from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
-from ..runtime.windows import Wait
+from ..runtime.types import history_offset
 from . import params
-from .control import LATE, NON_FINITE, STALE, ChunkScheduler, SafetyFilter, blocking_cause, may_send
-from .diagnostics import Faults, Key, NodeTelemetry, duration_in_words, status_pairs, summary
+from .context import NodeContext
+from .control import ChunkScheduler, SafetyFilter
+from .diagnostics import Faults, FaultSource, NodeTelemetry
 from .engine_link import EngineLink
 from .engine_process import EngineError
-from .executor import TransitionsApartExecutor
+from .executor import ANSWERED_APART, answer_apart
 from .inputs import Inputs
-from .outputs import DiagnosticsPublisher, Outputs
+from .loop import ControlLoop, clock_jumped_back
+from .outputs import DiagnosticsPublisher, Outputs, node_status
 
-# rclpy's services whose callbacks only read: they answer from their own callback group (see above).
-ANSWERED_APART = ("get_state", "get_available_states", "get_available_transitions", "get_transition_graph",
-                  "get_parameters", "get_parameter_types", "describe_parameters", "list_parameters",
-                  "get_type_description")
 SUBSCRIBING = "subscribing to the inputs"    # configure's last stage, after the engine's (engine_process.STARTING, ...)
 
 NO_CHECKPOINT = ("no checkpoint: set checkpoint to a MolmoBot checkpoint folder (an official one with config.yaml "
@@ -66,15 +56,17 @@ NO_CHECKPOINT = ("no checkpoint: set checkpoint to a MolmoBot checkpoint folder 
 class VLANode(LifecycleNode):
     def __init__(self, node_name: str = "vla_node", **kwargs):
         super().__init__(node_name, **kwargs)
-        self._answer_apart(ANSWERED_APART)
+        answer_apart(self, ANSWERED_APART)
         # Everything _release() touches exists before the parameters are read: a node whose
         # start-up parameters are refused is still destroyed cleanly (rclpy's shutdown does it).
-        self._diagnostics = DiagnosticsPublisher(self, self._status, self._on_diagnostics_timer)
+        self._diagnostics = DiagnosticsPublisher(self, self._status,   # the timer: when no tick publishes
+                                                 lambda: self._diagnostics.when_idle(self.faults, self.telemetry))
         self.faults = Faults(self.get_logger(), on_change=self._diagnostics.now)
         self._clock_jump = self.get_clock().create_jump_callback(
             JumpThreshold(min_forward=None, min_backward=Duration(nanoseconds=-1), on_clock_change=False),
             post_callback=self._on_clock_jump)
         self.telemetry = NodeTelemetry()
+        self._ctx = NodeContext(self, self.faults, self.telemetry, lambda: self.settings)
         self._state = "unconfigured"
         self._configure_stage = ""
         self._configure_error = ""
@@ -85,10 +77,11 @@ class VLANode(LifecycleNode):
         self._outputs: Optional[Outputs] = None
         self._control_timer = None
         self._control: Optional[ChunkScheduler] = None
+        self._loop: Optional[ControlLoop] = None
 
         self.settings = params.declare(self)
-        self.add_pre_set_parameters_callback(self._check_parameter_types)
-        self.add_on_set_parameters_callback(self._validate_parameters)
+        self.add_pre_set_parameters_callback(lambda changes: params.check_types(self, changes))
+        self.add_on_set_parameters_callback(lambda changes: params.check_changes(self, changes, self._horizon()))
         self.add_post_set_parameters_callback(self._apply_parameters)
         self._control = ChunkScheduler(self.settings, SafetyFilter.of(self.settings))
 
@@ -104,14 +97,6 @@ class VLANode(LifecycleNode):
         with autostart, its timer (TransitionsApartExecutor runs them on a thread of their own)."""
         services = [s for s in self.services if s.srv_name.rsplit("/", 1)[-1] == "change_state"]
         return services + ([self._autostart_timer] if self._autostart_timer is not None else [])
-
-    def _answer_apart(self, names: tuple[str, ...]) -> None:
-        """Move rclpy's services of these names into a callback group of their own."""
-        group = ReentrantCallbackGroup()
-        for service in self.services:
-            if service.srv_name.rsplit("/", 1)[-1] in names:
-                service.callback_group = group
-                group.add_entity(service)
 
     def _autostart(self) -> None:
         if self._autostart_timer is None:
@@ -129,14 +114,18 @@ class VLANode(LifecycleNode):
         self.get_logger().info(f"configuring: {e.checkpoint or e.preset} ({s.engine_mode}, {e.device}, {e.dtype})")
         self._state = "configuring"
         try:
-            self._engine = EngineLink(self, self.telemetry, self._on_engine_lost, self._on_engine_restarted)
+            # A worker is lost (EngineLink restarts it) only once the control loop runs.
+            self._engine = EngineLink(self._ctx, lambda: self._loop.engine_lost(),
+                                      lambda: self._loop.engine_restarted())
             info = self._engine.start(self._configuring, self._while_configuring)
             self._configuring(SUBSCRIBING)
-            offset_s = s.history_offset_s or info.history_offset_s
-            self._inputs = Inputs(self, self._engine.process, offset_s, self.telemetry)
+            offset_s = history_offset(s.history_offset_s, info.history_offset_s)
+            self._inputs = Inputs(self._ctx, self._engine.process, offset_s)
         except (EngineError, ValueError, OSError) as error:
-            return self._fail_configure(str(error))
-        self._outputs = Outputs(self)
+            return self._fail_configure(str(error), getattr(error, "trace", ""))
+        self._outputs = Outputs(self._ctx)
+        self._loop = ControlLoop(self._control, self._engine, self._inputs, self._outputs, self.faults, self.telemetry,
+                                 lambda: self.settings, self.get_logger())
         self._configure_error = ""
         self._state = "inactive"
         self._control.post = self._engine.post_process()
@@ -159,8 +148,8 @@ class VLANode(LifecycleNode):
             raise EngineError("the node is shutting down")
         self._diagnostics.after_tick()
 
-    def _fail_configure(self, reason: str) -> TransitionCallbackReturn:
-        self.get_logger().error(f"configure failed: {reason}")
+    def _fail_configure(self, reason: str, trace: str = "") -> TransitionCallbackReturn:
+        self.get_logger().error(f"configure failed: {reason}" + (f"\n{trace}" if trace else ""))
         self._configure_error = reason
         self._state = "unconfigured"
         self._release()
@@ -171,8 +160,8 @@ class VLANode(LifecycleNode):
         self._reset_control()
         self._engine.reset_stream()
         self.telemetry.loop.clear()
-        self._control_timer = self._make_control_timer()
-        self._control.state.hold = self._first_tick_wait()
+        self._control_timer = self._outputs.timer = self._make_control_timer()
+        self._control.hold(self._first_tick_wait())
         self._state = "active"
         # Everything allocated so far lives as long as the node: move it out of the collector's
         # reach, so a full collection never stalls a control tick for milliseconds.
@@ -256,6 +245,7 @@ class VLANode(LifecycleNode):
         if self._inputs is not None:
             self._inputs.close()
             self._inputs = None
+        self._loop = None
         if self._engine is not None:    # after the inputs: nothing writes the frames any more
             self._engine.close()
             self._engine = None
@@ -267,132 +257,16 @@ class VLANode(LifecycleNode):
     def _horizon(self) -> Optional[int]:
         return self._engine.info.horizon if self._engine is not None and self._engine.info else None
 
-    # -- the control loop (its decisions: control.ChunkScheduler) ---------------------------------
+    # -- the control loop (its order: loop.ControlLoop; its decisions: control.ChunkScheduler) ----
     def _on_tick(self) -> None:
-        started = time.perf_counter()
-        now_ns = self.now_ns()
-        if self.settings.fixed_latency_s:   # reproducible: the tick sees every frame that came before it
-            self._inputs.decoder.drain()
-        if self._inputs.timeline_ended.is_set():
-            self._inputs.timeline_ended.clear()
-            self._drop_old_timeline()
-        self._inputs.check(now_ns)
-        target, ran_out = self._control.next_tick(blocking_cause(self.faults.sources(), self.settings.instruction))
-        command = self._control.command(target, self._inputs.joints.newest())
-        if command is not None:     # None: not every joint known yet, anything would be a guess
-            self._outputs.command(command)
-        self.telemetry.tick(started)
-        if ran_out:
-            self.telemetry.counts[Key.PLAN_UNDERRUNS] += 1
-            self.get_logger().warning(f"plan ran out before the next chunk: {self._control.underrun_cause()}",
-                                      throttle_duration_sec=5.0)
-        self._collect()
-        self._dispatch(now_ns)
+        self._loop.tick(self.now_ns())
         self._diagnostics.after_tick()
 
-    def _collect(self) -> None:
-        """Take the engine's answer, if there is one; with fixed_latency_s, at its due tick only,
-        waiting for it then."""
-        if self._control.answer_held_back():
-            return
-        due = self._control.due_request()
-        result = self._engine.poll() if due is None else self._engine.wait(due.id)
-        arrived = time.perf_counter()
-        if result is None:
-            if due is not None:
-                self._control.answer_overdue()
-            return
-        request = self._control.answered(result.request_id)
-        if request is not None:
-            self._inputs.ring.unpin()
-        if result.kind != "chunk":
-            return      # rejected or failed: EngineLink.poll() reported it
-        outcome = self._control.take(request, result.actions)
-        if outcome == STALE:
-            self.telemetry.counts[Key.DISCARDED] += 1
-            return
-        if outcome == NON_FINITE:
-            self.faults.set("output", "the chunk has non-finite actions; dropped")
-            return
-        self.faults.clear("engine")
-        self.faults.clear("output")
-        self.telemetry.chunk(request, result, arrived)   # the control loop has the chunk (or dropped it)
-        if outcome == LATE:
-            self.telemetry.counts[Key.LATE_CHUNKS] += 1
-            self.get_logger().warning(f"chunk arrived {self._control.state.tick - request.tick} ticks after its "
-                                      "request, after its last action: dropped (inference slower than the horizon)",
-                                      throttle_duration_sec=5.0)
-            return
-        t0 = time.perf_counter()
-        # The plan's relative moves, against the joints measured now.
-        self._outputs.trajectory(self._control.upcoming_commands(self._inputs.joints.newest()), self._control_timer)
-        self.telemetry.trajectory_ms.add((time.perf_counter() - t0) * 1e3)
-        self.telemetry.counts[Key.CHUNKS] += 1
-
-    def _dispatch(self, now_ns: int) -> None:
-        """Send the newest complete observation when the plan runs low and nothing is in flight."""
-        s, control = self.settings, self._control
-        if not self._engine.serving or not control.wants_observation():
-            return
-        if not may_send(self.faults.sources(), s.instruction):
-            control.waiting(None)
-            self._inputs.not_sending()
-            return
-        t0 = time.perf_counter()
-        window = self._inputs.take_window(now_ns)
-        if isinstance(window, Wait):
-            control.waiting(window)
-            return
-        request = control.request(window)
-        if not self._engine.submit(request.id, window, s.instruction.strip()):
-            return
-        request.sent_at = time.perf_counter()
-        request.send_ms = (request.sent_at - t0) * 1e3
-        control.sent(request, s.fixed_latency_ticks)
-        self.telemetry.counts[Key.REQUESTS] += 1
-
-    def _drop_old_timeline(self) -> None:
-        """An input's stamps stepped back: forget the plan, drop the chunk in flight, and the
-        engine's stream state (a frame of the new timeline may carry a stamp it has cached another
-        picture under). A clock jump does more (_on_clock_jump)."""
-        if self._engine is not None:
-            self._engine.reset_stream()
-        self._control.drop_plan()
-
     def _on_clock_jump(self, jump) -> None:
-        """Time went backwards (a restarted simulation or bag): every stored stamp is from the
-        future now. Forget the frames, the joints and the engine's stream state, and start the
-        control loop over as an activation does (a reset: no plan, no last command, nothing in
-        flight waited for); the next complete window clears it."""
-        if self._inputs is not None:
-            self._inputs.forget()
-        if self._engine is not None:
-            self._engine.reset_stream()
-        # A restarted simulation has moved the robot: the hold restarts from its next measured
-        # position, not from the last command of the old timeline (stamps stepping back without
-        # a clock jump keep it: every command stays within max_step_per_tick). Its first request
-        # goes out at once, as after an activation, so an episode runs the same whatever the last
-        # one left in flight (the engine answers that one first: stale, dropped).
-        self._control.reset()
-        self.faults.set("clock", f"clock jumped back by {duration_in_words(-jump.delta.nanoseconds / 1e9)}; "
-                                 f"inputs and plan discarded")
-
-    # -- a lost engine (engine_link.EngineLink restarts it) ------------------------------------
-    def _on_engine_lost(self) -> None:
-        self._control.engine_lost()
-        self._inputs.ring.unpin()
-
-    def _on_engine_restarted(self) -> None:
-        self.telemetry.counts[Key.ENGINE_RESTARTS] += 1
-        self._control.drop_plan()     # nothing sent to the old worker is waited for
+        """Time went backwards (a restarted simulation or bag): loop.clock_jumped_back."""
+        clock_jumped_back(-jump.delta.nanoseconds / 1e9, self._control, self.faults, self._inputs, self._engine)
 
     # -- parameters -----------------------------------------------------------------------------
-    def _check_parameter_types(self, changes: list[Parameter]) -> list[Parameter]:
-        return params.check_types(self, changes)
-
-    def _validate_parameters(self, changes: list[Parameter]) -> SetParametersResult:
-        return params.check_changes(self, changes, horizon=self._horizon())
-
     def _apply_parameters(self, changes: list[Parameter]) -> None:
         old = self.settings
         self.settings = new = params.validate(params.current_values(self), horizon=self._horizon())
@@ -400,98 +274,22 @@ class VLANode(LifecycleNode):
         names = {p.name for p in changes}
         if "use_sim_time" in names and self._control_timer is not None:
             self.destroy_timer(self._control_timer)
-            self._control_timer = self._make_control_timer()
+            self._control_timer = self._outputs.timer = self._make_control_timer()
             self.telemetry.loop.clear()
         elif new.control_rate_hz != old.control_rate_hz and self._control_timer is not None:
             self._control_timer.timer_period_ns = int(new.control_period_s * 1e9)
             self.telemetry.loop.clear()
         if names & {"joint_lower_limits", "joint_upper_limits", "max_step_per_tick"}:
             self._control.safety = SafetyFilter.of(new)
-        if names & {"postprocess", "max_joint_delta_scale"} and self._engine is not None:
-            self._control.post = self._engine.post_process()
         if "instruction" in names:
-            self.faults.clear("instruction")
-        if names & {"sync_slop_s", "state_slop_s", "wait_for_history"} and self._inputs is not None:
-            self._inputs.ring.spec = self._inputs.window_spec()
-        if "action_cache" in names and self._engine is not None:
-            self._engine.set_action_cache(new.engine.action_cache)
+            self.faults.clear(FaultSource.INSTRUCTION)
+        if self._inputs is not None and names & {"sync_slop_s", "state_slop_s", "wait_for_history", "state_sync"}:
+            self._inputs.configure()
+        if self._engine is not None:
+            self._engine.settings_changed(names, self._control)
 
     # -- diagnostics ----------------------------------------------------------------------------
-    def _on_diagnostics_timer(self) -> None:
-        """Diagnostics when no control tick sends them (inactive, or a paused simulation)."""
-        self.faults.flush()
-        newest = self.telemetry.loop.newest()
-        if newest is None or time.perf_counter() - newest > 0.5:
-            self._diagnostics.publish()
-
     def _status(self) -> tuple[int, str, list]:
         """/diagnostics: level, message and values."""
-        s, faults = self.settings, self.faults.active()
-        hold = self._control.state.hold if self._control is not None else "inactive"
-        level, message = summary(self._state, self._configure_error, faults, hold, self._configure_stage)
-        values = status_pairs(self._state, self._configure_error, faults, hold, self.faults.events,
-                              self._configure_stage)
-        if self._engine is not None:
-            values += self._engine.pairs()
-        values.append((Key.CONTROL_RATE_HZ, s.control_rate_hz))
-        if self._control is not None:
-            values += self._control.pairs()
-        values += self.telemetry.pairs(s.control_period_s, self._sim_time(), s.engine.device)
-        if self._inputs is not None:
-            values += self._inputs.pairs(self.now_ns())
-        return level, message, values
-
-
-# Ctrl-C and SIGTERM end the node, its engine process and its threads within 5 s on a busy
-# machine (1.0-1.9 s beside three busy loops, 2.3 s when the engine's STOP_GRACE_S runs out;
-# BENCHMARKS.md, "CI under load"). Whatever hangs beyond this (a DDS participant's teardown), the
-# process ends then with every thread's stack on stderr and exit code 1, rather than never (main
-# is the entry point: this covers the interpreter's exit too).
-SHUTDOWN_TIMEOUT_S = 10.0
-
-
-def main(args=None) -> int:
-    # SIGTERM (systemd, docker stop, a launch file's escalation) ends the node as Ctrl-C does, also
-    # while configure loads the model. rclpy's own handler, installed by init, shuts the context
-    # down and then calls this one.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    rclpy.init(args=args)
-    node = executor = None
-    try:
-        node = VLANode()
-        executor = TransitionsApartExecutor(node.transition_entities())
-        executor.add_node(node)
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    except params.SettingsError as e:
-        print(f"vla_node: invalid parameters: {e}", file=sys.stderr)
-        return 1
-    except Exception:
-        # Ctrl-C shuts the context down from rclpy's signal handler, also in the middle of a
-        # callback, whose next publish then fails: that is the end that was asked for.
-        if rclpy.ok():
-            raise
-    finally:
-        # Ctrl-C also raises KeyboardInterrupt here, and it can come after spin has ended on the
-        # shutdown: it must not cut the release of the engine short (bounded: the engine process
-        # is killed after a timeout).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        faulthandler.dump_traceback_later(SHUTDOWN_TIMEOUT_S, exit=True)
-        if executor is not None:     # a transition under way ends first (a configure: within READY_POLL_S)
-            executor.shutdown()
-        if node is not None:
-            node.destroy_node()
-        rclpy.try_shutdown()
-        # Activation froze every object alive then (gc.freeze): unless they are collected now,
-        # the ROS context among them is never destroyed, and neither is its DDS participant,
-        # which then leaves its shared memory behind in /dev/shm.
-        node = executor = None
-        gc.unfreeze()
-        gc.collect()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return node_status(self._state, self._configure_stage, self._configure_error, self.faults, self._control,
+                           (self._engine, self._inputs), self.telemetry, self.settings, self._sim_time(), self.now_ns())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
@@ -32,10 +32,11 @@ from ..model.layers import rope_tables
 from .action_cache import FlowSchedule
 from .fp8 import quantize_llm_
 from .fusion import fuse_projections
+from .images import check_frames
 from .parts import EngineParts, Progress
-from .preprocess import check_frames, preprocess_reference
+from .preprocess import preprocess_reference
 from .timing import StageTimer
-from .types import DEFAULT_CAMERAS, ActionChunk, EngineConfig, Observation, WindowLayout
+from .types import DEFAULT_CAMERAS, RUNTIME_OPTIONS, ActionChunk, EngineConfig, Observation, WindowLayout
 
 
 @dataclass
@@ -169,6 +170,18 @@ class PolicyEngine:
         if self.static is not None:
             self.static.reschedule(steps, schedule)
             self.stats.graph_captures = self.static.graph_captures
+
+    def reconfigure(self, changes: Mapping[str, object]) -> EngineConfig:
+        """Apply run-time options (RUNTIME_OPTIONS: name -> value) between queries; the
+        configuration in effect afterwards. An unknown or invalid one raises ValueError and
+        changes nothing."""
+        unknown = sorted(set(changes) - set(RUNTIME_OPTIONS))
+        if unknown:
+            raise ValueError(f"{unknown} cannot change while the engine runs; run-time options: "
+                             f"{list(RUNTIME_OPTIONS)}")
+        if "action_cache" in changes:
+            self.set_flow(action_cache=changes["action_cache"])
+        return self.config
 
     def weight_bytes(self) -> int:
         """Bytes of weights the model holds (fp8 weights count at one byte; with expert_fp8 the

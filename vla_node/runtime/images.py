@@ -14,12 +14,25 @@ cv_bridge uses (test_node_units checks each against OpenCV's own).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import cv2
 import numpy as np
 
 from .windows import InputError
+
+
+def check_frames(images: Sequence[np.ndarray], count: int, height: int, width: int) -> None:
+    """ValueError naming the image that the engine cannot take: `count` HxWx3 uint8 arrays."""
+    if len(images) != count:
+        raise ValueError(f"expected {count} images for the window layout, got {len(images)}")
+    for i, img in enumerate(images):
+        if not isinstance(img, np.ndarray) or img.dtype != np.uint8:
+            raise ValueError(f"image {i}: expected a uint8 numpy array, got {type(img).__name__} "
+                             f"{getattr(img, 'dtype', '')}")
+        if img.shape != (height, width, 3):
+            raise ValueError(f"image {i}: expected shape ({height}, {width}, 3), got {img.shape}")
+
 
 try:   # a ROS install's cv_bridge; not on PyPI
     from cv_bridge import CvBridge

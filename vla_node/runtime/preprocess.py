@@ -14,17 +14,6 @@ import torch
 import torch.nn.functional as F
 
 
-def check_frames(images: Sequence[np.ndarray], count: int, height: int, width: int) -> None:
-    if len(images) != count:
-        raise ValueError(f"expected {count} images for the window layout, got {len(images)}")
-    for i, img in enumerate(images):
-        if not isinstance(img, np.ndarray) or img.dtype != np.uint8:
-            raise ValueError(f"image {i}: expected a uint8 numpy array, got {type(img).__name__} "
-                             f"{getattr(img, 'dtype', '')}")
-        if img.shape != (height, width, 3):
-            raise ValueError(f"image {i}: expected shape ({height}, {width}, 3), got {img.shape}")
-
-
 def _resized(frames_u8: torch.Tensor, size: int) -> torch.Tensor:
     """[N, H, W, 3] uint8 -> [N, 3, size, size] float32 holding the rounded uint8 values."""
     x = frames_u8.permute(0, 3, 1, 2).float()

@@ -19,6 +19,7 @@ from .action_cache import MAX_ADAPTIVE_REUSE, FlowSchedule
 from .bucket import Bucket
 from .compile import compile_count, compile_regions
 from .frame_store import FrameStore
+from .graphs import capture
 from .parts import EngineParts
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
 from .streaming import StreamBuffers
@@ -282,14 +283,7 @@ class StaticRunner:
                         self._capture_action(b)
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # warm run on a side stream, as capture requires
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture(fn)
         self.graph_captures += 1
         return graph
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -67,6 +67,27 @@ class ActionChunk:
     normalized: np.ndarray                # [horizon, action_dim] the model's output in [-1, 1] units
     stamp: float                          # the observation's stamp
     timings: dict[str, float] = field(default_factory=dict)  # ms per stage and "total"
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What runs observations: PolicyEngine in this process, ros.engine_process.EngineProcess in
+    its own (the node's), and whatever wraps either (the simulator's latency model)."""
+    history_offset_s: float   # between the frame times of a window (the checkpoint's)
+
+    def predict(self, obs: Observation) -> ActionChunk: ...
+    def reset_stream(self) -> None: ...
+
+
+def history_offset(parameter_s: float, checkpoint_s: float) -> float:
+    """Seconds between a window's frame times: the history_offset_s parameter, or else (0: unset)
+    the checkpoint's (its training data's). The node, the simulator and offline replay ask here."""
+    return parameter_s or checkpoint_s
+
+
+# Engine options that may change while the engine runs: PolicyEngine.reconfigure applies them,
+# the node sends them on a parameter change (ros/params.py SPECS: not read_only).
+RUNTIME_OPTIONS = ("action_cache",)
 
 
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is

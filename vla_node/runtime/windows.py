@@ -1,7 +1,7 @@
 """What the policy is shown: which camera frames make one window and which robot state goes with
-it. The one window picker and the one joint assembler, shared by the node (vla_node/ros/frames.py
-and node.py) and the bag reader (vla_node/tools/bag_io.py), so that both hand the engine the same
-observation for the same input. numpy only.
+it. The one window picker and the one joint assembler, used through runtime/timeline.py by the
+node, the bag reader and the simulator, so that they hand the engine the same observation for the
+same input. numpy only.
 
 A window has up to `frames` frame times, `offset` apart (a time: the checkpoint's training step,
 e.g. 8 steps at 15 Hz = 533 ms, whatever the cameras' rate), oldest first. The newest frame time
@@ -16,8 +16,9 @@ or the nearest once that camera's next frame has arrived; a joint's sample once 
 arrived. So whenever a window is formed (the node: when the plan runs low; the bag reader: when
 the window completes) it is the same window.
 
-Timelines never mix: a source whose stamps step back (a reset simulation, an NTP step, a
-restarted driver) raises StampStep, and its owner forgets every source's history.
+Timelines never mix: runtime/timeline.py:InputTimeline, which every caller feeds, decides when the
+inputs' timeline changed and forgets every source's history then (JointStates alone raises
+StampStep for a joint's stamp stepping back).
 """
 from __future__ import annotations
 
@@ -94,19 +95,6 @@ class Wait:
 
 Rows = list[list[int]]   # [frame time, oldest first][camera]: index into that camera's stamps
 State = TypeVar("State")
-
-
-def check_frame_stamp(camera: str, last_ns: Optional[int], stamp_ns: int) -> None:
-    """A camera frame's stamp against the camera's previous one, before anything of it is kept:
-    StampStep when it went back (a new timeline), InputError for a frame to drop: the previous
-    frame's stamp again (a first frame stamped 0 is a simulation's at its start)."""
-    if last_ns is not None and stamp_ns < last_ns:
-        raise StampStep(camera, last_ns - stamp_ns)
-    if stamp_ns == last_ns == 0:
-        raise InputError("unstamped frames (header.stamp 0): frames are paired and timed by their stamps, the "
-                         "camera driver must set them")
-    if stamp_ns == last_ns:
-        raise InputError("repeated stamp: the same as the camera's previous frame; dropped")
 
 
 def frames_to_keep(frames: int, offset_s: float, max_rate_hz: float) -> int:
@@ -291,6 +279,16 @@ class JointStates:
                         del stamps[:self.capacity], samples[:self.capacity]
                 self._received[w] = received_ns
         return len(index)
+
+    def drop_from(self, joint: int, stamp_ns: int) -> int:
+        """Forget the samples of joint index `joint` stamped at or after `stamp_ns` (they belong to
+        a timeline that ended for it); how many."""
+        with self._lock:
+            stamps, samples = self._stamps[joint], self._values[joint]
+            keep = bisect.bisect_left(stamps, stamp_ns)
+            dropped = len(stamps) - keep
+            del stamps[keep:], samples[keep:]
+            return dropped
 
     def at(self, stamp_ns: int, slop_ns: int) -> tuple[np.ndarray, np.ndarray] | Wait:
         """(positions, their stamps) [joints]: each joint's sample stamped nearest `stamp_ns`,

@@ -196,10 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", default="out/sim_eval.json")
     _add_render_arguments(ev, defaults_from_params=True)
 
+    _add_run_parser(sub, EPISODE_TICKS)
+    return parser
+
+
+def _add_run_parser(sub, episode_ticks: int) -> None:
     run = sub.add_parser("run", help="the simulator as a ROS 2 node (needs rclpy); ROS arguments after --ros-args")
     run.add_argument("--episodes", type=int, default=1)
     run.add_argument("--first-seed", type=int, default=1000)
-    run.add_argument("--ticks", type=int, default=EPISODE_TICKS, help="episode length in 20 ms ticks")
+    run.add_argument("--ticks", type=int, default=episode_ticks, help="episode length in 20 ms ticks")
     run.add_argument("--run-on", action="store_true", help="finish every episode's ticks after a success")
     run.add_argument("--camera-every", type=int, default=1)
     run.add_argument("--rate", type=float, default=1.0, help="sim time per wall time, at most (default %(default)s)")
@@ -222,7 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--video-dir", default=None, help="write a video per episode here")
     run.add_argument("--json", default=None, help="write the episodes' results here")
     _add_render_arguments(run, defaults_from_params=True)
-    return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -18,28 +18,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import yaml
 
-from ..ros.control import LATE, TAKEN, ChunkScheduler, Request, SafetyFilter, latency_ticks
-from ..runtime.types import ActionChunk, Observation, WindowLayout
-from ..runtime.windows import Wait, WindowSpec, frames_to_keep, pick_window
+from ..ros.control import LATE, NON_FINITE, TAKEN, ChunkScheduler, Request, SafetyFilter, latency_ticks
+from ..ros.diagnostics import Faults, Key, NodeTelemetry
+from ..ros.engine_process import Chunk
+from ..ros.loop import QUIET, ControlLoop, Tick
+from ..runtime.timeline import InputTimeline, Picked
+from ..runtime.types import Observation, Policy, WindowLayout, history_offset
+from ..runtime.windows import Wait, WindowSpec, frames_to_keep
+from ..tools.stats import summary
 from .aloha import CONTROL_PERIOD_NS, GRIPPERS, JOINT_NAMES, SimState, TransferCube
 from .video import annotate
 
 ARM_JOINTS = [j for j in range(len(JOINT_NAMES)) if j not in GRIPPERS]
-
-
-class Policy(Protocol):
-    history_offset_s: float   # between the frame times of a window (the checkpoint's)
-
-    def predict(self, obs: Observation) -> ActionChunk: ...
-    def reset_stream(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -107,6 +104,9 @@ class EpisodeResult:
     chunks: int = 0
     late_chunks: int = 0          # returned after their last action's tick: dropped, as in the node
     underruns: int = 0            # the plan ran out before the next chunk: held
+    non_finite_chunks: int = 0    # NaN or inf among its actions: dropped, and the loop holds ("output"), as the node
+    discarded: int = 0            # answers to a request from before a hold: stale, dropped
+    holds: int = 0                # times the output fault held the loop
     predict_ms: list[float] = field(default_factory=list)
     latency_ticks: list[int] = field(default_factory=list)
     # Largest |command change| over the arm joints (rad) per tick: at the first tick of each new
@@ -119,10 +119,88 @@ class EpisodeResult:
         return {k: v for k, v in self.__dict__.items() if not isinstance(v, list)}
 
 
-@dataclass
-class InFlight:
-    request: Request              # its due_tick: the tick whose collect takes it (latency in sim time)
-    chunk: ActionChunk
+class LatencyModel:
+    """The engine port of the closed loop (loop.EnginePort): `policy` is run when an observation is
+    submitted, and its answer is due latency_ticks(latency, control period) ticks later, latency
+    being a fixed figure or the measured wall time of that prediction: inference latency in sim
+    time."""
+
+    serving = True
+
+    def __init__(self, policy: Policy, instruction: str, latency_s: Optional[float], period_s: float):
+        self.policy, self.instruction, self.latency_s, self.period_s = policy, instruction, latency_s, period_s
+        self.predict_ms: list[float] = []
+        self._answer: Optional[Chunk] = None
+        self._wall_s = 0.0
+
+    def submit(self, request_id: int, window: Picked, instruction: str) -> bool:
+        obs = Observation(images=[f.item for _, f in window.frames], state=window.state.astype(np.float32),
+                          instruction=instruction, stamp=window.reference.stamp_ns / 1e9, frame_ids=window.frame_ids)
+        t0 = time.perf_counter()
+        chunk = self.policy.predict(obs)
+        self._wall_s = time.perf_counter() - t0
+        self.predict_ms.append(self._wall_s * 1e3)
+        self._answer = Chunk(request_id, chunk.actions, chunk.normalized, chunk.timings, predict_ms=self._wall_s * 1e3)
+        return True
+
+    def latency_ticks(self, request: Request) -> int:
+        return latency_ticks(self._wall_s if self.latency_s is None else self.latency_s, self.period_s)
+
+    def poll(self) -> Optional[Chunk]:
+        return None     # every answer has a due tick: wait() takes it then
+
+    def wait(self, request_id: int) -> Optional[Chunk]:
+        answer, self._answer = self._answer, None
+        return answer
+
+    def reset_stream(self) -> None:
+        self.policy.reset_stream()
+
+
+class RenderedInputs:
+    """The input port of the closed loop (loop.InputPort): the simulator's rendered frames and
+    joint positions, through the InputTimeline the node and the bag reader use (every camera
+    renders at each camera tick, with the joint state of that instant)."""
+
+    def __init__(self, settings: ControlSettings, offset_s: float, rate_hz: float):
+        layout = settings.layout
+        spec = WindowSpec.of(layout.frames, offset_s, wait_for_history=settings.wait_for_history)
+        self.timeline = InputTimeline(layout.cameras, JOINT_NAMES, spec, frames_to_keep(layout.frames, offset_s,
+                                                                                         rate_hz))
+        self.qpos: Optional[np.ndarray] = None
+
+    def render(self, stamp_ns: int, images: dict, qpos: np.ndarray) -> None:
+        for camera, name in enumerate(self.timeline.cameras):
+            self.timeline.add_frame(camera, stamp_ns, images[name], stamp_ns)
+        self.timeline.add_joint_states(stamp_ns, JOINT_NAMES, qpos, stamp_ns)
+
+    def check(self, now_ns: int) -> bool:
+        return False     # a simulation's stamps never step back within an episode
+
+    def take_window(self, now_ns: int) -> Picked | Wait:
+        picked = self.timeline.window()
+        if not isinstance(picked, Wait):
+            self.timeline.take(picked)
+        return picked
+
+    def not_sending(self) -> None:
+        pass
+
+    def measured(self) -> Optional[np.ndarray]:
+        return self.qpos
+
+    def release_window(self) -> None:
+        pass
+
+
+class Commands:
+    """The sink of the closed loop (loop.Sink): the command of the tick goes to the simulator."""
+
+    def command(self, command: np.ndarray) -> None:
+        pass
+
+    def trajectory(self, commands: Optional[np.ndarray]) -> None:
+        pass
 
 
 class ClosedLoop:
@@ -146,49 +224,32 @@ class ClosedLoop:
         """One episode from env.reset(seed). `video`, a list, receives an annotated frame of the
         first camera at every camera tick."""
         s, env = self.settings, self.env
-        layout = s.layout
-        offset_s = s.history_offset_s or self.policy.history_offset_s
-        spec = WindowSpec.of(layout.frames, offset_s, wait_for_history=s.wait_for_history)
-        rate_hz = 1e9 / CONTROL_PERIOD_NS / self.camera_every
-        frames: deque = deque(maxlen=frames_to_keep(layout.frames, offset_s, rate_hz))  # (stamp_ns, images, qpos)
-        self.policy.reset_stream()
-        control = ChunkScheduler(s, self.safety)
-        in_flight: Optional[InFlight] = None
+        offset_s = history_offset(s.history_offset_s, self.policy.history_offset_s)
+        inputs = RenderedInputs(s, offset_s, 1e9 / CONTROL_PERIOD_NS / self.camera_every)
+        engine = LatencyModel(self.policy, s.instruction, self.latency_s, self.period_s)
+        faults = Faults(QUIET, on_change=lambda: None)
+        telemetry = NodeTelemetry()
+        loop = ControlLoop(ChunkScheduler(s, self.safety), engine, inputs, Commands(), faults, telemetry, lambda: s)
+        engine.reset_stream()
         boundary_tick: Optional[int] = None
         state: SimState = env.reset(seed)
         result = EpisodeResult(seed, False, None, state.reward, 0)
+        frame = None
         for step in range(self.ticks):
             if step % self.camera_every == 0:
-                frames.append((state.stamp_ns, env.render(), state.qpos))
-            # publish: the plan's action for this tick, else hold
-            target, ran_out = control.next_tick(blocked=None)
-            tick = control.state.tick
-            result.underruns += ran_out
-            previous = control.state.last_command
-            command = control.command(target, state.qpos)
-            if target is not None and previous is not None:
-                step_rad = float(np.abs(command - previous)[ARM_JOINTS].max())
-                (result.step_at_boundary if tick == boundary_tick else result.step_inside).append(step_rad)
+                frame = env.render()
+                inputs.render(state.stamp_ns, frame, state.qpos)
+            inputs.qpos = state.qpos
+            previous = loop.control.state.last_command
+            tick = loop.tick(state.stamp_ns)
+            boundary_tick = self._record(result, tick, previous, boundary_tick, loop)
+            command = tick.command
             if video is not None and step % self.camera_every == 0:
-                video.append(annotate(frames[-1][1][layout.cameras[0]], None if target is None else command,
+                video.append(annotate(frame[s.layout.cameras[0]], tick.target if tick.target is None else command,
                                       state.qpos, JOINT_NAMES, np.asarray(s.joint_lower_limits),
                                       np.asarray(s.joint_upper_limits),
                                       f"seed {seed} t {step * self.period_s:.2f}s r{state.reward}"
                                       f"{' success' if state.success else ''}"))
-            # collect
-            if control.due_request() is not None:
-                request = control.answered(in_flight.request.id)
-                result.latency_ticks.append(tick - request.tick)
-                outcome = control.take(request, in_flight.chunk.actions)
-                if outcome == TAKEN:
-                    result.chunks += 1
-                    boundary_tick = control.state.plan.start
-                elif outcome == LATE:
-                    result.late_chunks += 1
-                in_flight = None
-            # dispatch
-            if control.wants_observation():
-                in_flight = self._query(control, frames, spec, result)
             state = env.step(command)
             result.ticks = step + 1
             result.max_reward = max(result.max_reward, state.reward)
@@ -196,34 +257,29 @@ class ClosedLoop:
                 result.success, result.first_success_tick = True, state.tick
                 if self.stop_on_success:
                     break
+        result.predict_ms = engine.predict_ms
+        result.discarded = telemetry.counts[Key.DISCARDED]
+        result.holds = faults.events["output"]
         return result
 
-    def _query(self, control: ChunkScheduler, frames: deque, spec: WindowSpec,
-               result: EpisodeResult) -> Optional[InFlight]:
-        """Send the node's window of `frames` (every camera renders at each camera tick, so all
-        cameras share the stamps and the state is the one of the newest frame)."""
-        layout = self.settings.layout
-        stamps = [f[0] for f in frames]
-        picked = pick_window([stamps] * len(layout.cameras), layout.cameras, spec, lambda ns: ns)
-        if isinstance(picked, Wait):
-            control.waiting(picked)
-            return None
-        _, rows, _ = picked
-        window = [frames[row[0]] for row in rows]   # oldest first
-        images = [f[1][camera] for f in window for camera in layout.cameras]
-        frame_ids = [(camera, f[0]) for f in window for camera in layout.cameras]
-        newest_ns, _, state = window[-1]
-        obs = Observation(images=images, state=state.astype(np.float32), instruction=self.settings.instruction,
-                          stamp=newest_ns / 1e9, frame_ids=frame_ids)
-        request = control.request(frame_ids)
-        t0 = time.perf_counter()
-        chunk = self.policy.predict(obs)
-        wall_s = time.perf_counter() - t0
-        latency_s = wall_s if self.latency_s is None else self.latency_s
-        control.sent(request, latency_ticks(latency_s, self.period_s))
-        result.queries += 1
-        result.predict_ms.append(wall_s * 1e3)
-        return InFlight(request, chunk)
+    @staticmethod
+    def _record(result: EpisodeResult, tick: Tick, previous: Optional[np.ndarray], boundary_tick: Optional[int],
+                loop: ControlLoop) -> Optional[int]:
+        """The tick's statistics; the tick of the newest plan's first action."""
+        now = loop.control.state.tick
+        result.underruns += tick.ran_out
+        if tick.target is not None and previous is not None:
+            step_rad = float(np.abs(tick.command - previous)[ARM_JOINTS].max())
+            (result.step_at_boundary if now == boundary_tick else result.step_inside).append(step_rad)
+        if tick.answered is not None:
+            result.latency_ticks.append(now - tick.answered.tick)
+            if tick.outcome == TAKEN:
+                result.chunks += 1
+                boundary_tick = loop.control.state.plan.start
+            result.late_chunks += tick.outcome == LATE
+            result.non_finite_chunks += tick.outcome == NON_FINITE
+        result.queries += tick.sent is not None
+        return boundary_tick
 
 
 # -- statistics -----------------------------------------------------------------------------------
@@ -238,11 +294,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
 
 
 def percentiles(samples: Sequence[float]) -> dict:
-    a = np.asarray(samples, np.float64)
-    if a.size == 0:
-        return {"n": 0}
-    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+    return summary(samples)
 
 
 def summarize(results: Sequence[EpisodeResult]) -> dict:

@@ -16,9 +16,9 @@ import shutil
 import sqlite3
 import struct
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import apsw
 import cv2
@@ -28,21 +28,16 @@ from rosbags.rosbag2 import CompressionFormat, CompressionMode, ReaderError, Sto
 from rosbags.typesys import Stores, get_typestore
 
 from ..runtime import Observation, WindowLayout, images
+from ..runtime.timeline import InputTimeline
 from ..runtime.windows import (
     MAX_CAMERA_RATE_HZ,
     PANDA_JOINTS,
     STATE_SLOP_S,
     SYNC_SLOP_S,
     InputError,
-    JointStates,
-    StampStep,
     Wait,
     WindowSpec,
-    check_frame_stamp,
-    evict,
     frames_to_keep,
-    pick_window,
-    window_at,
 )
 
 # Kilted's message definitions; bags that embed their own definitions are read with those.
@@ -565,7 +560,8 @@ class BagFrame:
 
 @dataclass
 class StreamStats:
-    """What became of each frame of the first camera that was not queried, and more."""
+    """What became of each frame of the first camera that was not queried, and more (the
+    timeline's counts, runtime.timeline.TimelineCounts, and the queries' own)."""
     first_camera_frames: int = 0
     partial_history: int = 0              # queries with fewer frame times than the layout (history not there yet)
     frames_without_history: int = 0       # wait_for_history: its history frames were missing
@@ -573,37 +569,29 @@ class StreamStats:
     frames_without_state: int = 0         # a joint has no sample within state_slop_s of the frame
     frames_without_instruction: int = 0   # no instruction yet
     frames_superseded: int = 0            # a newer frame's window completed with it (a late joint state)
-    timeline_restarts: int = 0            # an input's stamps stepped back: every input before was dropped
+    frames_settling: int = 0              # stamped before a timeline change settled (runtime/timeline.py)
+    timeline_restarts: int = 0            # timeline changes: every input before was dropped
     joint_states_refused: int = 0         # malformed joint state messages skipped
     frames_refused: int = 0               # camera frames the node would drop (unstamped, a repeated stamp)
-
-
-# Wait.lacks -> the StreamStats field that counts frames skipped for it
-_SKIPPED = {"history": "frames_without_history", "camera": "frames_without_sync", "state": "frames_without_state"}
-
-
-@dataclass
-class _Camera:
-    input: CameraInput
-    stamps: list[int] = field(default_factory=list)        # kept frames, oldest first
-    images: list[np.ndarray] = field(default_factory=list)
+    old_timeline_dropped: int = 0         # a source's samples of the timeline before a step, once it joined the new one
 
 
 class ObservationStream:
-    """A bag's messages -> Observations, the way the node forms them (vla_node.runtime.windows).
+    """A bag's messages -> Observations, the way the node forms them: a decode loop feeding
+    runtime.timeline.InputTimeline, which the node and the simulator feed too.
 
     Messages are taken in recorded order. After each frame and joint state, the newest complete
     window is formed from the frames and joint states received so far, exactly as the node
     forms one when its plan runs low; each window with a newer first-camera frame than the last
     one is a query (with the latest instruction). Frames of the first camera never queried are
-    counted in stats by why; a source whose stamps step back restarts everything, as in the
-    node. Joint states are reordered by name to `joint_names` (other joints are ignored)."""
+    counted in stats by why; a timeline change restarts everything, as in the node. Joint states
+    are reordered by name to `joint_names` (other joints are ignored)."""
 
     def __init__(self, bag: Bag, inputs: BagInputs, layout: WindowLayout, history_offset_s: float,
                  joint_names: Sequence[str] = JOINT_NAMES, instruction: Optional[str] = None, every: int = 1,
                  max_frames: Optional[int] = None, sync_slop_s: float = SYNC_SLOP_S,
                  state_slop_s: float = STATE_SLOP_S, wait_for_history: bool = False,
-                 max_camera_rate_hz: float = MAX_CAMERA_RATE_HZ):
+                 max_camera_rate_hz: float = MAX_CAMERA_RATE_HZ, state_sync: str = "frame"):
         if tuple(c.name for c in inputs.cameras) != tuple(layout.cameras):
             raise BagError(f"bag cameras {[c.name for c in inputs.cameras]} do not match the layout's {layout.cameras}")
         if inputs.instruction is None and instruction is None:
@@ -613,60 +601,36 @@ class ObservationStream:
         self.spec = WindowSpec.of(layout.frames, history_offset_s, sync_slop_s, state_slop_s, wait_for_history)
         # As many frames as the node's frame buffer keeps.
         self.capacity = frames_to_keep(layout.frames, history_offset_s, max_camera_rate_hz)
+        self.state_sync = state_sync
         self.fixed_instruction = instruction
         self.every = max(1, every)
         self.max_frames = max_frames
-        self.stats = StreamStats()
+        self._timeline = self._new_timeline()
+        self._queries = StreamStats()            # the counts that are the stream's own
         self.last_wait: Optional[Wait] = None   # why the last window attempt failed
         self.last_refusal: Optional[str] = None  # why the last message dropped was dropped
 
+    def _new_timeline(self) -> InputTimeline:
+        return InputTimeline([c.name for c in self.inputs.cameras], self.joint_names, self.spec, self.capacity,
+                             self.state_sync)
+
+    @property
+    def stats(self) -> StreamStats:
+        counts = self._timeline.counts.as_dict()
+        return StreamStats(**counts, partial_history=self._queries.partial_history,
+                           frames_without_instruction=self._queries.frames_without_instruction)
+
     def __iter__(self) -> Iterator[BagFrame]:
-        cameras = [_Camera(c) for c in self.inputs.cameras]
-        by_topic = {c.input.topic: c for c in cameras}
-        names = [c.input.name for c in cameras]
-        joints = JointStates(self.joint_names)
-        slop_ns = self.spec.state_slop_ns
+        timeline = self._timeline = self._new_timeline()
+        self._queries = StreamStats()
+        camera_of = {c.topic: i for i, c in enumerate(self.inputs.cameras)}
         instruction = self.fixed_instruction
         queries = candidates = 0
-        done = None        # stamp of the first camera's newest frame settled: queried or skipped
         decoded = set()    # topics with a good message: a bad one after that is damage, not a wrong type
-        ref = cameras[0]
-
-        def count_skipped(i: int) -> None:
-            """Count the first camera's frame i as skipped, by why, unless it is settled."""
-            if done is not None and ref.stamps[i] <= done:
-                return
-            rows = window_at([c.stamps for c in cameras], names, i, self.spec)
-            wait = rows if isinstance(rows, Wait) else joints.at(ref.stamps[i], slop_ns)
-            field_name = _SKIPPED[wait.lacks] if isinstance(wait, Wait) else "frames_superseded"
-            setattr(self.stats, field_name, getattr(self.stats, field_name) + 1)
-
-        def skip_until(r: int) -> None:
-            """Count the first camera's frames after `done` and before frame r as skipped, by why;
-            frame r is settled then."""
-            nonlocal done
-            for i in range(r):
-                count_skipped(i)
-            if r < len(ref.stamps):
-                done = ref.stamps[r]
-
-        new_timeline = False
-
-        def restart() -> None:
-            nonlocal done, new_timeline
-            new_timeline = True
-            skip_until(len(ref.stamps))
-            for c in cameras:
-                c.stamps.clear()
-                c.images.clear()
-            joints.clear()
-            done = None
-            self.stats.timeline_restarts += 1
-
         for topic, msgtype, time_ns, raw in self.bag.messages(self.inputs.topics):
             try:
                 msg = self.bag.deserialize(raw, msgtype, topic)
-                image = decode_image(msg, topic) if topic in by_topic else None
+                image = decode_image(msg, topic) if topic in camera_of else None
             except BagError as err:
                 if topic not in decoded:
                     raise
@@ -679,67 +643,36 @@ class ObservationStream:
             stamp = stamp_ns(msg.header.stamp)
             try:
                 if topic == self.inputs.joint_states:
-                    try:
-                        joints.add(stamp, msg.name, msg.position, source=topic)
-                    except StampStep:   # the first message of a new timeline: forget the old one, keep this
-                        restart()
-                        joints.add(stamp, msg.name, msg.position, source=topic)
+                    timeline.add_joint_states(stamp, msg.name, msg.position, source=topic)
                 else:
-                    camera = by_topic[topic]
-                    last = camera.stamps[-1] if camera.stamps else None
-                    try:
-                        check_frame_stamp(f"camera {camera.input.name!r}", last, stamp)
-                    except StampStep:
-                        restart()
-                    self._keep(camera, stamp, image, count_skipped if camera is ref else None)
-                    if camera is ref:
-                        self.stats.first_camera_frames += 1
+                    timeline.add_frame(camera_of[topic], stamp, image)
             except InputError as err:   # dropped, as the node drops it
-                if topic == self.inputs.joint_states:
-                    self.stats.joint_states_refused += 1
-                else:
-                    self.stats.frames_refused += 1
                 self.last_refusal = f"{topic}: {err}"
                 continue
-            picked = pick_window([c.stamps for c in cameras], names, self.spec,
-                                 lambda t: joints.at(t, slop_ns))
+            picked = timeline.window()
             if isinstance(picked, Wait):
                 self.last_wait = picked
                 continue
-            r, rows, (positions, state_stamps) = picked
-            if done is not None and ref.stamps[r] <= done:
+            if not timeline.is_new(picked):
                 continue
-            skip_until(r)
+            timeline.take(picked)
             if instruction is None:
-                self.stats.frames_without_instruction += 1
+                self._queries.frames_without_instruction += 1
                 continue
             candidates += 1
             if (candidates - 1) % self.every:
                 continue
-            self.stats.partial_history += len(rows) < self.layout.frames
-            slots = [(names[c], cameras[c].stamps[i], cameras[c].images[i]) for row in rows for c, i in enumerate(row)]
-            observation = Observation(images=[img for _, _, img in slots], state=positions.astype(np.float32),
-                                      instruction=instruction, stamp=ref.stamps[r] / 1e9,
-                                      frame_ids=[(name, t) for name, t, _ in slots])
-            yield BagFrame(index=queries, observation=observation, log_time_ns=time_ns, stamp_ns=ref.stamps[r],
-                           state_stamps_ns=state_stamps, new_timeline=new_timeline)
-            new_timeline = False
+            self._queries.partial_history += picked.frame_times < self.layout.frames
+            observation = Observation(images=[f.item for _, f in picked.frames], state=picked.state.astype(np.float32),
+                                      instruction=instruction, stamp=picked.reference.stamp_ns / 1e9,
+                                      frame_ids=picked.frame_ids)
+            yield BagFrame(index=queries, observation=observation, log_time_ns=time_ns,
+                           stamp_ns=picked.reference.stamp_ns, state_stamps_ns=picked.state_stamps_ns,
+                           new_timeline=picked.new_timeline)
             queries += 1
             if self.max_frames is not None and queries >= self.max_frames:
                 return
-        skip_until(len(ref.stamps))
-
-    def _keep(self, camera: _Camera, stamp: int, image: np.ndarray,
-              on_evict: Optional[Callable[[int], None]] = None) -> None:
-        """Keep a frame, giving up the one windows.evict picks once the camera holds as many as
-        the node would (`on_evict(i)` first: a frame never queried is counted)."""
-        if len(camera.stamps) >= self.capacity:
-            i = evict(camera.stamps, self.spec.span_ns)
-            if on_evict is not None:
-                on_evict(i)
-            del camera.stamps[i], camera.images[i]
-        camera.stamps.append(stamp)
-        camera.images.append(image)
+        timeline.finish()
 
 
 def image_shape(bag: Bag, inputs: BagInputs) -> tuple[int, int]:

@@ -19,6 +19,7 @@ import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine
 from .floors import stage_floors
+from .stats import summary
 
 STAGES = ("preprocess", "vision", "llm", "action")
 
@@ -32,7 +33,7 @@ def machine() -> dict:
 
 
 def summarize(samples: list[float]) -> dict:
-    return {"median": statistics.median(samples), "min": min(samples), "p90": float(np.percentile(samples, 90))}
+    return summary(samples, "median", "min", "p90")
 
 
 def deviation(out: np.ndarray, ref: np.ndarray) -> dict:

@@ -57,6 +57,7 @@ from .bag_io import (
     time_msg,
 )
 from .node_process import FRAME_TRANSPORT_PROFILE
+from .stats import summary
 
 Progress = Callable[[str], None]
 
@@ -377,8 +378,7 @@ class Player:
         lateness = np.asarray(late_ms) if late_ms else np.zeros(1)
         return {"published": published, "damage": damage, "last_input_wall_ns": last_input_wall_ns,
                 "joint_states": {"times_s": joint_times, "positions": joint_positions},
-                "late_ms_p50": float(np.percentile(lateness, 50)),
-                "late_ms_p99": float(np.percentile(lateness, 99)), "late_ms_max": float(lateness.max())}
+                **summary(lateness, "p50", "p99", "max", prefix="late_ms_")}
 
 
 def _ros_time(ns: int):
@@ -732,10 +732,7 @@ def _counts(text: Optional[str]) -> dict:
 
 
 def _stats(values: np.ndarray) -> dict:
-    if not len(values):
-        return {}
-    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99)),
-            "max": float(values.max()), "std": float(values.std())}
+    return summary(values, "p50", "p99", "max", "std")
 
 
 def write_plots(summary: dict, series: Series, out_dir: Path, joint_names: Sequence[str]) -> list[Path]:

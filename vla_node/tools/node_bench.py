@@ -31,6 +31,7 @@ import numpy as np
 
 from ..ros.diagnostics import OVERHEAD_PARTS, Key
 from .node_process import interrupt, node_argv, ros_domain, ros_environment
+from .stats import summary
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "tiny.yaml"
 JOINTS = [f"panda_joint{i}" for i in range(1, 8)] + ["panda_gripper"]
@@ -40,9 +41,8 @@ HOME = [0.0, -0.5, 0.0, -2.0, 0.0, 1.5, 0.8, 0.5]
 def jitter_stats(stamps_s: list[float], rate_hz: float) -> dict:
     periods = np.diff(np.asarray(stamps_s)) * 1e3
     jitter = np.abs(periods - 1e3 / rate_hz)
-    return {"ticks": len(periods), "period_ms_p50": float(np.percentile(periods, 50)),
-            "jitter_ms_p50": float(np.percentile(jitter, 50)), "jitter_ms_p99": float(np.percentile(jitter, 99)),
-            "jitter_ms_max": float(jitter.max())}
+    return {"ticks": len(periods), **summary(periods, "p50", prefix="period_ms_"),
+            **summary(jitter, "p50", "p99", "max", prefix="jitter_ms_")}
 
 
 # -- 0. the machine's floor ------------------------------------------------------------------------

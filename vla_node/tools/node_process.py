@@ -18,7 +18,7 @@ from ..ros import FRAME_TRANSPORT_PROFILE
 def node_command() -> list[str]:
     """`vla-node` next to this interpreter (pip puts console scripts there), else the module."""
     script = Path(sys.executable).parent / "vla-node"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vla_node.ros.node"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vla_node.ros.main"]
 
 
 def node_argv(params_file: Path, overrides: Mapping[str, Any] | None = None, ros_args: Sequence[str] = ()) -> list[str]:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine, WindowLayout
+from ..runtime.types import history_offset
 from ..runtime.windows import MAX_CAMERA_RATE_HZ, STATE_SLOP_S, SYNC_SLOP_S
 from .bag_io import (
     JOINT_NAMES,
@@ -35,6 +36,7 @@ from .bag_io import (
     resolve_inputs,
 )
 from .bench import STAGES, deviation
+from .stats import summary
 
 Progress = Callable[[str], None]
 
@@ -140,6 +142,7 @@ class BagQuery:
     history_offset_s: float = 0.0               # 0: the engine's checkpoint's
     wait_for_history: bool = False
     max_camera_rate_hz: float = MAX_CAMERA_RATE_HZ
+    state_sync: str = "frame"                   # frame | newest
 
     def inputs(self, bag: Bag, layout: WindowLayout) -> BagInputs:
         return resolve_inputs(bag, layout.cameras, self.camera_topics, self.joint_states, self.instruction_topic,
@@ -151,9 +154,10 @@ class BagQuery:
         if len(self.joint_names) != state_dim:
             raise BagError(f"{len(self.joint_names)} joints {list(self.joint_names)}, the model's state has "
                            f"{state_dim} (choose joints with --joint-names)")
-        return ObservationStream(bag, self.inputs(bag, layout), layout, self.history_offset_s or checkpoint_offset_s,
-                                 self.joint_names, self.instruction, self.every, self.max_frames, self.sync_slop_s,
-                                 self.state_slop_s, self.wait_for_history, self.max_camera_rate_hz)
+        offset_s = history_offset(self.history_offset_s, checkpoint_offset_s)
+        return ObservationStream(bag, self.inputs(bag, layout), layout, offset_s, self.joint_names, self.instruction,
+                                 self.every, self.max_frames, self.sync_slop_s, self.state_slop_s,
+                                 self.wait_for_history, self.max_camera_rate_hz, self.state_sync)
 
 
 @dataclass
@@ -190,11 +194,7 @@ def skipped_text(stats: StreamStats) -> str:
 
 
 def distribution(samples: Sequence[float]) -> dict:
-    a = np.asarray(samples, np.float64)
-    if a.size == 0:
-        return {"n": 0}
-    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+    return summary(samples)
 
 
 def run_config(spec: ConfigSpec, config: EngineConfig, query: BagQuery, log: FrameLog, baseline: bool,

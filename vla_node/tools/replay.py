@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--wait-for-history", action="store_true",
                      help="no query until every history frame exists (the node's wait_for_history); by default "
                           "early queries hold the newest frame times only, as the policy's own wrapper does")
+    off.add_argument("--state-sync", choices=("frame", "newest"), default="frame",
+                     help="the state of a query: each joint's sample nearest its newest frame, or the newest sample "
+                          "of each joint (the node's state_sync)")
     off.add_argument("--max-camera-rate", type=float, default=MAX_CAMERA_RATE_HZ,
                      help="camera rate the history buffer is sized for, Hz (the node's max_camera_rate_hz)")
     off.add_argument("--out", type=Path, default=Path("out/replay_offline"), help="report.json and plots go here")
@@ -110,7 +113,8 @@ def run_offline(args) -> int:
                      instruction=args.instruction, reference_topic=args.reference_topic,
                      joint_names=args.joint_names, every=args.every, max_frames=args.max_frames,
                      sync_slop_s=args.sync_slop, state_slop_s=args.state_slop, history_offset_s=args.history_offset,
-                     wait_for_history=args.wait_for_history, max_camera_rate_hz=args.max_camera_rate)
+                     wait_for_history=args.wait_for_history, max_camera_rate_hz=args.max_camera_rate,
+                     state_sync=args.state_sync)
     report = evaluate(query, specs, common, args.out, progress=lambda m: print(m, flush=True))
     print()
     print_summary(report)

@@ -317,6 +317,89 @@ def write_quirks_bag(path: str | Path, spec: QuirksSpec = QuirksSpec(), storage:
     return Path(path)
 
 
+@dataclass(frozen=True)
+class InterleavedSpec:
+    """A recording across a simulation reset whose log order interleaves the old and the new
+    timeline for `overlap_s` (both clocks' messages arrive alternately): timeline 0 from log time 0
+    to reset_s + overlap_s, timeline 1 (the new simulation) from reset_s to duration_s, its clock
+    `back_s` behind. With back_s 0 (the default) the two timelines carry the same stamps: joint
+    states on exact 10 ms stamps repeat each other's stamps with other values, and a camera's
+    stamps step back only when jitter orders them so. Arm and gripper in separate messages, 30 Hz
+    cameras with jitter. Stamps and log times are seconds after START_NS."""
+    duration_s: float = 7.0
+    reset_s: float = 2.5
+    overlap_s: float = 2.0
+    back_s: float = 0.0
+    camera_hz: float = 30.0
+    jitter_s: float = 0.003
+    wrist_delay_s: float = 0.005
+    joint_hz: float = 100.0
+    size: tuple = (96, 128)
+    seed: int = 0
+
+    def spans(self) -> tuple[tuple[float, float, float], ...]:
+        """(first, last log time, clock behind the log) of each timeline."""
+        return (0.0, self.reset_s + self.overlap_s, 0.0), (self.reset_s, self.duration_s, self.back_s)
+
+
+def interleaved_positions(timeline: int, stamp_s: float) -> np.ndarray:
+    """[8] the joints of `timeline` at a stamp (seconds after START_NS): different per timeline."""
+    return joint_positions(stamp_s % 6.0) + 0.05 * timeline
+
+
+def write_interleaved_bag(path: str | Path, spec: InterleavedSpec = InterleavedSpec()) -> dict:
+    """Write the recording (InterleavedSpec); returns (camera or joint, stamp ns) -> {timeline: value}
+    for every frame (value None) and joint sample."""
+    rng = np.random.default_rng(spec.seed)
+    events = []   # (log s, order, timeline, kind, stamp s)
+    for timeline, (first, last, zero) in enumerate(spec.spans()):
+        for i in range(int(np.ceil((last - first) * spec.camera_hz))):
+            for kind, delay in (("exo", 0.0), ("wrist", spec.wrist_delay_s)):
+                t = first + i / spec.camera_hz + delay + rng.uniform(-spec.jitter_s, spec.jitter_s)
+                if t < last:
+                    events.append((t + IMAGE_TRANSPORT_NS / 1e9, 1, timeline, kind, t - zero))
+        for i in range(int(round((last - first) * spec.joint_hz))):
+            t = first + i / spec.joint_hz
+            for kind in ("arm", "gripper"):
+                events.append((t + JOINT_STATE_TRANSPORT_NS / 1e9, 0, timeline, kind, round(t - zero, 2)))
+    events.append((0.0, -1, 0, "instruction", INSTRUCTION))
+    events.sort(key=lambda e: (e[0], e[1]))
+    truth: dict = {}
+    height, width = spec.size
+    with BagWriter(path, "mcap") as writer:
+        for log_s, _, timeline, kind, t in events:
+            log_ns = START_NS + int(round(log_s * 1e9))
+            if kind == "instruction":
+                writer.write(INSTRUCTION_TOPIC, STRING, log_ns, string_msg(t))
+                continue
+            stamp = START_NS + int(round(t * 1e9))
+            if kind in ("exo", "wrist"):
+                while (kind, stamp) in truth:   # camera stamps never coincide: a frame's stamp names its timeline
+                    stamp += 1000
+                truth[kind, stamp] = {timeline: None}
+                rgb = np.full((height, width, 3), 60 + 120 * timeline, np.uint8)
+                rgb[:, :, 1] = int(t * 40) % 256
+                topic = CAMERA_TOPICS[0] if kind == "exo" else CAMERA_TOPICS[1]
+                writer.write(topic, IMAGE, log_ns, image_msg(rgb, stamp, f"{kind}_camera_optical_frame"))
+                continue
+            q = interleaved_positions(timeline, t)
+            names = ARM_JOINTS if kind == "arm" else (GRIPPER,)
+            values = q[:7] if kind == "arm" else q[7:]
+            for name, x in zip(names, values):
+                truth.setdefault((name, stamp), {})[timeline] = float(x)
+            writer.write(JOINT_STATES_TOPIC, JOINT_STATE, log_ns, joint_state_msg(stamp, names, values))
+    return truth
+
+
+def timelines_of(truth: dict, frames, state, state_stamps) -> set:
+    """The timelines an observation's frames ((camera, stamp) ids) and joint samples (the state's
+    values at their stamps, joint_names order) come from."""
+    found = {next(iter(truth[tuple(key)])) for key in frames}
+    for name, x, stamp in zip(JOINT_NAMES, state, state_stamps):
+        found |= {timeline for timeline, value in truth[name, int(stamp)].items() if abs(value - x) < 1e-5}
+    return found
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="output: a bag directory, or a single .mcap / .db3 file")

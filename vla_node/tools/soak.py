@@ -33,6 +33,7 @@ import numpy as np
 
 from ..ros.diagnostics import Key
 from .node_process import dds_shm_of, dead_dds_shm, interrupt, node_argv, processes_with_env, ros_environment
+from .stats import summary
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "tiny.yaml"
 HOME = [0.0, -0.5, 0.0, -2.0, 0.0, 1.5, 0.8, 0.5]
@@ -220,7 +221,7 @@ def soak_engine(args) -> dict:
     engine.close()
     report = {"queries": args.queries, "seconds": time.monotonic() - started, "mode": args.mode, "device": args.device,
               "dtype": dtype, "preset": args.preset, "recompiles": samples[-1]["recompiles"],
-              "latency_ms": {"p50": float(np.percentile(latencies, 50)), "p99": float(np.percentile(latencies, 99))},
+              "latency_ms": summary(latencies, "p50", "p99"),
               "process": growth(samples, min(args.warmup, args.queries)), "samples": samples}
     if cuda:
         base_sample = next(s for s in samples if s["queries"] >= min(args.warmup, args.queries))

@@ -220,9 +220,7 @@ def plot_curves(log: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    import yaml
-
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vla-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bags", required=True, help="folder of episode bags (*.mcap or bag folders)")
@@ -248,15 +246,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state (weights, moments, step)")
     ap.add_argument("--init", default=None, help="start from this checkpoint's weights and statistics (fresh "
                     "optimizer and schedule): continue a run whose train_state is gone")
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        # The 2x2 pooling attends over 4 keys per window, for batch x images x windows rows: at
-        # batch 256 that is > 65535, where cuDNN's attention fails (seen on the H200, torch 2.11).
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    return ap
+
+
+def _read_data(args, ap: argparse.ArgumentParser, device: torch.device, t_start: float):
+    """The node's parameters, the preset, the window layout, the bags and the training and held-out
+    windows."""
+    import yaml
 
     params = next(iter(yaml.safe_load(Path(args.params).read_text()).values()))["ros__parameters"]
     cfg = get_preset(args.preset)
@@ -274,7 +270,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     val = Dataset(episodes[:args.val_episodes], len(layout.cameras), device)
     print(f"vla-train: {len(bags)} episodes ({len(train)} training windows, {len(val)} held out), "
           f"{len(train.frames)} frames on {device}, read in {time.perf_counter() - t_start:.0f}s", flush=True)
+    return params, cfg, layout, bags, train, val
 
+
+def _model_and_optimizer(args, cfg, train, device: torch.device):
+    """Random weights normalised to the training data's statistics (or --init's weights), and AdamW."""
     model = init_random_(build_model(cfg, device), args.seed).train().requires_grad_(True)
     # The statistics of the training data: min/max of states and actions (with a floor on the span).
     states = torch.cat([g[1] for g in train.tensors.values()])
@@ -291,6 +291,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    return model, optim
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        # The 2x2 pooling attends over 4 keys per window, for batch x images x windows rows: at
+        # batch 256 that is > 65535, where cuDNN's attention fails (seen on the H200, torch 2.11).
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+    params, cfg, layout, bags, train, val = _read_data(args, ap, device, t_start)
+
+    model, optim = _model_and_optimizer(args, cfg, train, device)
     step, log = 0, []
     if args.resume and (out / STATE_DIR / "state.json").is_file():
         step, log = load_state(out, model, optim)
