@@ -34,6 +34,7 @@ from vla_node.model.action_expert import ActionExpert, euler, flow_times
 from vla_node.runtime.compile import uncompile
 from vla_node.runtime.fused_expert import SPIN_LIMIT, FusedExpert, Tiling
 from vla_node.runtime.fusion import fuse_projections
+from vla_node.runtime.graphs import capture
 from vla_node.runtime.kernels.expert_flow import _grid_arrive, _grid_wait
 from vla_node.runtime.kernels.few_query_attention import few_query_attention
 
@@ -59,19 +60,10 @@ class _Call:
 
 
 def graph_of(fn):
-    """fn captured as a CUDA graph after two warm runs on a side stream; returns (graph, output)."""
+    """fn captured as a CUDA graph (runtime/graphs.capture); returns (graph, output)."""
     if DEVICE == "cpu":
         return _Call(fn), fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+    return capture(fn)
 
 
 def replay_ms(graph) -> float:

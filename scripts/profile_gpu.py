@@ -19,7 +19,7 @@ from vla_node.runtime.kernels.few_query_attention import few_query_attention
 
 def graph_ms(fn, reps: int = 20) -> float:
     """Median ms of `fn` captured in a CUDA graph."""
-    return do_bench(capture(fn).replay, warmup=5, rep=reps, return_mode="median")
+    return do_bench(capture(fn)[0].replay, warmup=5, rep=reps, return_mode="median")
 
 
 def main():

@@ -21,6 +21,7 @@ from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, euler, flow_times
 from vla_node.runtime import EngineConfig, PolicyEngine, fused_expert
 from vla_node.runtime.fused_expert import FusedExpert, Tiling
+from vla_node.runtime.graphs import capture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5 if DEVICE == "cpu" else 2e-3  # tf32 in the GPU's few-query attention dots
@@ -221,10 +222,7 @@ def test_persistent_flow_on_gpu_replays_bit_identically_and_matches_per_phase(en
     with torch.no_grad():
         stepwise = per_phase.flow(noise, per_phase.schedule(table16), kv16, mask).clone()
         inputs = persistent.schedule(table16)
-        persistent.flow(noise, inputs, kv16, mask)  # buffers and compilation before the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = persistent.flow(noise, inputs, kv16, mask)
+        graph, out = capture(lambda: persistent.flow(noise, inputs, kv16, mask))
         graph.replay()
         first = out.clone()
         for _ in range(50):

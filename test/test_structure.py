@@ -6,8 +6,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vla_node"
 MAX_FUNCTION_LINES = 80
-# Owned elsewhere this session (the GPU kernels are being edited beside this change); a Triton
-# kernel is one program whose helpers would be @triton.jit functions of their own.
+# The fused expert's Triton entry point: its body is already calls to @triton.jit helpers, and
+# what makes it long is its flat signature of ~80 parameters (Triton takes no structs), which
+# each further helper would repeat; its persistent path is tested only on the GPU.
 EXEMPT = {"vla_node/runtime/kernels/expert_flow.py:flow_kernel"}
 NODE_MAX_LINES = 300
 

@@ -1,16 +1,18 @@
 """One CUDA-graph capture: a warm run on a side stream (capture needs the kernels loaded and the
 allocator's pools settled, and must not run on the default stream), then the capture itself.
-Used by runtime/static.py and scripts/profile_gpu.py (the copies in the fused-expert benchmark
-and its test, edited elsewhere this session, are left to follow)."""
+Used by runtime/static.py, the GPU benchmarks and the fused expert's GPU test."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
+T = TypeVar("T")
 
-def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """`fn` captured in a CUDA graph (replay() runs it on the tensors it used), after one warm run."""
+
+def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`fn` captured in a CUDA graph after one warm run, and what the captured call returned:
+    replay() runs it again on the same tensors, so that result holds each replay's output."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -18,5 +20,5 @@ def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph
+        out = fn()
+    return graph, out

@@ -283,7 +283,7 @@ class StaticRunner:
                         self._capture_action(b)
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        graph = capture(fn)
+        graph, _ = capture(fn)
         self.graph_captures += 1
         return graph
 
