@@ -44,6 +44,7 @@ from .kernels.expert_flow import (
     REUSE,
     SELF,
     flow_kernel,
+    phase_kernel,
 )
 
 BLOCK_PHASES = (QKV, SELF, CROSS_Q, CROSS, CROSS_OUT, FC1, FC2)
@@ -359,7 +360,8 @@ class FusedExpert:
             options["launch_cooperative_grid"] = True
         scales = [s.scale if s.scale is not None else s.bias for s in self.stacks()]
         weights = [x for s, scale in zip(self.stacks(), scales) for x in (s.weight, s.bias, scale)]
-        flow_kernel[(plan["programs"],)](
+        kernel = flow_kernel if phase == PERSISTENT else phase_kernel
+        kernel[(plan["programs"],)](
             buf.xa, buf.vel, inputs.reuse, *weights,
             e.action_in.weight, e.action_in.bias, e.action_pos, e.action_out.weight, e.action_out.bias,
             inputs.mods, inputs.final_mods, buf.kv, mask if mask is not None else buf.kv,

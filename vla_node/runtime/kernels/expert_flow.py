@@ -6,8 +6,8 @@ however few bytes it reads. So the whole loop runs in one launch of one program 
 phases of a block are separated by grid barriers (an arrival counter each program polls; 0.87
 us each on the H200), and each phase spreads its weights evenly over all programs. A program
 loads its next phase's weights between its arrival and its wait (HOIST): they do not depend on
-the barrier, so their memory latency overlaps the other programs' work. With PHASE >= 0 the
-same code runs one phase per launch: the host's loop (and the CPU interpreter, which runs
+the barrier, so their memory latency overlaps the other programs' work. phase_kernel runs the
+same phases one per launch (PHASE): the host's loop (and the CPU interpreter, which runs
 programs one after another and so cannot spin) puts the launch boundary where the barrier
 would be. Measured (BENCHMARKS.md, issue 22): a phase takes 5-10 us whatever its bytes, a chain
 of dependent memory round trips, so the loop is ~10x its bandwidth floor.
@@ -43,7 +43,7 @@ from .few_query_attention import attend_chunk, attend_keys, load_keys, merge_par
 
 INV_SQRT2 = tl.constexpr(0.7071067811865476)
 
-# Phase numbers (PHASE >= 0 runs that one phase; PERSISTENT runs the whole loop); a block's
+# Phase numbers (phase_kernel's PHASE; flow_kernel's is PERSISTENT, the whole loop); a block's
 # phases are QKV .. FC2, in this order.
 PERSISTENT = tl.constexpr(-1)
 IN, QKV, SELF, CROSS_Q, CROSS, CROSS_OUT, FC1, FC2, OUT, REUSE = (tl.constexpr(p) for p in range(10))
@@ -622,67 +622,90 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
                 FC2_K: tl.constexpr, FC2_BK: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
                 HAS_MASK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr,
                 HOIST: tl.constexpr, SPIN_LIMIT: tl.constexpr, TRACE: tl.constexpr, SEGMENTS: tl.constexpr):
-    """Flow steps step_lo .. step_hi - 1 of the expert on actions XA [M, A] (fp32, updated in
-    place when EULER; Vel [steps, M, A] gets each computed step's velocity). PERSISTENT: the
-    whole range in this launch, Reuse [steps] (int32, -1 or the step whose velocity a step
-    takes) read on the device; else one phase of step step_lo (and `block`)."""
+    """Flow steps step_lo .. step_hi - 1 of the expert on actions XA [M, A] in one persistent launch
+    (fp32, updated in place when EULER; Vel [steps, M, A] gets each computed step's velocity;
+    Reuse [steps]: int32, -1 or the step whose velocity a step takes, read on the device).
+    phase_kernel takes the same arguments and runs one phase."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_M)  # every row (elementwise work)
     row_ok = rows < M
     qi = tl.arange(0, BLOCK_H)    # one entry's rows (b * TOKENS + qi): the tiles of every dot, whatever the batch
     tok_ok = qi < TOKENS
-    if PHASE == PERSISTENT:
-        if TRACE:
-            tl.store(Trace + pid * SEGMENTS * 2, _clock_ns(pid))
-        seg = 0  # segments ended = grid barriers passed
-        for i in range(step_lo, step_hi):
-            source = tl.load(Reuse + i)
-            if source >= 0:
-                _reuse_phase(XA, Vel + source * M * A, pid, rows, row_ok, dt, A, BLOCK_A)
-            else:
-                _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, qi, tok_ok, ENTRIES, W, A, TOKENS, XT, NT,
-                          BLOCK_M, BLOCK_A, DOT, PREC)
-                q0, q1, q2, q3 = _sync(QKV, 0, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco, W1, W2,
-                                       KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT,
-                                       BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS,
-                                       FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST, SPIN_LIMIT, TRACE,
-                                       SEGMENTS)
-                seg += 1
-                for j in range(DEPTH):
-                    # The phases unrolled: each holds its own preloaded registers (QKV's carried
-                    # from the previous block's last barrier).
-                    for phase in tl.static_range(QKV, FC2 + 1):
-                        if phase != QKV:
-                            w0, w1, w2, w3 = _sync(phase, j, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso,
-                                                   Wq, Wco, W1, W2, KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W,
-                                                   HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS,
-                                                   CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS,
-                                                   BLOCK_KEYS, HAS_MASK, HOIST, SPIN_LIMIT, TRACE, SEGMENTS)
-                            seg += 1
-                        else:
-                            w0, w1, w2, w3 = q0, q1, q2, q3
-                        _block_phase(phase, i, j, pid, nprog, qi, tok_ok, M, w0, w1, w2, w3,
-                                     Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2,
-                                     S2, Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part,
-                                     Counter, n_keys, keys_per_split, eps, attn_scale, ENTRIES, W, HEADS, HD, MLP,
-                                     TOKENS, DEPTH, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_D, BK, QKV_COLS, QKV_BN,
-                                     CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS,
-                                     BLOCK_KEYS, HAS_MASK, DOT, PREC, SCALED)
-                    q0, q1, q2, q3 = _sync(QKV, j + 1, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco,
-                                           W1, W2, KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP,
-                                           DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN,
-                                           FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST,
-                                           SPIN_LIMIT, TRACE, SEGMENTS)
-                    seg += 1
-                _out_phase(X, Stats, FMods + i * (2 * W), Wout, Bout, XA, Vel + i * M * A, pid, qi, tok_ok, dt, eps,
-                           EULER, ENTRIES, TOKENS, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_A, BK, DOT, PREC)
-            _sync(IN, 0, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco, W1, W2, KV, Mask, msb,
-                  n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS,
-                  CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST,
-                  SPIN_LIMIT, TRACE, SEGMENTS)
+    if TRACE:
+        tl.store(Trace + pid * SEGMENTS * 2, _clock_ns(pid))
+    seg = 0  # segments ended = grid barriers passed
+    for i in range(step_lo, step_hi):
+        source = tl.load(Reuse + i)
+        if source >= 0:
+            _reuse_phase(XA, Vel + source * M * A, pid, rows, row_ok, dt, A, BLOCK_A)
+        else:
+            _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, qi, tok_ok, ENTRIES, W, A, TOKENS, XT, NT,
+                      BLOCK_M, BLOCK_A, DOT, PREC)
+            q0, q1, q2, q3 = _sync(QKV, 0, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco, W1, W2,
+                                   KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT,
+                                   BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS,
+                                   FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST, SPIN_LIMIT, TRACE,
+                                   SEGMENTS)
             seg += 1
-    elif PHASE == IN:
+            for j in range(DEPTH):
+                # The phases unrolled: each holds its own preloaded registers (QKV's carried
+                # from the previous block's last barrier).
+                for phase in tl.static_range(QKV, FC2 + 1):
+                    if phase != QKV:
+                        w0, w1, w2, w3 = _sync(phase, j, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso,
+                                               Wq, Wco, W1, W2, KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W,
+                                               HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS,
+                                               CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS,
+                                               BLOCK_KEYS, HAS_MASK, HOIST, SPIN_LIMIT, TRACE, SEGMENTS)
+                        seg += 1
+                    else:
+                        w0, w1, w2, w3 = q0, q1, q2, q3
+                    _block_phase(phase, i, j, pid, nprog, qi, tok_ok, M, w0, w1, w2, w3,
+                                 Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2,
+                                 S2, Mods, KV, Mask, msb, X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part,
+                                 Counter, n_keys, keys_per_split, eps, attn_scale, ENTRIES, W, HEADS, HD, MLP,
+                                 TOKENS, DEPTH, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_D, BK, QKV_COLS, QKV_BN,
+                                 CQ_COLS, CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS,
+                                 BLOCK_KEYS, HAS_MASK, DOT, PREC, SCALED)
+                q0, q1, q2, q3 = _sync(QKV, j + 1, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco,
+                                       W1, W2, KV, Mask, msb, n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP,
+                                       DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS, CQ_BN, FC1_COLS, FC1_BN,
+                                       FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST,
+                                       SPIN_LIMIT, TRACE, SEGMENTS)
+                seg += 1
+            _out_phase(X, Stats, FMods + i * (2 * W), Wout, Bout, XA, Vel + i * M * A, pid, qi, tok_ok, dt, eps,
+                       EULER, ENTRIES, TOKENS, W, A, XT, NT, NT_P2, BLOCK_M, BLOCK_H, BLOCK_A, BK, DOT, PREC)
+        _sync(IN, 0, seg, pid, Bar, Err, Trace, (seg + 1) * nprog, Wqkv, Wso, Wq, Wco, W1, W2, KV, Mask, msb,
+              n_keys, keys_per_split, ENTRIES, W, HEADS, HD, MLP, DEPTH, XT, BLOCK_D, BK, QKV_COLS, QKV_BN, CQ_COLS,
+              CQ_BN, FC1_COLS, FC1_BN, FC2_SPLITS, FC2_K, FC2_BK, KEY_SPLITS, BLOCK_KEYS, HAS_MASK, HOIST,
+              SPIN_LIMIT, TRACE, SEGMENTS)
+        seg += 1
+
+
+@triton.jit
+def phase_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
+                Win, Bin, Pos, Wout, Bout, Mods, FMods, KV, Mask, msb,
+                X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter, Bar, Err, Trace,
+                M, n_keys, keys_per_split, step_lo, step_hi, block, dt, eps, attn_scale,
+                PHASE: tl.constexpr, EULER: tl.constexpr, ENTRIES: tl.constexpr, W: tl.constexpr,
+                HEADS: tl.constexpr, HD: tl.constexpr, MLP: tl.constexpr, A: tl.constexpr, TOKENS: tl.constexpr,
+                DEPTH: tl.constexpr, XT: tl.constexpr, NT: tl.constexpr, NT_P2: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_A: tl.constexpr,
+                BK: tl.constexpr, QKV_COLS: tl.constexpr, QKV_BN: tl.constexpr, CQ_COLS: tl.constexpr,
+                CQ_BN: tl.constexpr, FC1_COLS: tl.constexpr, FC1_BN: tl.constexpr, FC2_SPLITS: tl.constexpr,
+                FC2_K: tl.constexpr, FC2_BK: tl.constexpr, KEY_SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+                HAS_MASK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr,
+                HOIST: tl.constexpr, SPIN_LIMIT: tl.constexpr, TRACE: tl.constexpr, SEGMENTS: tl.constexpr):
+    """Phase PHASE of flow step step_lo (and block `block`) as its own launch: flow_kernel's work
+    between two of its grid barriers (the host's loop puts the launch boundary there)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_M)  # every row (elementwise work)
+    row_ok = rows < M
+    qi = tl.arange(0, BLOCK_H)    # one entry's rows (b * TOKENS + qi): the tiles of every dot, whatever the batch
+    tok_ok = qi < TOKENS
+    if PHASE == IN:
         _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, qi, tok_ok, ENTRIES, W, A, TOKENS, XT, NT, BLOCK_M,
                   BLOCK_A, DOT, PREC)
     elif PHASE == OUT:
