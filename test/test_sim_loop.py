@@ -12,6 +12,7 @@ from optional import require_simulator
 require_simulator()
 
 from vla_node.runtime import ActionChunk, Observation  # noqa: E402
+from vla_node.sim import SIM_POLICY  # noqa: E402
 from vla_node.sim.aloha import CONTROL_PERIOD_NS, EPISODE_START_NS, RenderConfig, TransferCube  # noqa: E402
 from vla_node.sim.cli import DEFAULT_PARAMS, main  # noqa: E402
 from vla_node.sim.closed_loop import ClosedLoop, ControlSettings, wilson_interval  # noqa: E402
@@ -174,7 +175,22 @@ def test_eval_writes_success_latency_and_handover_per_config(tmp_path):
     assert "speedup_vs_first" in report["configs"]["static"]
 
 
-def test_eval_refuses_a_policy_without_the_simulators_joints(tmp_path, capsys):
-    code = main(["eval", "--preset", "tiny", "--episodes", "1", "--ticks", "5", "--json", str(tmp_path / "r.json")])
-    assert code == 1
+def test_eval_without_a_checkpoint_evaluates_the_shipped_policy(tmp_path):
+    """`vla-sim eval` as a new user types it: the trained policy, not random weights (one query)."""
+    report_path = tmp_path / "eval.json"
+    code = main(["eval", "--episodes", "1", "--ticks", "1", "--height", "48", "--width", "64",
+                 "--json", str(report_path)])
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert report["checkpoint"] == str(SIM_POLICY)
+    assert report["configs"]["eager"]["predict_ms"]["n"] == 1
+
+
+def test_eval_takes_random_weights_only_when_asked(tmp_path, capsys):
+    args = ["--episodes", "1", "--ticks", "5", "--json", str(tmp_path / "r.json")]
+    assert main(["eval", "--random-weights", "--preset", "tiny", *args]) == 1   # the tiny preset's 8 joints
     assert "state_dim 8 and action_dim 8; the simulator has 14 joints" in capsys.readouterr().err
+    assert main(["eval", "--preset", "tiny", *args]) == 1
+    assert "--preset tiny picks the model of --random-weights" in capsys.readouterr().err
+    assert main(["eval", "--random-weights", "--checkpoint", str(SIM_POLICY), *args]) == 1
+    assert "--random-weights and --checkpoint exclude each other" in capsys.readouterr().err

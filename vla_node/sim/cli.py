@@ -4,8 +4,9 @@
                                              # /clock), closed loop with vla-node (use_sim_time)
     vla-sim run --episodes 5 --lockstep      # the same, every tick waiting for the node's command: with
                                              # its fixed_latency_s the same run on any machine
-    vla-sim eval --checkpoint DIR --configs eager,fast --episodes 50 --json out/sim_eval.json
-                                             # the same loop without DDS: the engine called directly
+    vla-sim eval --configs eager,fast --episodes 50 --json out/sim_eval.json
+                                             # the same loop without DDS: the engine called directly,
+                                             # the shipped policy (or --checkpoint DIR, --random-weights)
     vla-sim record out/demos --episodes 50   # scripted demonstrations, one MCAP bag each (all cores)
     vla-sim expert --episodes 50             # the scripted expert's own success rate
 
@@ -22,9 +23,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from . import SIM_POLICY
 from .aloha import DEFAULT_CAMERAS, RenderConfig
 
-DEFAULT_PARAMS = Path(__file__).resolve().parents[2] / "config" / "sim.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PARAMS = ROOT / "config" / "sim.yaml"
+RANDOM_PRESET = "sim"    # eval --random-weights: the preset with the simulator's 14 joints
 MAX_SEEDS_PER_EPISODE = 5  # record gives up when the script fails this often (it succeeds on ~all seeds)
 
 
@@ -118,11 +122,25 @@ def run_record(args) -> int:
 def run_eval(args) -> int:
     from .eval import evaluate
     args.workers = _workers(args.workers)
+    args.checkpoint, args.preset = _eval_policy(args)
     report = evaluate(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(f"report: {args.json}")
     return 0
+
+
+def _eval_policy(args) -> tuple[Optional[str], str]:
+    """The (checkpoint, preset) eval runs: the shipped policy, the one --checkpoint names, or
+    random weights of --preset when --random-weights asks for them (and only then)."""
+    if args.random_weights:
+        if args.checkpoint:
+            raise ValueError("--random-weights and --checkpoint exclude each other")
+        return None, args.preset or RANDOM_PRESET
+    if args.preset:
+        raise ValueError(f"--preset {args.preset} picks the model of --random-weights (a checkpoint brings its own); "
+                         "add --random-weights for random weights")
+    return args.checkpoint or str(SIM_POLICY), RANDOM_PRESET
 
 
 def _render_config(args) -> RenderConfig:
@@ -175,8 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated MODE[:KEY=VALUE...] engine configurations (as vla-replay offline)")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig field for every configuration (repeatable)")
-    ev.add_argument("--checkpoint", default=None, help="policy checkpoint folder (default: random weights of --preset)")
-    ev.add_argument("--preset", default="tiny", help="model preset when no checkpoint is given")
+    ev.add_argument("--checkpoint", default=None,
+                    help=f"policy checkpoint folder (default: the shipped policy, {SIM_POLICY.relative_to(ROOT)})")
+    ev.add_argument("--random-weights", action="store_true",
+                    help="random weights of --preset instead of a checkpoint: the loop runs, the policy does nothing "
+                         "useful")
+    ev.add_argument("--preset", default=None,
+                    help=f"--random-weights: the model preset (default {RANDOM_PRESET}: the shipped policy's shapes)")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--dtype", default="float32")
     ev.add_argument("--seed", type=int, default=0, help="engine seed (random weights, flow noise)")

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..ros.diagnostics import Key
+from ..sim import SIM_POLICY
 from .live import LiveOptions, print_summary, replay_live
 from .node_process import interrupt, node_argv, ros_environment
 from .sample_bag import QUIRKS_BAG, SAMPLE_BAG
 
-SIM_POLICY = Path(__file__).resolve().parents[1] / "data" / "sim_policy"
 SIM_SEED = 1000  # the first held-out seed (the demonstrations used seeds 0-99)
 SIM_LATENCY_S = 0.04  # the inference latency the shipped policy was evaluated with (its README)
 
