@@ -44,6 +44,20 @@ def test_chunk_shape_and_timings(engine, reference):
     assert engine.history_offset_s == reference.history_offset_s
 
 
+def test_a_known_prefix_starts_the_chunk_through_either_boundary(engine, reference):
+    """Observation.known_actions (robot units) crosses the process boundary as data: the chunk's
+    first actions are they, exactly in the model's normalised units, to float32 round-off in
+    robot units; the next query without them is sampled freely again."""
+    obs = reference.dummy_observation()
+    obs.known_actions = engine.predict(obs).actions[:4] + 0.05
+    chunk = engine.predict(obs)
+    known = reference.model.normalize_actions(torch.as_tensor(obs.known_actions)).numpy()
+    assert np.array_equal(chunk.normalized[:4], known)
+    assert np.abs(chunk.actions[:4] - obs.known_actions).max() < 2e-6
+    obs.known_actions = None
+    assert not np.allclose(engine.predict(obs).actions[:4], chunk.actions[:4])
+
+
 def test_the_engine_process_predicts_what_the_engine_does():
     """Same seed, same observations: the same actions through the process boundary, query after
     query (the noise stream), and frame ids carried across it (the stream reset keeps them apart)."""
@@ -140,6 +154,10 @@ def test_instruction_and_images_change_the_actions(reference):
     (lambda o: setattr(o, "state", np.full(8, np.nan, np.float32)), "non-finite"),
     (lambda o: setattr(o, "instruction", "   "), "instruction is empty"),
     (lambda o: setattr(o, "instruction", "pick up the red cup " * 30), "budget is 96"),
+    (lambda o: setattr(o, "known_actions", np.zeros((17, 8), np.float32)), r"known_actions must be \[k, 8\] with "
+                                                                           r"1 <= k <= 16 .*got shape \(17, 8\)"),
+    (lambda o: setattr(o, "known_actions", np.zeros((0, 8), np.float32)), "known_actions must be"),
+    (lambda o: setattr(o, "known_actions", np.full((2, 8), np.inf, np.float32)), "known_actions has non-finite"),
 ])
 def test_bad_inputs_are_rejected_clearly(engine, reference, mutate, message):
     obs = reference.dummy_observation()

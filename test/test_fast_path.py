@@ -84,7 +84,9 @@ def test_vision_cache_reuses_frames_exactly_once():
     assert store.hits == 8
 
 
-def test_no_recompilation_after_warmup_and_keys_unchanged(tmp_path):
+def test_no_recompilation_after_warmup_whatever_the_known_prefix_and_keys_unchanged(tmp_path):
+    """Every instruction length and every known-prefix length (none, 1 ... 16 actions: data in
+    the bucket's buffers, never a shape) runs the graphs compiled during warm-up."""
     engine = PolicyEngine(EngineConfig.for_mode("compile"))
     keys = list(engine.model.state_dict())
     engine.warmup()
@@ -94,7 +96,9 @@ def test_no_recompilation_after_warmup_and_keys_unchanged(tmp_path):
         obs.instruction = INSTRUCTIONS[i % len(INSTRUCTIONS)]
         chunk = engine.predict(obs)
         assert np.isfinite(chunk.actions).all()
+        obs.known_actions = chunk.actions[:1 + i * 15 // 19] if i % 2 else None
     assert engine.static.recompiles() == 0
+    obs.known_actions = None
     assert list(engine.model.state_dict()) == keys  # no `_orig_mod.` prefixes
     save_checkpoint(engine.model, tmp_path)
     assert list(load_checkpoint(tmp_path).state_dict()) == keys
@@ -104,6 +108,31 @@ def test_no_recompilation_after_warmup_and_keys_unchanged(tmp_path):
     uncompile(engine.static.regions)
     eager = engine.predict(obs, noise=noise).normalized
     assert np.abs(compiled - eager).max() < 1e-4
+
+
+@pytest.mark.parametrize("mode, overrides", [
+    ("eager", {}),
+    ("static", {}),                                   # the context recomputed at every step
+    ("ctxkv", dict(action_cache="6-7:5")),            # steps that reuse a velocity are inpainted too
+    ("ctxkv", dict(action_cache="adaptive:0.5")),     # a host loop over per-step graphs
+], ids=["eager", "static", "ctxkv-cache", "ctxkv-adaptive"])
+def test_a_known_prefix_starts_the_chunk_exactly_and_queries_without_one_are_unchanged(mode, overrides):
+    """The inpaint hand-over's query: the chunk's first k actions are the known ones, bit for bit
+    in the model's normalised units (the engine normalises them with the checkpoint's statistics)
+    and within float32 round-off once denormalised; the rest is generated around them."""
+    engine = PolicyEngine(EngineConfig.for_mode(mode, **overrides))
+    obs = engine.dummy_observation()
+    noise = torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(0))
+    free = engine.predict(obs, noise=noise)
+    for k in (1, 6, 16):
+        obs.known_actions = free.actions[:k] + 0.05
+        chunk = engine.predict(obs, noise=noise)
+        known = engine.model.normalize_actions(torch.as_tensor(obs.known_actions)).numpy()
+        assert np.array_equal(chunk.normalized[:k], known)
+        assert np.abs(chunk.actions[:k] - obs.known_actions).max() < 2e-6   # |actions| < 3 rad: ulps of 2.4e-7
+        assert k == 16 or not np.allclose(chunk.normalized[k:], free.normalized[k:])
+    obs.known_actions = None
+    assert np.array_equal(engine.predict(obs, noise=noise).normalized, free.normalized)
 
 
 def test_unknown_layout_and_invalid_configs_are_rejected():
@@ -139,6 +168,29 @@ def test_fast_matches_eager_within_bf16_noise():
     inputs = same_inputs(eager, 4)
     for a, b in zip(outputs(eager, inputs), outputs(fast, inputs)):
         assert np.linalg.norm(b - a) / np.linalg.norm(a) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["graphs", "fast"])   # the flow loop on the compiled blocks, on the fused kernel
+def test_inpainting_replays_one_graph_for_every_prefix_length(mode):
+    """The flow loop with a known prefix is one more CUDA graph per bucket, captured in warm-up and
+    replayed for every prefix length (nothing captured or compiled after warm-up); the prefix is
+    kept exactly, and a query without one replays the plain loop's graph as before."""
+    engine = PolicyEngine(gpu_config(mode))
+    engine.warmup()
+    captures = engine.stats.graph_captures
+    obs = engine.dummy_observation()
+    noise = torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    free = engine.predict(obs, noise=noise)
+    for k in (1, 5, 12):
+        obs.known_actions = free.actions[:k] + 0.05
+        chunk = engine.predict(obs, noise=noise)
+        known = engine.model.normalize_actions(torch.as_tensor(obs.known_actions).cuda()).cpu().numpy()
+        assert np.array_equal(chunk.normalized[:k], known)
+        assert not np.allclose(chunk.normalized[k:], free.normalized[k:])
+    obs.known_actions = None
+    assert np.array_equal(engine.predict(obs, noise=noise).normalized, free.normalized)
+    assert engine.static.graph_captures == captures and engine.static.recompiles() == 0
 
 
 @pytest.mark.cuda

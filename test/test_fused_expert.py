@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vla_node.model import get_preset, init_random_
-from vla_node.model.action_expert import ActionExpert, euler, flow_times
+from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow_times
 from vla_node.runtime import EngineConfig, PolicyEngine, fused_expert
 from vla_node.runtime.fused_expert import FusedExpert, Tiling
 from vla_node.runtime.graphs import capture
@@ -58,11 +58,17 @@ def mod_table(expert, steps: int) -> list:
         return [expert.modulations(torch.full((1,), t, device=DEVICE)) for t in flow_times(steps)]
 
 
-def reference_flow(expert, table, kv, mask, noise, reuse=None):
+def reference_flow(expert, table, kv, mask, noise, reuse=None, known=None):
     """The runner's Euler loop over the eager expert (runtime/static.py)."""
     with torch.no_grad():
         return euler(lambda x, i: expert.velocity(x.to(expert.action_pos.dtype), table[i], kv, mask).float(),
-                     noise, len(table), reuse)
+                     noise, len(table), reuse, known)
+
+
+def known_prefix(noise: torch.Tensor, k: int, seed: int = 1) -> KnownActions:
+    """Random normalised values for the rows of noise [B, H, A], the first k of them known."""
+    values = torch.randn(noise.shape, generator=torch.Generator().manual_seed(seed)).to(noise.device)
+    return KnownActions(values, (torch.arange(noise.shape[1], device=noise.device) < k)[None, :, None])
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +115,23 @@ def test_fused_flow_is_deterministic_and_leaves_counters_zero(tiny):
     assert torch.equal(fused.flow(noise, inputs, kv, mask), first)  # parts are summed in a fixed order
     (buffers,) = fused._buffers.values()
     assert not buffers.counter.any() and not fused.barrier_timed_out()
+
+
+def test_inpainting_on_the_kernel_keeps_the_known_rows_exactly_and_matches_the_reference_loop(tiny):
+    """A known prefix runs the loop one flow step at a time (here each step's phases; on the GPU one
+    persistent launch per step), the known rows inpainted between the steps as euler() does: they
+    end on the known values bit for bit, and a reused step (action caching) still starts a step."""
+    expert, kv, mask, noise = tiny
+    table, reuse = mod_table(expert, 3), {2: 1}
+    fused = FusedExpert(expert, tiling=SMALL)
+    inputs = fused.schedule(table, reuse)
+    known = known_prefix(noise, 5)
+    with torch.no_grad():
+        out = fused.flow(noise, inputs, kv, mask, known)
+    assert torch.equal(out[:, :5], known.values[:, :5])
+    assert rel(out, reference_flow(expert, table, kv, mask, noise, reuse, known)) < TOL
+    with pytest.raises(ValueError, match="trace"):
+        FusedExpert(expert, tiling=Tiling(trace=True)).flow(noise, inputs, kv, mask, known)
 
 
 def test_fused_velocity_of_bf16_expert_is_within_bf16_noise(tiny):
@@ -191,6 +214,9 @@ def test_engine_with_the_fused_expert_matches_the_reference_engine():
         noise = torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(seed)).to(ref.device)
         a, b = ref.predict(obs, noise=noise).normalized, fused.predict(obs, noise=noise).normalized
         assert np.abs(a - b).max() < 1e-4
+    obs.known_actions = ref.predict(obs, noise=noise).actions[:3]     # the inpainting loop in the runner
+    a, b = ref.predict(obs, noise=noise).normalized, fused.predict(obs, noise=noise).normalized
+    assert np.abs(a - b).max() < 1e-4 and np.array_equal(a[:3], b[:3])
 
 
 # The interpreter accepts code the GPU compiler rejects: every kernel a full-size fp8 FusedExpert
@@ -232,3 +258,26 @@ def test_persistent_flow_on_gpu_replays_bit_identically_and_matches_per_phase(en
     # The same phases compiled into two kernels: a rounding apart (3e-6 measured), far inside bf16 noise.
     assert rel(first, stepwise) < 1e-4
     assert rel(first, truth) < 1.5 * rel(eager16, truth) + 1e-3
+
+
+@pytest.mark.cuda
+def test_inpainting_on_the_persistent_kernel_replays_one_graph_for_every_prefix_length():
+    """One persistent launch per flow step, the prefix inpainted between them, captured once: a
+    replay with another prefix length (a new mask in the same buffer) keeps that prefix exactly
+    and matches the per-phase launches."""
+    expert, kv, mask, noise = expert_inputs("tiny", 2, 200)
+    expert16 = copy.deepcopy(expert).to(torch.bfloat16)
+    table16, kv16 = mod_table(expert16, 10), [(k.bfloat16(), v.bfloat16()) for k, v in kv]
+    persistent, per_phase = FusedExpert(expert16), FusedExpert(expert16, tiling=Tiling(persistent=False))
+    known = known_prefix(noise, 0)
+    inputs = persistent.schedule(table16)
+    with torch.no_grad():
+        graph, out = capture(lambda: persistent.flow(noise, inputs, kv16, mask, known))
+        for k in (1, 4, 9):
+            known.known.copy_(known_prefix(noise, k).known)
+            graph.replay()
+            assert torch.equal(out[:, :k], known.values[:, :k])
+            stepwise = per_phase.flow(noise, per_phase.schedule(table16), kv16, mask, known)
+            assert rel(out, stepwise) < 1e-4
+    assert not persistent.barrier_timed_out()
+

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vla_node.model import build_model, get_preset, init_random_
-from vla_node.model.action_expert import euler, flow_times
+from vla_node.model.action_expert import KnownActions, euler, flow_times
 from vla_node.model.layers import rope_tables
 from vla_node.model.vision import AttentionPool, VisionEncoder, pooling_windows
 
@@ -171,6 +171,28 @@ def test_euler_integrates_constant_velocity_exactly():
     assert flow_times(4) == [0.0, 0.25, 0.5, 0.75]
     with pytest.raises(ValueError, match="flow steps"):
         euler(field, noise, 0)
+
+
+def test_inpainting_puts_known_rows_on_the_training_path_at_every_step_and_on_the_values_at_the_end():
+    """Real-time chunking by inpainting: before step i (t = i / steps) the known rows of the sample
+    are (1 - t) * noise + t * known, as x_t in training; after the last step they are the known
+    values exactly, and the free rows integrate as without them."""
+    g = torch.Generator().manual_seed(0)
+    noise, values, velocity = (torch.randn(1, 16, 8, generator=g) for _ in range(3))
+    mask = (torch.arange(16) < 5)[None, :, None]
+    seen = []
+
+    def field(x, i):
+        seen.append(x.clone())
+        return velocity
+
+    out = euler(field, noise, 4, reuse={3: 2}, known=KnownActions(values, mask))
+    assert len(seen) == 3        # step 3 reuses step 2's velocity
+    for x, t in zip(seen, flow_times(4)):
+        assert torch.equal(x[:, :5], (1 - t) * noise[:, :5] + t * values[:, :5])
+    assert torch.equal(out[:, :5], values[:, :5])
+    free = euler(lambda x, i: velocity, noise, 4, reuse={3: 2})
+    assert torch.equal(out[:, 5:], free[:, 5:])
 
 
 @pytest.mark.parametrize("mode", ["min_max", "quantiles", "quantile10", "mean_std"])

@@ -12,6 +12,7 @@ of the maths: `context_kv` (depends on the query only), `modulations` (depends o
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -144,19 +145,39 @@ def flow_times(steps: int) -> list[float]:
     return [i / steps for i in range(steps)]
 
 
+@dataclass
+class KnownActions:
+    """Actions of a chunk fixed before it is sampled: real-time chunking by inpainting. While a
+    chunk is inferred the robot runs what the previous chunk planned for those ticks, so the new
+    one is made to start with exactly them and continue them. values [B, H, A] normalised (the
+    rows not known: any finite value), known [B, H, 1] bool. Both are data, not shapes: one
+    compiled graph or CUDA graph serves every prefix length."""
+    values: torch.Tensor
+    known: torch.Tensor
+
+    def inpaint(self, x: torch.Tensor, noise: torch.Tensor, t: float) -> torch.Tensor:
+        """x [B, H, A] at flow time t with its known rows where the training path puts them at t:
+        x_t = (1 - t) * noise + t * action, from the same noise the loop started from (at t = 1
+        the known values exactly). Torch ops only, no gradient: it stays inside a CUDA graph."""
+        return torch.where(self.known, (1 - t) * noise + t * self.values, x)
+
+
 def euler(velocity: VelocityFn, noise: torch.Tensor, steps: int,
-          reuse: Optional[dict[int, int]] = None) -> torch.Tensor:
+          reuse: Optional[dict[int, int]] = None, known: Optional[KnownActions] = None) -> torch.Tensor:
     """Integrate dx/dt = velocity(x, step) from t=0 (noise) to t=1 with `steps` equal steps.
     `reuse` maps a step to an earlier computed step whose velocity it takes instead of calling
-    `velocity` (action caching; the runtime validates the schedule)."""
+    `velocity` (action caching; the runtime validates the schedule). `known`: rows inpainted
+    before every step and after the last, so the rest of the chunk is generated around them."""
     if steps < 1:
         raise ValueError(f"flow steps must be >= 1, got {steps}")
     dt = 1.0 / steps
     reuse = reuse or {}
     computed: dict[int, torch.Tensor] = {}
     x = noise
-    for i in range(steps):
+    for i, t in enumerate(flow_times(steps)):
+        if known is not None:
+            x = known.inpaint(x, noise, t)
         v = computed[reuse[i]] if i in reuse else velocity(x, i)
         computed[i] = v
         x = x + dt * v
-    return x
+    return x if known is None else known.inpaint(x, noise, 1.0)

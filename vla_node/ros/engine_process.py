@@ -88,6 +88,7 @@ class Predict:
     state: np.ndarray           # [state_dim] float32
     instruction: str
     stamp: float                # seconds: the newest frame's
+    known_actions: Optional[np.ndarray] = None   # [k, action_dim] float32: Observation.known_actions
 
 
 @dataclass(frozen=True)
@@ -331,8 +332,9 @@ class EngineProcess:
         self._next_id -= 1
         request_id = self._next_id
         frame_ids = list(obs.frame_ids) if obs.frame_ids is not None else None
+        known = None if obs.known_actions is None else np.asarray(obs.known_actions, np.float32)
         self.submit(Predict(request_id, list(range(len(obs.images))), frame_ids, np.asarray(obs.state, np.float32),
-                            obs.instruction, obs.stamp))
+                            obs.instruction, obs.stamp, known))
         deadline = time.monotonic() + timeout_s
         while True:
             answer = self.poll(max(0.0, deadline - time.monotonic()))
@@ -497,7 +499,7 @@ def _serve(conn, engine, frames: list) -> None:
 
 def _predict(engine, pixels: np.ndarray, p: Predict, received: float) -> Answer:
     obs = Observation(images=[pixels[s] for s in p.slots], state=p.state, instruction=p.instruction, stamp=p.stamp,
-                      frame_ids=p.frame_ids)
+                      frame_ids=p.frame_ids, known_actions=p.known_actions)
     t0 = time.perf_counter()
     try:
         chunk = engine.predict(obs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.action_expert import KnownActions
 from ..model.layers import rope_tables
 from .parts import EngineParts
 from .types import WindowLayout
@@ -48,8 +49,13 @@ class Bucket:
         self.x = torch.zeros_like(self.noise)          # adaptive action caching: the flow state,
         self.v_last = torch.zeros_like(self.noise)     # the last computed velocity,
         self.change = torch.zeros((), device=dev)      # and its relative change from the one before
+        # The query's known prefix (normalised, padded to the horizon, and its mask): what the
+        # inpainting flow loop reads, so every prefix length replays one graph.
+        self.known = KnownActions(torch.zeros_like(self.noise),
+                                  torch.zeros((1, a.horizon, 1), dtype=torch.bool, device=dev))
         self.instruction: str | None = None
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.graph_outputs: dict[str, torch.Tensor] = {}   # the output tensor of a graph that returns one
         self.prompt = prompt  # its image part (the instruction of a query is set by set_instruction)
         self.stream = None  # streaming.StreamBuffers, set by the runner under streaming_kv
         # Stage outputs; under CUDA graphs these are the graphs' own output tensors.

@@ -27,7 +27,7 @@ from ..model import (
     load_tokenizer,
     resolve_checkpoint,
 )
-from ..model.action_expert import euler, flow_times
+from ..model.action_expert import KnownActions, euler, flow_times
 from ..model.layers import rope_tables
 from .action_cache import FlowSchedule
 from .fp8 import quantize_llm_
@@ -150,10 +150,11 @@ class PolicyEngine:
         if noise is None:
             noise = self.draw_noise()
         with torch.inference_mode():
+            known = self.known_actions(obs)
             if self.static is not None:
-                normalized, timings = self.static.predict(obs, noise, layout)
+                normalized, timings = self.static.predict(obs, noise, layout, known)
             else:
-                normalized, timings = self._predict_reference(obs, noise, layout)
+                normalized, timings = self._predict_reference(obs, noise, layout, known)
         self.stats.queries += 1
         actions = self.model.denormalize_actions(normalized)
         return ActionChunk(actions=actions.cpu().numpy().astype(np.float32),
@@ -219,6 +220,13 @@ class PolicyEngine:
                              f"(max_instruction_tokens)")
         if obs.frame_ids is not None and len(obs.frame_ids) != layout.images:
             raise ValueError(f"frame_ids must name {layout.images} frames, got {len(obs.frame_ids)}")
+        if obs.known_actions is not None:
+            a, shape = self.model_cfg.action, np.shape(obs.known_actions)
+            if len(shape) != 2 or shape[1] != a.action_dim or not 1 <= shape[0] <= a.horizon:
+                raise ValueError(f"known_actions must be [k, {a.action_dim}] with 1 <= k <= {a.horizon} (the "
+                                 f"horizon), got shape {shape}")
+            if not np.all(np.isfinite(obs.known_actions)):
+                raise ValueError("known_actions has non-finite values")
 
     def dummy_observation(self, layout: Optional[WindowLayout] = None, seed: int = 0) -> Observation:
         return self.parts.dummy_observation(layout, seed)
@@ -226,8 +234,22 @@ class PolicyEngine:
     def state_tensor(self, obs: Observation) -> torch.Tensor:
         return self.parts.state_tensor(obs)
 
+    def known_actions(self, obs: Observation) -> Optional[KnownActions]:
+        """The observation's fixed first actions in the model's units, the inverse of the
+        denormalisation predict() applies to its output: values [1, H, A] padded with zeros, and
+        the mask of the rows known."""
+        if obs.known_actions is None:
+            return None
+        a = self.model_cfg.action
+        rows = torch.as_tensor(np.asarray(obs.known_actions, dtype=np.float32), device=self.device)
+        values = torch.zeros((1, a.horizon, a.action_dim), device=self.device)
+        values[0, :len(rows)] = self.model.normalize_actions(rows)
+        known = torch.arange(a.horizon, device=self.device)[None, :, None] < len(rows)
+        return KnownActions(values, known)
+
     # -- the eager reference ------------------------------------------------------------------
-    def _predict_reference(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout):
+    def _predict_reference(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout,
+                           known: Optional[KnownActions]):
         m, cfg, timer = self.model, self.model_cfg, StageTimer(self.device)
         pixels = preprocess_reference(obs.images, cfg.vision.image_size).to(self.device, self.dtype)
         timer.mark("preprocess")
@@ -247,6 +269,6 @@ class PolicyEngine:
             kv = m.expert.context_kv(hidden, state)  # recomputed every step: the uncached reference
             return m.expert.velocity(x.to(self.dtype), m.expert.modulations(t), kv).float()
 
-        normalized = euler(velocity, noise.float(), self.flow_steps, self.schedule.reuse_map)[0]
+        normalized = euler(velocity, noise.float(), self.flow_steps, self.schedule.reuse_map, known)[0]
         timer.mark("action")
         return normalized, timer.total()

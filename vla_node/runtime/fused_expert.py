@@ -18,6 +18,7 @@ output channel (opt-in: it changes the numbers; scripts/bench_expert_gpu.py repo
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
@@ -27,7 +28,7 @@ from typing import Callable, Optional
 import torch
 import triton
 
-from ..model.action_expert import LN_EPS, ActionExpert
+from ..model.action_expert import LN_EPS, ActionExpert, KnownActions, flow_times
 from ..model.layers import FusableProjection
 from .fp8 import quantize
 from .kernels.expert_flow import (
@@ -288,13 +289,42 @@ class FusedExpert:
 
     # -- calls ---------------------------------------------------------------------------------
     def flow(self, noise: torch.Tensor, inputs: FlowInputs, kv: list[tuple[torch.Tensor, torch.Tensor]],
-             ctx_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+             ctx_mask: Optional[torch.Tensor] = None, known: Optional[KnownActions] = None) -> torch.Tensor:
         """The Euler loop of ActionExpert from noise [B, H, A] (fp32) over inputs.steps steps:
         kv from ActionExpert.context_kv ([B, heads, T+1, hd] each), ctx_mask [B|1, 1, 1, T+1]
-        bool -> actions [B, H, A] fp32 (a view of scratch, valid until the next call)."""
+        bool -> actions [B, H, A] fp32 (a view of scratch, valid until the next call).
+        `known` (real-time chunking by inpainting): the loop runs one step per launch and the known
+        rows are inpainted between them with torch ops (capturable), as model.action_expert.euler
+        does; without it the loop stays one launch."""
         buf = self.prepare(noise, inputs.steps, kv)
-        self._run(buf, inputs, ctx_mask, euler=True)
-        return buf.xa.view(noise.shape)
+        if known is None:
+            self._run(buf, inputs, ctx_mask, euler=True)
+            return buf.xa.view(noise.shape)
+        if self.tiling.trace:
+            raise ValueError("Tiling(trace=True) times the loop's one launch; with known actions it runs one per step")
+        actions = buf.xa.view(noise.shape)
+        for t, launches in zip(flow_times(inputs.steps), self._step_launches(buf, inputs, ctx_mask)):
+            actions.copy_(known.inpaint(actions, noise, t))
+            for launch in launches:
+                launch()
+        actions.copy_(known.inpaint(actions, noise, 1.0))
+        return actions
+
+    def _step_launches(self, buf: Buffers, inputs: FlowInputs,
+                       ctx_mask: Optional[torch.Tensor]) -> list[list[Callable[[], None]]]:
+        """The loop's launches grouped by flow step: one persistent launch of that step each (the
+        kernel runs steps lo..hi; its barrier counts from zero per launch), or the step's phases."""
+        if self.runs_persistent(buf):
+            def step(i: int) -> None:
+                buf.barrier.zero_()
+                self._launch(buf, inputs, ctx_mask, PERSISTENT, i, i + 1, 0, True)
+            return [[functools.partial(step, i)] for i in range(inputs.steps)]
+        steps: list[list[Callable[[], None]]] = []
+        for phase, _, launch in self.phase_launches(buf, inputs, ctx_mask):
+            if phase in (PHASE_NAMES[IN], PHASE_NAMES[REUSE]):   # every step's first phase
+                steps.append([])
+            steps[-1].append(launch)
+        return steps
 
     def velocity(self, x: torch.Tensor, mods: tuple[list[torch.Tensor], torch.Tensor],
                  kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -9,12 +9,12 @@ sees the padding, and the expert's cross-attention masks it.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from ..model.action_expert import euler, flow_times
+from ..model.action_expert import KnownActions, euler, flow_times
 from .action_cache import MAX_ADAPTIVE_REUSE, FlowSchedule
 from .bucket import Bucket
 from .compile import compile_count, compile_regions
@@ -128,12 +128,12 @@ class StaticRunner:
             mods = expert.modulations(torch.full((1,), flow_times(self.steps)[i], device=e.device))
         return expert.velocity(x.to(e.dtype), mods, kv, b.ctx_mask).float()
 
-    def _action_stage(self, b: Bucket) -> None:
-        """The whole flow loop with a static schedule (one graph; one kernel when fused)."""
+    def _action_stage(self, b: Bucket, known: Optional[KnownActions]) -> torch.Tensor:
+        """The whole flow loop with a static schedule (one graph; one kernel when fused) -> actions
+        [1, H, A]. `known`: the bucket's buffers of the known prefix (b.known), or None."""
         if self.fused_expert is not None:
-            b.out = self.fused_expert.flow(b.noise, self.flow_inputs, b.kv, b.ctx_mask)
-            return
-        b.out = euler(lambda x, i: self._velocity(b, x, i), b.noise, self.steps, self.schedule.reuse_map)
+            return self.fused_expert.flow(b.noise, self.flow_inputs, b.kv, b.ctx_mask, known)
+        return euler(lambda x, i: self._velocity(b, x, i), b.noise, self.steps, self.schedule.reuse_map, known)
 
     def _flow_step_stage(self, b: Bucket, i: int) -> None:
         """One computed flow step of the adaptive schedule (one graph per step)."""
@@ -142,12 +142,14 @@ class StaticRunner:
         b.v_last.copy_(v)
         b.x.add_(v, alpha=1.0 / self.steps)
 
-    def _adaptive_action(self, b: Bucket) -> None:
+    def _adaptive_action(self, b: Bucket, known: Optional[KnownActions]) -> None:
         """Reuse the last velocity while it barely changes; the decision needs the change on the
-        host, so each computed step is its own graph."""
+        host, so each computed step is its own graph (the known prefix is inpainted between them)."""
         threshold, reused, change = self.schedule.adaptive_threshold, 0, float("inf")
         b.x.copy_(b.noise)
-        for i in range(self.steps):
+        for i, t in enumerate(flow_times(self.steps)):
+            if known is not None:
+                b.x.copy_(known.inpaint(b.x, b.noise, t))
             if i >= 2 and change < threshold and reused < MAX_ADAPTIVE_REUSE:
                 b.x.add_(b.v_last, alpha=1.0 / self.steps)
                 reused += 1
@@ -157,18 +159,25 @@ class StaticRunner:
             if i >= 1:
                 change = float(b.change)
             self.expert_calls += 1
+        if known is not None:
+            b.x.copy_(known.inpaint(b.x, b.noise, 1.0))
         b.out = b.x
 
-    def _run(self, b: Bucket, name: str, fn: Callable[[], None]) -> None:
+    def _run(self, b: Bucket, name: str, fn: Callable[[], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """Stage `name`: its graph replayed, or `fn` run; what it returns (a captured graph's
+        output tensor holds each replay's result)."""
         graph = b.graphs.get(name) or self.vision_graphs.get(name)
         with torch.profiler.record_function(name):  # stage ranges in profiler traces
             if graph is not None:
                 graph.replay()
-            else:
-                fn()
+                return b.graph_outputs.get(name)
+            return fn()
 
     # -- a query --------------------------------------------------------------------------------
-    def predict(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout):
+    def predict(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout,
+                known: Optional[KnownActions] = None):
+        """One query; `known` (PolicyEngine.known_actions) is copied into the bucket's buffers,
+        which the inpainting flow loop reads (one graph for every prefix length)."""
         e = self.engine
         b = self.bucket(layout)
         timer = StageTimer(e.device)
@@ -178,6 +187,9 @@ class StaticRunner:
         b.set_instruction(e, obs.instruction)
         b.state.copy_(e.state_tensor(obs))
         b.noise.copy_(noise)
+        if known is not None:
+            b.known.values.copy_(known.values)
+            b.known.known.copy_(known.known)
         timer.mark("preprocess")
         for start in range(0, len(to_encode), self.vision_batches[-1]):
             chunk = to_encode[start:start + self.vision_batches[-1]]
@@ -197,10 +209,12 @@ class StaticRunner:
             b.stream.last_ids = list(ids)
         self.stream_layout = layout
         timer.mark("llm")
+        bucket_known = b.known if known is not None else None
         if self.schedule.adaptive_threshold is not None:
-            self._adaptive_action(b)
+            self._adaptive_action(b, bucket_known)
         else:
-            self._run(b, "action", lambda: self._action_stage(b))
+            name = "action" if known is None else "inpaint"
+            b.out = self._run(b, name, lambda: self._action_stage(b, bucket_known))
             self.expert_calls += self.schedule.expert_calls
         timer.mark("action")
         return b.out[0].clone(), timer.total()
@@ -226,6 +240,8 @@ class StaticRunner:
                     # Not from the engine's generator: warm-up must not shift the noise stream,
                     # so engines of any mode with the same seed see the same noise per query.
                     self.predict(obs, torch.zeros_like(b.noise), layout)
+                nothing_known = KnownActions(torch.zeros_like(b.noise), torch.zeros_like(b.known.known))
+                self.predict(obs, torch.zeros_like(b.noise), layout, nothing_known)   # the inpainting loop too
                 for batch in self.vision_batches:
                     self._vision_stage(batch)
             e.progress(f"bucket {layout.images} images ({b.length} tokens): eager/compile pass "
@@ -234,11 +250,12 @@ class StaticRunner:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     for batch in self.vision_batches:
-                        if f"vision{batch}" not in self.vision_graphs:
-                            self.vision_graphs[f"vision{batch}"] = self._capture(lambda: self._vision_stage(batch))
-                    b.graphs["prefill"] = self._capture(lambda: self._prefill_stage(b))
+                        name = f"vision{batch}"
+                        if name not in self.vision_graphs:
+                            self.vision_graphs[name], _ = self._capture(lambda: self._vision_stage(batch))
+                    b.graphs["prefill"], _ = self._capture(lambda: self._prefill_stage(b))
                     if b.stream is not None:
-                        b.graphs["stream"] = self._capture(lambda: self._stream_stage(b))
+                        b.graphs["stream"], _ = self._capture(lambda: self._stream_stage(b))
                     self._capture_action(b)
                 e.progress(f"bucket {layout.images} images: captured {len(b.graphs)} CUDA graphs in "
                            f"{time.perf_counter() - t0:.1f}s")
@@ -260,15 +277,17 @@ class StaticRunner:
         return windows
 
     def _capture_action(self, b: Bucket) -> None:
-        """The flow loop's graphs for the current schedule: one for a static schedule, one per
-        step for the adaptive one."""
-        for name in [n for n in b.graphs if n == "action" or n.startswith("step")]:
+        """The flow loop's graphs for the current schedule: for a static schedule one without and
+        one with a known prefix (it reads b.known: every prefix length replays it), one per step
+        for the adaptive one."""
+        for name in [n for n in b.graphs if n in ("action", "inpaint") or n.startswith("step")]:
             del b.graphs[name]
         if self.schedule.adaptive_threshold is None:
-            b.graphs["action"] = self._capture(lambda: self._action_stage(b))
+            for name, known in (("action", None), ("inpaint", b.known)):
+                b.graphs[name], b.graph_outputs[name] = self._capture(lambda: self._action_stage(b, known))
         else:
             for i in range(self.steps):
-                b.graphs[f"step{i}"] = self._capture(lambda: self._flow_step_stage(b, i))
+                b.graphs[f"step{i}"], _ = self._capture(lambda: self._flow_step_stage(b, i))
 
     def reschedule(self, steps: int, schedule: FlowSchedule) -> None:
         """New flow steps and/or action-cache schedule: new modulation table and flow-loop graphs
@@ -282,10 +301,11 @@ class StaticRunner:
                     if "prefill" in b.graphs:  # captured buckets only
                         self._capture_action(b)
 
-    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        graph, _ = capture(fn)
+    def _capture(self, fn: Callable[[], Optional[torch.Tensor]]) -> tuple[torch.cuda.CUDAGraph,
+                                                                          Optional[torch.Tensor]]:
+        """`fn` captured (runtime/graphs.capture): the graph and the output tensor it replays into."""
         self.graph_captures += 1
-        return graph
+        return capture(fn)
 
     def recompiles(self) -> int:
         return compile_count() - self.compiled_at_ready

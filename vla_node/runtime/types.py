@@ -59,6 +59,11 @@ class Observation:
     # Ids must not repeat for different pictures: call engine.reset_stream() when the time
     # source restarts or jumps back (a replayed bag, a reset simulation; the node does this).
     frame_ids: Optional[Sequence[Hashable]] = None
+    # [k, action_dim] raw (robot units), 1 <= k <= horizon: the chunk's first k actions, fixed in
+    # advance (the inpaint hand-over: what the robot runs while this chunk is inferred). The
+    # engine normalises them and pads them to the horizon with a mask, so k is data, never a shape.
+    # None: nothing known, the chunk is sampled freely.
+    known_actions: Optional[np.ndarray] = None
 
 
 @dataclass
