@@ -20,7 +20,7 @@ def start_with(params_file, overrides) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("overrides, message", [
     ({"control_rate_hz": 5000.0}, "control_rate_hz must be within [1.0, 1000.0]"),
-    ({"handover": "bogus"}, "handover must be one of ['rtc', 'average'], got 'bogus'"),
+    ({"handover": "bogus"}, "handover must be one of ['rtc', 'average', 'inpaint'], got 'bogus'"),
     ({"control_rate_hz": 15}, "control_rate_hz must be a double, written with a decimal point (15.0, not 15)"),
     ({"camera_topics": "cameras/exo"}, "camera_topics must be a list of strings"),
 ], ids=["out of range", "unknown value", "integer for a double", "wrong type"])

@@ -181,7 +181,7 @@ def test_defaults_are_valid_and_every_parameter_has_a_descriptor():
     (dict(max_step_per_tick=[0.1] * 7), "max_step_per_tick has 7 values"),
     (dict(max_step_per_tick=[0.0] * 8), "> 0"),
     (dict(joint_upper_limits=[float("nan")] * 8), "finite"),
-    (dict(handover="blend"), "handover must be one of"),
+    (dict(handover="blend"), r"handover must be one of \['rtc', 'average', 'inpaint'\], got 'blend'"),
     (dict(state_sync="latest"), "state_sync must be one of"),
     (dict(replan_threshold=17), "exceeds the model's horizon 16"),
     (dict(camera_topics=["/a"]), "camera_topics has 1 entries"),
@@ -206,6 +206,14 @@ def test_invalid_values_are_rejected_with_a_reason(change, match):
     values.update(change)
     with pytest.raises(params.SettingsError, match=match):
         params.validate(values, horizon=16)
+
+
+@pytest.mark.parametrize("mode", ["rtc", "average", "inpaint"])
+def test_every_handover_mode_is_accepted_and_described(mode):
+    values = defaults()
+    values["handover"] = mode
+    assert params.validate(values, horizon=16).handover == mode
+    assert mode in params.SPECS["handover"].description
 
 
 @pytest.fixture

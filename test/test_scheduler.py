@@ -153,10 +153,31 @@ def test_the_rtc_freeze_is_the_largest_recent_latency():
         run_tick(c)
     assert answer(c, first, chunk(100.0, horizon=20)) == TAKEN   # latency 5 ticks: planned up to tick 21
     fast = send(c)                                           # after tick 6: action i for tick 7 + i
+    assert fast.known_actions is None                        # only inpaint sends the plan along
     run_tick(c)                                              # tick 7
     assert answer(c, fast, chunk(500.0)) == TAKEN            # latency 1, but the freeze is 5
     ran = [run_tick(c)[0] for _ in range(6)]                 # ticks 8..13
     # Ticks before 7 + freeze keep the old plan; with a freeze of 1, tick 8 would run 501.
+    assert ran == [106.0, 107.0, 108.0, 109.0, 505.0, 506.0]
+
+
+def test_inpaint_sends_the_frozen_plan_with_the_request_and_runs_its_chunk_unblended_after_it():
+    """inpaint: a request carries the planned actions for the ticks its inference may take (the
+    rtc freeze), the chunk is generated to start with them; the old plan runs those ticks, the
+    new chunk from the next one on, as it is (rtc would fade over blend_steps there)."""
+    c = scheduler(replan_threshold=100, handover="inpaint", blend_steps=4)
+    run_tick(c)
+    first = send(c)
+    assert first.known_actions is None                       # nothing planned yet
+    for _ in range(5):
+        run_tick(c)
+    assert answer(c, first, chunk(100.0, horizon=20)) == TAKEN   # latency 5 ticks: 105 runs at tick 7
+    fast = send(c)                                           # after tick 6
+    assert fast.known_actions.dtype == np.float32
+    np.testing.assert_array_equal(fast.known_actions, chunk(105.0, horizon=5))   # ticks 7..11
+    run_tick(c)                                              # tick 7
+    assert answer(c, fast, chunk(500.0)) == TAKEN            # latency 1: ticks 8..11 of the prefix are ahead
+    ran = [run_tick(c)[0] for _ in range(6)]                 # ticks 8..13
     assert ran == [106.0, 107.0, 108.0, 109.0, 505.0, 506.0]
 
 

@@ -3,6 +3,7 @@ through the node's Plan and SafetyFilter, with latency in sim time; and the comm
 its report with a random-weight engine."""
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from vla_node.runtime import ActionChunk, Observation  # noqa: E402
 from vla_node.sim import SIM_POLICY  # noqa: E402
 from vla_node.sim.aloha import CONTROL_PERIOD_NS, EPISODE_START_NS, RenderConfig, TransferCube  # noqa: E402
 from vla_node.sim.cli import DEFAULT_PARAMS, main  # noqa: E402
-from vla_node.sim.closed_loop import ClosedLoop, ControlSettings, wilson_interval  # noqa: E402
+from vla_node.sim.closed_loop import ARM_JOINTS, ClosedLoop, ControlSettings, wilson_interval  # noqa: E402
 from vla_node.sim.expert import expert_trajectory  # noqa: E402
 
 HORIZON = 16
@@ -100,6 +101,53 @@ def test_a_chunk_slower_than_the_horizon_is_dropped_and_the_arm_holds(env, setti
     np.testing.assert_allclose(sent, np.broadcast_to(sent[0], sent.shape))
 
 
+class Shifting(ExpertReplay):
+    """ExpertReplay whose n-th chunk is 0.01 * n rad off on the arm joints (which chunk a command
+    comes from shows), the first one slow (0.11 s measured: 6 ticks, the freeze of the next ten,
+    which answer at once), recording each query's known prefix."""
+
+    def reset_stream(self) -> None:
+        super().reset_stream()
+        self.known = []
+
+    def predict(self, obs: Observation) -> ActionChunk:
+        chunk = super().predict(obs)
+        n = len(self.queried_ticks)
+        chunk.actions[:, ARM_JOINTS] += 0.01 * n
+        self.known.append(obs.known_actions)
+        if n == 1:
+            time.sleep(0.11)
+        return chunk
+
+
+def test_inpaint_publishes_the_old_plan_for_the_frozen_ticks_then_the_new_chunk_as_it_is(env, settings):
+    """The inpaint hand-over in the closed loop: each query carries the old plan's actions for the
+    ticks of the freeze; those ticks command exactly them, also the ones after the chunk arrived,
+    and the next tick the new chunk's own action (no blend: the engine made it continue them)."""
+    policy = Shifting(seed=2)
+    loop = ClosedLoop(env, policy, dataclasses.replace(settings, handover="inpaint"), latency_s=None, ticks=100,
+                      stop_on_success=False)
+    result = loop.run(2)
+    sent = np.stack(env.sent)
+    assert policy.known[0] is None and result.late_chunks == 0
+    frozen_ahead = 0
+    # From the third query on (the arm caught up with the expert during the second chunk): the
+    # request after tick d (the newest frame's step s = d - 1) knows steps s + 1 ... s + k.
+    for n, (s, known, latency) in enumerate(zip(policy.queried_ticks, policy.known, result.latency_ticks), start=1):
+        if n < 3:
+            continue
+        steps = np.arange(s + 1, s + 1 + len(known))
+        old = policy.commands[steps].astype(np.float32)
+        old[:, ARM_JOINTS] += 0.01 * (n - 1)
+        np.testing.assert_array_equal(known, old)                # the old plan's actions ...
+        np.testing.assert_array_equal(sent[steps], known)       # ... are what the frozen ticks commanded
+        new = policy.commands[steps[-1] + 1].astype(np.float32)
+        new[ARM_JOINTS] += 0.01 * n
+        np.testing.assert_array_equal(sent[steps[-1] + 1], new)  # then the new chunk's
+        frozen_ahead += len(known) > latency                     # frozen ticks after the chunk was taken
+    assert frozen_ahead >= 4
+
+
 class Poisoned(ExpertReplay):
     """ExpertReplay whose third chunk is all NaN."""
 
@@ -143,6 +191,9 @@ def test_settings_come_from_the_node_params_file(settings):
     assert settings.instruction == INSTRUCTION
     with pytest.raises(ValueError, match="control_rate_hz"):
         ControlSettings.from_params_file(DEFAULT_PARAMS, control_rate_hz=30.0)
+    assert ControlSettings.from_params_file(DEFAULT_PARAMS, handover="inpaint").handover == "inpaint"
+    with pytest.raises(ValueError, match=r"handover must be one of \['rtc', 'average', 'inpaint'\], got 'blend'"):
+        ControlSettings.from_params_file(DEFAULT_PARAMS, handover="blend")
 
 
 def random_sim_checkpoint(folder):

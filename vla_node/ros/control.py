@@ -22,6 +22,10 @@ from ..runtime.windows import Wait
 from .diagnostics import FaultSource, Key
 
 LATENCY_WINDOW = 10     # recent inference latencies (in ticks) whose maximum is the rtc freeze
+# How a new chunk takes over from the plan (Plan.hand_over): rtc and inpaint keep the actions that
+# run while it is inferred; inpaint has the model generate the chunk from them (runtime
+# KnownActions), so nothing needs blending.
+HANDOVER_MODES = ("rtc", "average", "inpaint")
 # Fault sources the engine's next answer or the next observation sent clears: observations keep
 # being sent while they are active.
 RETRY_SOURCES = {FaultSource.ENGINE, FaultSource.OUTPUT, FaultSource.SYNC, FaultSource.CLOCK, FaultSource.TIMELINE}
@@ -81,6 +85,8 @@ class Plan:
         rtc: the old plan's actions for ticks before first_tick + freeze are kept (they execute
         while the chunk is computed: `freeze` is the inference latency in ticks), then the old
         plan fades out linearly over `blend_steps` ticks; the new chunk alone after that.
+        inpaint: as rtc without the fade: the chunk was generated from those kept actions (its
+        request's known prefix, `freeze` of them), so it continues them as it is.
         average: over the overlap, (1 - weight) * old + weight * new.
         """
         ticks = np.arange(max(first_tick, now_tick + 1), first_tick + len(chunk))
@@ -94,11 +100,12 @@ class Plan:
             has_old = (ticks >= old_start) & (ticks < old_start + len(old))
         if has_old.any():
             old_rows = old[ticks[has_old] - old_start]
-            if mode == "rtc":
-                since = ticks[has_old] - (first_tick + freeze)    # < 0: frozen
-                w_old = np.clip(1.0 - (since + 1) / (blend_steps + 1), 0.0, 1.0)
-            else:
+            if mode == "average":
                 w_old = np.full(len(old_rows), 1.0 - weight)
+            else:
+                since = ticks[has_old] - (first_tick + freeze)    # < 0: frozen
+                fade = blend_steps if mode == "rtc" else 0        # 0: weights 1 then 0, the rows exactly
+                w_old = np.clip(1.0 - (since + 1) / (fade + 1), 0.0, 1.0)
             new[has_old] = w_old[:, None] * old_rows + (1.0 - w_old[:, None]) * new[has_old]
         self.start = int(ticks[0])
         self.actions = new
@@ -210,6 +217,9 @@ class Request:
     late_ticks: int = 0         # ticks it was sent after it was due ...
     late_because: str = ""      # ... and why (the inputs it waited for)
     due_tick: Optional[int] = None   # a fixed latency: its answer is taken at this tick, not before
+    # inpaint: the plan's actions for ticks tick + 1 ... that run while it is inferred (robot
+    # units, as planned): its chunk is generated to start with them. None: nothing sent.
+    known_actions: Optional[np.ndarray] = None
     sent_at: float = 0.0        # time.perf_counter() once sent (telemetry)
     send_ms: float = 0.0        # node time spent choosing the window and sending it
 
@@ -250,7 +260,8 @@ class ChunkScheduler:
     One request is in flight at a time. A new block (a fault, no instruction), a reset and a
     new timeline each start a new epoch: a chunk computed before it must not resume the plan.
     The rtc freeze is the largest inference latency (in ticks) of the last LATENCY_WINDOW
-    chunks. `params` (ControlParams), `safety` and `post` may be replaced at any time.
+    chunks; in inpaint mode a request carries that many planned actions as its chunk's known
+    prefix. `params` (ControlParams), `safety` and `post` may be replaced at any time.
     """
 
     def __init__(self, params: ControlParams, safety: SafetyFilter, post: Optional[PostProcess] = None):
@@ -352,10 +363,21 @@ class ChunkScheduler:
         """The request for `window`, sent after this tick; hand it to sent() once it went out."""
         c = self.state
         late = c.tick - c.due_since if c.due_since is not None else 0
-        request = Request(self._next_id, c.tick, c.epoch, window, late, c.wait.reason if late and c.wait else "")
+        request = Request(self._next_id, c.tick, c.epoch, window, late, c.wait.reason if late and c.wait else "",
+                          known_actions=self._known_prefix())
         self._next_id += 1
         c.wait = c.due_since = None
         return request
+
+    def _known_prefix(self) -> Optional[np.ndarray]:
+        """inpaint: the planned actions [k, joints] for the ticks after this one that will run
+        while the chunk asked for now is inferred, k being the rtc freeze (the largest recent
+        latency in ticks) or fewer where the plan ends; None in other modes or with nothing planned."""
+        c = self.state
+        upcoming = c.plan.upcoming(c.tick)
+        if self.params.handover != "inpaint" or upcoming is None or not c.latency_ticks:
+            return None
+        return upcoming[:max(c.latency_ticks)].astype(np.float32)
 
     def sent(self, request: Request, fixed_latency_ticks: Optional[int] = None) -> None:
         """`request` went out. With `fixed_latency_ticks`, its answer is taken at tick
@@ -406,6 +428,9 @@ class ChunkScheduler:
         if not np.all(np.isfinite(actions)):
             return NON_FINITE
         c.latency_ticks.append(c.tick - request.tick)
-        taken = c.plan.hand_over(self.post.chunk(actions), request.tick + 1, c.tick, p.handover,
-                                 max(c.latency_ticks), p.blend_steps, p.average_weight)
+        freeze = max(c.latency_ticks)
+        if p.handover == "inpaint":   # the chunk continues what was sent with its request
+            freeze = 0 if request.known_actions is None else len(request.known_actions)
+        taken = c.plan.hand_over(self.post.chunk(actions), request.tick + 1, c.tick, p.handover, freeze,
+                                 p.blend_steps, p.average_weight)
         return TAKEN if taken else LATE

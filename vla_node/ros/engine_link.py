@@ -76,11 +76,13 @@ class EngineLink:
         self.process.close()
 
     # -- requests and answers -------------------------------------------------------------------
-    def submit(self, request_id: int, window: Window, instruction: str) -> bool:
-        """Send one observation; False if the worker could not be reached (it is lost then)."""
+    def submit(self, request_id: int, window: Window, instruction: str,
+               known_actions: Optional[np.ndarray]) -> bool:
+        """Send one observation (with the actions its chunk must start with, if any); False if the
+        worker could not be reached (it is lost then)."""
         try:
             self.process.submit(Predict(request_id, window.slots, window.frame_ids, window.state.astype(np.float32),
-                                        instruction, window.stamp_ns / 1e9))
+                                        instruction, window.stamp_ns / 1e9, known_actions))
         except OSError as e:
             self.lose(f"engine process unreachable: {e}")
             return False

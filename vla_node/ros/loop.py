@@ -28,7 +28,9 @@ from .engine_process import Answer, Chunk
 class EnginePort(Protocol):
     serving: bool     # a worker is there to answer
 
-    def submit(self, request_id: int, window: Any, instruction: str) -> bool: ...
+    # known_actions: the request's (control.Request.known_actions): its chunk's first actions
+    def submit(self, request_id: int, window: Any, instruction: str,
+               known_actions: Optional[np.ndarray]) -> bool: ...
     def poll(self) -> Optional[Answer]: ...                       # never blocks
     def wait(self, request_id: int) -> Optional[Answer]: ...      # the answer a fixed latency makes due now
     def latency_ticks(self, request: Request) -> Optional[int]: ...   # fixed latency of a request sent; None: none
@@ -175,7 +177,7 @@ class ControlLoop:
             control.waiting(window)
             return
         request = control.request(window)
-        if not self.engine.submit(request.id, window, s.instruction.strip()):
+        if not self.engine.submit(request.id, window, s.instruction.strip(), request.known_actions):
             return
         request.sent_at = time.perf_counter()
         request.send_ms = (request.sent_at - t0) * 1e3

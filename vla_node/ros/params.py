@@ -23,12 +23,11 @@ from ..model.config import FRANKA_HIGH, FRANKA_LOW, PRESETS
 from ..runtime.action_cache import FlowSchedule
 from ..runtime.types import MODES, EngineConfig, WindowLayout
 from ..runtime.windows import MAX_CAMERA_RATE_HZ, PANDA_JOINTS, STATE_SLOP_S, SYNC_SLOP_S
-from .control import latency_ticks
+from .control import HANDOVER_MODES, latency_ticks
 
 # Per 20 ms tick: ~2.5 rad/s for the arm joints, the full gripper range in 0.1 s.
 PANDA_MAX_STEP = [0.05] * 7 + [0.2]
 
-HANDOVER_MODES = ("rtc", "average")
 POSTPROCESS_MODES = ("checkpoint", "none")
 STATE_SYNC_MODES = ("frame", "newest")
 
@@ -149,7 +148,8 @@ SPECS: dict[str, Spec] = {
     "max_joint_delta_scale": Spec(1.0, "postprocess=checkpoint: factor on the checkpoint's largest move per joint and "
                                        "tick from the measured joints", range=(0.01, 100.0)),
     "handover": Spec("rtc", "chunk hand-over: rtc (keep the actions that run during the inference latency, "
-                            "blend the rest) or average (weighted average over the overlap)"),
+                            "blend the rest), average (weighted average over the overlap) or inpaint (keep "
+                            "them, and the model generates the new chunk from them: no blend)"),
     "blend_steps": Spec(4, "rtc: steps after the frozen ones over which the old plan fades out",
                         range=(0, 1024)),
     "average_weight": Spec(0.5, "average: weight of the new chunk over the overlap", range=(0.0, 1.0)),

@@ -25,7 +25,16 @@ from typing import Optional, Sequence
 import numpy as np
 import yaml
 
-from ..ros.control import LATE, NON_FINITE, TAKEN, ChunkScheduler, Request, SafetyFilter, latency_ticks
+from ..ros.control import (
+    HANDOVER_MODES,
+    LATE,
+    NON_FINITE,
+    TAKEN,
+    ChunkScheduler,
+    Request,
+    SafetyFilter,
+    latency_ticks,
+)
 from ..ros.diagnostics import Faults, Key, NodeTelemetry
 from ..ros.engine_process import Chunk
 from ..ros.loop import QUIET, ControlLoop, Tick
@@ -82,8 +91,8 @@ class ControlSettings:
             raise ValueError(f"control_rate_hz is {self.control_rate_hz:g}; the simulator steps at {rate:g} Hz")
         if tuple(self.joint_names) != JOINT_NAMES:
             raise ValueError(f"joint_names must be the simulator's {list(JOINT_NAMES)}")
-        if self.handover not in ("rtc", "average"):
-            raise ValueError(f"handover must be rtc or average, got {self.handover!r}")
+        if self.handover not in HANDOVER_MODES:
+            raise ValueError(f"handover must be one of {list(HANDOVER_MODES)}, got {self.handover!r}")
 
     @property
     def layout(self) -> WindowLayout:
@@ -133,9 +142,11 @@ class LatencyModel:
         self._answer: Optional[Chunk] = None
         self._wall_s = 0.0
 
-    def submit(self, request_id: int, window: Picked, instruction: str) -> bool:
+    def submit(self, request_id: int, window: Picked, instruction: str,
+               known_actions: Optional[np.ndarray]) -> bool:
         obs = Observation(images=[f.item for _, f in window.frames], state=window.state.astype(np.float32),
-                          instruction=instruction, stamp=window.reference.stamp_ns / 1e9, frame_ids=window.frame_ids)
+                          instruction=instruction, stamp=window.reference.stamp_ns / 1e9, frame_ids=window.frame_ids,
+                          known_actions=known_actions)
         t0 = time.perf_counter()
         chunk = self.policy.predict(obs)
         self._wall_s = time.perf_counter() - t0
@@ -214,6 +225,7 @@ class ClosedLoop:
                              f"{settings.camera_names}")
         if (env.render_config.height, env.render_config.width) != (settings.camera_height, settings.camera_width):
             raise ValueError("the simulator's image size differs from camera_height x camera_width")
+        settings.check()
         self.env, self.policy, self.settings = env, policy, settings
         self.latency_s = latency_s
         self.ticks, self.camera_every, self.stop_on_success = ticks, camera_every, stop_on_success
