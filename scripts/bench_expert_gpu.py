@@ -203,6 +203,39 @@ class Bench:
             print(f"phases failed:\n{traceback.format_exc()}", flush=True)
         self.save()
 
+    def tilings(self, ctx: dict):
+        """The persistent loop under each Tiling of --tilings at each batch of --tiling-entries
+        (with --warm-jobs, every tiling is first compiled in processes of its own, in parallel:
+        a configuration of the persistent kernel takes ~15 s to compile)."""
+        specs = [tiling_spec(s) for s in self.args.tilings.split(",") if s]
+        if self.args.warm_jobs and not self.args.warm_only:
+            self.warm_tilings()
+        for entries in (int(b) for b in self.args.tiling_entries.split(",")):
+            batch = self.context(ctx["tokens"], entries)
+            for name, fields in specs:
+                fused = FusedExpert(self.expert, tiling=Tiling(**fields))
+                if self.args.warm_only:
+                    fused.flow(batch["noise"], fused.schedule(batch["mods"]), batch["kv"], batch["mask"])
+                else:
+                    self.fused_loop(f"tiling {name}", fused, batch, needs_s=20)
+
+    def warm_tilings(self):
+        """Compile each tiling of --tilings in a process of its own, --warm-jobs at a time (the
+        kernels land in Triton's on-disk cache, where this process finds them)."""
+        import subprocess
+        import sys
+        specs = [s for s in self.args.tilings.split(",") if s]
+        common = [sys.executable, __file__, "--parts", "tilings", "--warm-only", "--out", self.args.out,
+                  "--contexts", self.args.contexts.split(",")[0], "--tiling-entries", self.args.tiling_entries]
+        running = []
+        for spec in specs:
+            running.append(subprocess.Popen(common + ["--tilings", spec]))
+            while len(running) >= self.args.warm_jobs:
+                running.pop(0).wait()
+        for p in running:
+            p.wait()
+        print(f"  tilings compiled ({time.perf_counter() - self.t0:.0f} s)", flush=True)
+
     def anatomy(self, ctx: dict, variants: tuple[str, ...] = ("hoisted", "after the wait")):
         """Where the persistent loop's time goes, from its own timestamps (Tiling(trace=True)):
         per phase, the span from the last arrival at the barrier before it to the last arrival
@@ -282,6 +315,10 @@ class Bench:
                     "fused persistent fp8": FusedExpert(e, fp8=True),
                     "fused per-phase": FusedExpert(e, tiling=Tiling(persistent=False))}
         parts = self.args.parts.split(",")
+        if "tilings" in parts:
+            self.tilings(contexts[0])
+            if self.args.warm_only:
+                return
         # Most telling first; the budget cuts from the end.
         for k, ctx in enumerate(contexts):
             if "loops" in parts:
@@ -348,6 +385,16 @@ class Bench:
               f"weights; vs bf16: against the eager bf16 loop; full results: {self.out_path}")
 
 
+def tiling_spec(spec: str) -> tuple[str, dict]:
+    """'name:field=value+field=value' (Tiling's fields) -> (name, {field: value})."""
+    name, _, fields = spec.partition(":")
+    parsed = {}
+    for item in filter(None, fields.split("+")):
+        key, _, value = item.partition("=")
+        parsed[key] = value == "True" if value in ("True", "False") else int(value)
+    return name, parsed
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="891,1738", help="context tokens (LLM sequence) per query")
@@ -357,8 +404,13 @@ def main():
     ap.add_argument("--parts", default="loops,anatomy,phases,batch,compiled",
                     help="what to measure: loops (every variant), anatomy (the persistent loop's own timestamps per "
                          "phase), phases (each kernel alone, the barrier), batch (B = 1-8), compiled (the engine's "
-                         "compiled blocks)")
+                         "compiled blocks), tilings (the persistent loop under each of --tilings)")
     ap.add_argument("--preset", default="molmobot-4b", help="model preset (tiny: a CPU dry run of the script)")
+    ap.add_argument("--tilings", default="default:,warps4:num_warps=4,ks8:key_splits=8",
+                    help="the tilings part: name:field=value+field=value (Tiling's fields), comma-separated")
+    ap.add_argument("--tiling-entries", default="1,4", help="the tilings part: batch sizes")
+    ap.add_argument("--warm-jobs", type=int, default=0, help="the tilings part: compile first in this many processes")
+    ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # a warm_tilings process
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with torch.inference_mode():
