@@ -132,6 +132,9 @@ def test_handover_and_blending_change_at_run_time(node):
         assert h.get_parameter(name) == value
     since = time.monotonic()
     h.wait_until(lambda: len(h.messages("trajectory", since)) >= 3, 60, "chunks with the average hand-over")
+    assert h.set_parameter("handover", "inpaint").successful   # requests now carry the frozen actions
+    since = time.monotonic()
+    h.wait_until(lambda: len(h.messages("trajectory", since)) >= 3, 60, "chunks with the inpaint hand-over")
     assert h.set_parameter("handover", "rtc").successful
 
 
