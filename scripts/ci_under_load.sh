@@ -10,21 +10,10 @@ runs=${1:-2} loops=${2:-3}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 dir=${CI_LOAD_DIR:-/tmp/ci_under_load}
 mkdir -p "$dir"
-busy=()
-end_load() {
-    for pid in "${busy[@]}"; do
-        kill "$pid" 2>/dev/null
-    done
-    busy=()
-}
-trap end_load EXIT
-trap 'exit 130' INT TERM
+. "$repo/scripts/busy_loops.sh"
 status=0
 for run in $(seq "$runs"); do
-    for _ in $(seq "$loops"); do
-        python3 -c 'while True: pass' &
-        busy+=($!)
-    done
+    start_load "$loops"
     clone="$dir/clone"
     rm -rf "$clone" && git clone -q "$repo" "$clone"
     start=$SECONDS

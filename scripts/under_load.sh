@@ -19,18 +19,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export ROS_LOG_DIR=${ROS_LOG_DIR:-$PWD/out/ros_log}
 
-busy=()
-end_load() {
-    for pid in "${busy[@]}"; do
-        kill "$pid" 2>/dev/null
-    done
-}
-trap end_load EXIT
-trap 'exit 130' INT TERM
-for _ in $(seq "$loops"); do
-    python3 -c 'while True: pass' &
-    busy+=($!)
-done
+. scripts/busy_loops.sh
+start_load "$loops"
 
 failed=0
 for run in $(seq "$repeats"); do
