@@ -609,6 +609,15 @@ def _sync(NEXT: tl.constexpr, jn, segment, pid, Bar, Err, Trace, target, Wqkv, W
 
 
 @triton.jit
+def _program_rows(M, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program, the programs, every row (elementwise work) and one entry's rows (b * TOKENS +
+    qi: the tiles of every dot, whatever the batch), each with its mask."""
+    rows = tl.arange(0, BLOCK_M)
+    qi = tl.arange(0, BLOCK_H)
+    return tl.program_id(0), tl.num_programs(0), rows, rows < M, qi, qi < TOKENS
+
+
+@triton.jit
 def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
                 Win, Bin, Pos, Wout, Bout, Mods, FMods, KV, Mask, msb,
                 X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter, Bar, Err, Trace,
@@ -626,12 +635,7 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
     (fp32, updated in place when EULER; Vel [steps, M, A] gets each computed step's velocity;
     Reuse [steps]: int32, -1 or the step whose velocity a step takes, read on the device).
     phase_kernel takes the same arguments and runs one phase."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    rows = tl.arange(0, BLOCK_M)  # every row (elementwise work)
-    row_ok = rows < M
-    qi = tl.arange(0, BLOCK_H)    # one entry's rows (b * TOKENS + qi): the tiles of every dot, whatever the batch
-    tok_ok = qi < TOKENS
+    pid, nprog, rows, row_ok, qi, tok_ok = _program_rows(M, TOKENS, BLOCK_M, BLOCK_H)
     if TRACE:
         tl.store(Trace + pid * SEGMENTS * 2, _clock_ns(pid))
     seg = 0  # segments ended = grid barriers passed
@@ -699,12 +703,7 @@ def phase_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wc
                 HOIST: tl.constexpr, SPIN_LIMIT: tl.constexpr, TRACE: tl.constexpr, SEGMENTS: tl.constexpr):
     """Phase PHASE of flow step step_lo (and block `block`) as its own launch: flow_kernel's work
     between two of its grid barriers (the host's loop puts the launch boundary there)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    rows = tl.arange(0, BLOCK_M)  # every row (elementwise work)
-    row_ok = rows < M
-    qi = tl.arange(0, BLOCK_H)    # one entry's rows (b * TOKENS + qi): the tiles of every dot, whatever the batch
-    tok_ok = qi < TOKENS
+    pid, nprog, rows, row_ok, qi, tok_ok = _program_rows(M, TOKENS, BLOCK_M, BLOCK_H)
     if PHASE == IN:
         _in_phase(XA, Win, Bin, Pos, X, Stats, pid, nprog, qi, tok_ok, ENTRIES, W, A, TOKENS, XT, NT, BLOCK_M,
                   BLOCK_A, DOT, PREC)
