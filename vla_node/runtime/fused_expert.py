@@ -18,7 +18,6 @@ output channel (opt-in: it changes the numbers; scripts/bench_expert_gpu.py repo
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import weakref
@@ -303,28 +302,11 @@ class FusedExpert:
         if self.tiling.trace:
             raise ValueError("Tiling(trace=True) times the loop's one launch; with known actions it runs one per step")
         actions = buf.xa.view(noise.shape)
-        for t, launches in zip(flow_times(inputs.steps), self._step_launches(buf, inputs, ctx_mask)):
+        for i, t in enumerate(flow_times(inputs.steps)):
             actions.copy_(known.inpaint(actions, noise, t))
-            for launch in launches:
-                launch()
+            self._run(buf, inputs, ctx_mask, euler=True, steps=range(i, i + 1))
         actions.copy_(known.inpaint(actions, noise, 1.0))
         return actions
-
-    def _step_launches(self, buf: Buffers, inputs: FlowInputs,
-                       ctx_mask: Optional[torch.Tensor]) -> list[list[Callable[[], None]]]:
-        """The loop's launches grouped by flow step: one persistent launch of that step each (the
-        kernel runs steps lo..hi; its barrier counts from zero per launch), or the step's phases."""
-        if self.runs_persistent(buf):
-            def step(i: int) -> None:
-                buf.barrier.zero_()
-                self._launch(buf, inputs, ctx_mask, PERSISTENT, i, i + 1, 0, True)
-            return [[functools.partial(step, i)] for i in range(inputs.steps)]
-        steps: list[list[Callable[[], None]]] = []
-        for phase, _, launch in self.phase_launches(buf, inputs, ctx_mask):
-            if phase in (PHASE_NAMES[IN], PHASE_NAMES[REUSE]):   # every step's first phase
-                steps.append([])
-            steps[-1].append(launch)
-        return steps
 
     def velocity(self, x: torch.Tensor, mods: tuple[list[torch.Tensor], torch.Tensor],
                  kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -342,16 +324,20 @@ class FusedExpert:
         buf.xa.copy_(x.reshape(buf.xa.shape))
         return buf
 
-    def _run(self, buf: Buffers, inputs: FlowInputs, ctx_mask: Optional[torch.Tensor], euler: bool) -> None:
+    def _run(self, buf: Buffers, inputs: FlowInputs, ctx_mask: Optional[torch.Tensor], euler: bool,
+             steps: Optional[range] = None) -> None:
+        """Flow steps `steps` (default: all) in one persistent launch (its barrier counts from zero
+        per launch), or one launch per phase."""
+        steps = steps or range(inputs.steps)
         if self.runs_persistent(buf):
             buf.barrier.zero_()
             if self.tiling.trace:
                 shape = (buf.plan["programs"], self.segments(inputs), 2)
                 if buf.trace is None or buf.trace.shape != shape:
                     buf.trace = torch.zeros(shape, dtype=torch.int64, device=buf.x.device)
-            self._launch(buf, inputs, ctx_mask, PERSISTENT, 0, inputs.steps, 0, euler)
+            self._launch(buf, inputs, ctx_mask, PERSISTENT, steps.start, steps.stop, 0, euler)
             return
-        for _, _, launch in self.phase_launches(buf, inputs, ctx_mask, euler):
+        for _, _, launch in self.phase_launches(buf, inputs, ctx_mask, euler, steps):
             launch()
 
     def segments(self, inputs: FlowInputs) -> int:
@@ -359,16 +345,18 @@ class FusedExpert:
         return sum(1 if r >= 0 else 2 + len(BLOCK_PHASES) * self.depth for r in inputs.reuse_host)
 
     def phase_launches(self, buf: Buffers, inputs: FlowInputs, ctx_mask: Optional[torch.Tensor],
-                       euler: bool = True) -> list[tuple[str, int, Callable[[], None]]]:
-        """The loop as one launch per phase, in order, each named (phase, block): what the
-        persistent kernel runs between its barriers (the benchmark times each phase alone)."""
+                       euler: bool = True,
+                       steps: Optional[range] = None) -> list[tuple[str, int, Callable[[], None]]]:
+        """Flow steps `steps` (default: all) as one launch per phase, in order, each named (phase,
+        block): what the persistent kernel runs between its barriers (the benchmark times each
+        phase alone)."""
         calls = []
 
         def add(phase, step: int, block: int = 0) -> None:
             calls.append((PHASE_NAMES[phase], block,
                           lambda: self._launch(buf, inputs, ctx_mask, phase, step, step + 1, block, euler)))
 
-        for i in range(inputs.steps):
+        for i in steps or range(inputs.steps):
             if inputs.reuse_host[i] >= 0:
                 add(REUSE, i)
                 continue
