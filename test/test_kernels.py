@@ -66,3 +66,39 @@ def test_engine_with_triton_attention_matches_sdpa():
     a = plain.predict(obs, noise=noise).normalized
     b = kernel.predict(obs, noise=noise).normalized
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < (1e-5 if DEVICE == "cpu" else 1e-2)
+
+
+def _pattern(image: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(image.numel(), device=image.device)
+    return (pos[None, :] <= pos[:, None]) | (image[:, None] & image[None, :])
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run is CI's")),
+    pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_split_pattern_matches_the_dense_mask(device):
+    """The prefill's pattern as two causal calls merged by log-sum-exp gives the dense-mask result
+    (grouped heads, image runs with text between them, rows held in reserve), also after the image
+    tokens change in place (a refresh into the same tensors, as captured graphs need), and
+    refuses more image tokens than its capacity."""
+    from vla_node.runtime.kernels.prefill_attention import SplitPattern
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 70, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
+    image = torch.zeros(70, dtype=torch.bool, device=device)
+    image[3:21] = image[25:43] = True
+    split = SplitPattern(image, capacity=int(image.sum()) + 6)
+    order = split.order
+    for typed in (None, 60, 61):  # special tokens typed into the instruction
+        if typed is not None:
+            image[typed] = True
+            split.refresh(image)
+        assert split.order is order  # rewritten in place
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=_pattern(image),
+                                             enable_gqa=True)
+        out = split.attend(q, k, v).float()
+        assert float((out - ref).norm() / ref.norm()) < (1e-6 if device == "cpu" else 1e-2), typed
+    image[50:60] = True
+    with pytest.raises(ValueError, match="image tokens, the bucket holds"):
+        split.refresh(image)

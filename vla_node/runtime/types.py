@@ -98,14 +98,14 @@ RUNTIME_OPTIONS = ("action_cache",)
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "flex_attention",
-                     "cuda_graphs", "triton_attention", "fused_expert", "vision_cache")
+                     "split_attention", "cuda_graphs", "triton_attention", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
     "static": ("static_shapes",),
     "ctxkv": ("ctx_kv_once",),
     "fused": ("fused", "gpu_preprocess"),
-    "compile": ("compile", "flex_attention"),
+    "compile": ("compile", "flex_attention", "split_attention"),
     "graphs": ("cuda_graphs",),
     "triton": ("triton_attention",),
     "fast": ("fused_expert", "vision_cache"),
@@ -113,7 +113,8 @@ _LADDER = {
 MODES: dict[str, tuple[str, ...]] = {}
 for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
-GPU_FEATURES = ("flex_attention", "cuda_graphs", "triton_attention", "fused_expert")  # rungs a CPU engine skips
+# Rungs a CPU engine skips.
+GPU_FEATURES = ("flex_attention", "split_attention", "cuda_graphs", "triton_attention", "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -148,6 +149,9 @@ class EngineConfig:
     compile: bool = False
     cuda_graphs: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
+    # The full prefill's pattern as two maskless causal calls merged by log-sum-exp instead
+    # (runtime/kernels/prefill_attention.SplitPattern); streaming steps keep flex.
+    split_attention: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     fused_expert: bool = False            # the whole flow loop in one persistent Triton kernel (runtime/fused_expert)
     vision_cache: bool = False
@@ -179,6 +183,8 @@ class EngineConfig:
                              f"{_modes_with('static_shapes')}")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
+        if self.split_attention and not self.flex_attention:
+            raise ValueError("split_attention needs flex_attention (streaming steps run the pattern through flex)")
         cams = {l.cameras for l in self.layouts}
         if len(cams) > 1:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")

@@ -1,0 +1,245 @@
+"""The LLM prefill's attention under the official pattern (causal, plus image tokens seeing each
+other both ways), one layer's call side by side in every way we can run it (issue 22, item 4):
+the DROID and 8-image prompts of molmobot-4b (32 query heads, 8 key/value heads, head_dim 128),
+random bf16 q/k/v, each way captured 10 calls to a CUDA graph and timed per call (median of
+replays), its error against the fp32 dense-mask reference beside it, and the FLOP floor of the
+pairs the pattern makes visible (790 TFLOP/s).
+
+    PYTHONPATH=$PWD python3 scripts/bench_prefill_attention.py [--layouts droid,8img] [--json F]
+
+Ways: causal flash SDPA (the wrong pattern: the speed of the plain causal kernel), SDPA with the
+dense boolean mask (default backend; cuDNN forced), flex attention compiled with the runtime's
+block mask (default kernel options and a few tile choices), and `split`: the pattern as two
+maskless causal calls merged by their log-sum-exps (runtime/kernels/prefill_attention.py), eager
+and compiled. The layer part times a whole decoder layer (compiled) with some of the ways and with
+none, and its four linears alone. Without CUDA it is a dry run on the CPU at a small size.
+"""
+import argparse
+import dataclasses
+import json
+import statistics
+import traceback
+
+import torch
+import torch._dynamo.config as dynamo_config
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
+
+from vla_node.model import get_preset
+from vla_node.model.layers import rope_tables
+from vla_node.model.llm import DecoderLayer
+from vla_node.model.sequence import PromptBuilder
+from vla_node.model.tokenizer import load_tokenizer
+from vla_node.model.weights import TINY_TOKENIZER
+from vla_node.runtime import LAYOUTS, EngineConfig
+from vla_node.runtime.fusion import fuse_projections
+from vla_node.runtime.kernels.prefill_attention import SplitPattern, block_mask, causal_attend_lse, flex_attend
+
+dynamo_config.cache_size_limit = dynamo_config.recompile_limit = 256  # every way recompiles flex
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+PEAK = 790e12  # bf16 FLOP/s, the H200's measured matmul rate
+
+
+def image_tokens(layout_name: str) -> tuple[torch.Tensor, int]:
+    """The bucket's image-token flags (prompt + instruction budget) of molmobot-4b at the layout,
+    and where the instruction starts."""
+    layout = LAYOUTS[layout_name]
+    cfg = get_preset("molmobot-4b")
+    cfg = dataclasses.replace(cfg, prompt=dataclasses.replace(cfg.prompt, max_images=max(cfg.prompt.max_images,
+                                                                                          layout.images)))
+    prompt = PromptBuilder(load_tokenizer(TINY_TOKENIZER), cfg).build(len(layout.cameras), layout.frames, "x")
+    length = prompt.instruction_start + EngineConfig().max_instruction_tokens
+    img = torch.zeros(length, dtype=torch.bool)
+    img[:prompt.instruction_start] = torch.tensor(prompt.image_token[:prompt.instruction_start])
+    return img, prompt.instruction_start
+
+
+def dense_mask(img: torch.Tensor) -> torch.Tensor:
+    t = img.numel()
+    pos = torch.arange(t, device=img.device)
+    return (pos[None, :] <= pos[:, None]) | (img[:, None] & img[None, :])
+
+
+def timed(fn, calls: int = 10, replays: int = 20) -> float:
+    """us per call: `calls` calls captured in one CUDA graph, median of `replays` replays."""
+    if not CUDA:
+        fn()
+        return float("nan")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / calls)
+    return statistics.median(times)
+
+
+def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
+    """name -> attend(q, k, v) for the pattern of `img`."""
+    bm = block_mask(img, 0, img.numel(), img.numel())
+    split = SplitPattern(img, capacity)
+    flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    out = {
+        "sdpa causal (not the pattern)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                        enable_gqa=True),
+        "sdpa dense mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+        "flex (runtime)": lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True),
+        "split (2 causal calls + merge)": split.attend,
+    }
+    if CUDA:
+        def cudnn(q, k, v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out["sdpa dense mask, cuDNN"] = cudnn
+        out["split, compiled"] = torch.compile(split.attend, fullgraph=True, dynamic=False)
+        out["cuDNN causal + lse (not the pattern)"] = lambda q, k, v: causal_attend_lse(q, k, v)[0]
+        for name, opts in {"flex 128x64 w8 s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                           "flex 128x128 w8 s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+                           "flex 64x64 w4 s3": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+                           "flex 128x64 w8 s3 tma": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3,
+                                                         USE_TMA=True)}.items():
+            out[name] = (lambda o: lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True,
+                                                        kernel_options=o))(opts)
+    return out
+
+
+def gemms(t: int) -> dict:
+    """us per call of the layer's four linears at M = t and at M rounded up to 128 rows."""
+    cfg = get_preset("molmobot-4b").llm
+    qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+    shapes = {"qkv": (qkv, cfg.dim), "o": (cfg.dim, cfg.heads * cfg.head_dim), "gate_up": (2 * cfg.mlp, cfg.dim),
+              "down": (cfg.dim, cfg.mlp)}
+    out = {}
+    for m in sorted({t, -(-t // 128) * 128}):
+        for name, (n, k) in shapes.items():
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
+            us = timed(lambda: F.linear(x, w))
+            out[f"{name} M={m}"] = {"us": us, "tflops": 2 * m * n * k / us / 1e6}
+    return out
+
+
+def layer_times(img: torch.Tensor, capacity: int) -> dict:
+    """us per call of one molmobot-4b decoder layer (fused projections, compiled as the runtime
+    compiles it) with each attention way, and with none (attention's output = q: the rest)."""
+    cfg = get_preset("molmobot-4b").llm
+    layer = DecoderLayer(cfg).to(DEVICE, torch.bfloat16)
+    fuse_projections(layer)
+    t = img.numel()
+    x = torch.randn(1, t, cfg.dim, device=DEVICE, dtype=torch.bfloat16)
+    cos, sin = rope_tables(cfg.head_dim, torch.arange(t, device=DEVICE), cfg.rope_theta)
+    bm = block_mask(img, 0, t, t)
+    tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    ways = {"flex (runtime)": (flex_attend, bm),
+            "flex 64x64 w4 s3": (lambda q, k, v, m: flex_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                                   block_mask=m, enable_gqa=True,
+                                                                   kernel_options=tiles), bm),
+            "split": (flex_attend, SplitPattern(img, capacity)),
+            "no attention (the rest)": (lambda q, k, v, m: q, None)}
+    out = {}
+    with torch.inference_mode():
+        for name, (attend, mask) in ways.items():
+            try:
+                layer.attn.attend = attend
+                layer._compiled_call_impl = None
+                layer.compile(fullgraph=True, dynamic=False)
+                out[name] = {"us": timed(lambda: layer(x, cos, sin, mask))}
+            except Exception as exc:
+                traceback.print_exc()
+                out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+            print("layer", t, name, out[name], flush=True)
+        if CUDA:  # the flex layer's kernels, one call under the profiler
+            layer.attn.attend = flex_attend
+            layer._compiled_call_impl = None
+            layer.compile(fullgraph=True, dynamic=False)
+            layer(x, cos, sin, bm)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    layer(x, cos, sin, bm)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layouts", default="droid,8img")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--parts", default="attention,layer", help="attention (the ways alone), layer (a whole "
+                    "decoder layer with some ways, and its linears alone)")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    cfg = get_preset("molmobot-4b").llm
+    heads, kv_heads, hd = (cfg.heads, cfg.kv_heads, cfg.head_dim) if CUDA else (4, 2, 16)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    results, rows = {}, []
+    for name in args.layouts.split(","):
+        img, instruction_start = image_tokens(name)
+        # The bucket's capacity: the prompt's image tokens and every instruction token.
+        capacity = int(img.sum()) + img.numel() - instruction_start
+        if not CUDA:
+            img = img[:96] | (torch.arange(96) % 40 > 30)  # a small pattern of the same kind
+            capacity = int(img.sum()) + 8
+        t = img.numel()
+        img = img.to(DEVICE)
+        mask = dense_mask(img)
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        q = torch.randn(1, heads, t, hd, device=DEVICE, generator=g).to(dtype)
+        k = torch.randn(1, kv_heads, t, hd, device=DEVICE, generator=g).to(dtype)
+        v = torch.randn(1, kv_heads, t, hd, device=DEVICE, generator=g).to(dtype)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        pairs = int(mask.sum())
+        floor_us = 4 * pairs * hd * heads / PEAK * 1e6
+        results[name] = {"tokens": t, "image_tokens": int(img.sum()), "visible_pairs": pairs, "floor_us": floor_us,
+                         "ways": {}}
+        for way, fn in (ways(img, mask, capacity).items() if "attention" in parts else ()):
+            try:
+                out = fn(q, k, v)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                us = timed(lambda: fn(q, k, v))
+                entry = {"us": us, "rel_err": err, "x_floor": us / floor_us}
+            except Exception as exc:  # a way this torch cannot run: say why, go on
+                traceback.print_exc()
+                entry = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+            results[name]["ways"][way] = entry
+            rows.append((name, t, way, entry))
+            print(name, way, entry, flush=True)
+        if "layer" in parts and CUDA:
+            results[name]["layer"] = layer_times(img, capacity)
+            results[name]["gemms"] = gemms(t)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"\n{'layout':7} {'tokens':>6} {'way':28} {'us/call':>9} {'x floor':>8} {'rel err':>9}")
+    for name, t, way, e in rows:
+        if "error" in e:
+            print(f"{name:7} {t:6d} {way:28} {e['error']}")
+        else:
+            print(f"{name:7} {t:6d} {way:28} {e['us']:9.1f} {e['x_floor']:8.2f} {e['rel_err']:9.2e}")
+    for name, r in results.items():
+        for key in ("layer", "gemms"):
+            for what, e in r.get(key, {}).items():
+                print(f"{name:7} {key:6} {what:32} " + (e["error"] if "error" in e else
+                      f"{e['us']:9.1f} us" + (f"  {e['tflops']:5.0f} TFLOP/s" if "tflops" in e else "")))
+        print(f"{name}: floor {r['floor_us']:.1f} us/layer ({r['visible_pairs']} visible pairs, "
+              f"{r['image_tokens']} image tokens of {r['tokens']}); x36 layers = floor "
+              f"{36 * r['floor_us'] / 1000:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
