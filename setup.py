@@ -29,6 +29,7 @@ setup(
         "console_scripts": [
             # One name per tool, the same for pip (on PATH) and colcon (`ros2 run vla_node vla-node`).
             "vla-node = vla_node.ros.main:main",
+            "vla-engine-server = vla_node.ros.engine_server:main",
             "vla-bench = vla_node.tools.bench:main",
             "vla-replay = vla_node.tools.replay:main",
             "vla-demo = vla_node.tools.demo:main",

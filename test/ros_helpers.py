@@ -56,6 +56,35 @@ def ros_env() -> dict:
     return dict(os.environ)
 
 
+class EngineServer:
+    """`vla-engine-server --socket PATH` with its output collected."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.log = open(f"{path}.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "vla_node.ros.engine_server", "--socket", path],
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.output()
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            assert time.monotonic() < deadline, f"no {text!r} in the server's output:\n{self.output()}"
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        return self.proc.wait(20)
+
+
 class NodeProcess:
     """`vla-node --ros-args --params-file config/tiny.yaml -p name:=value ...` with its output
     collected line by line. Each node gets its own namespace (unless one is given), so a test

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.ros.engine_process import EngineError, EngineProcess, WorkerOptions
+from vla_node.ros.engine_process import EngineError, EngineProcess
+from vla_node.ros.engine_protocol import WorkerOptions
 from vla_node.runtime import EngineConfig, Observation, PolicyEngine
 from vla_node.runtime.types import Policy
 

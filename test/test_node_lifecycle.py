@@ -19,7 +19,7 @@ from ros_helpers import (
     stamp_ns,
 )
 from vla_node.ros.diagnostics import Key
-from vla_node.ros.engine_process import LOADING, STARTING, WARMING_UP, WARMUP_GATE_ENV
+from vla_node.ros.engine_protocol import LOADING, STARTING, WARMING_UP, WARMUP_GATE_ENV
 from vla_node.ros.node import SUBSCRIBING
 from vla_node.tools.node_process import dds_shm_of, dead_dds_shm
 

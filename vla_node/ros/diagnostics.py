@@ -191,9 +191,10 @@ class Key:
     FAULTS = "faults"                   # "source: reason; ..." or "none"
     HOLDS_BY_CAUSE = "holds_by_cause"   # "source=count, ..." or "none": how often each fault began
     CONFIGURE_ERROR = "configure_error"
-    CONFIGURE_STAGE = "configure_stage"   # while configuring: engine_process.STARTING, LOADING, ...
+    CONFIGURE_STAGE = "configure_stage"   # while configuring: engine_protocol.STARTING, LOADING, ...
     ENGINE = "engine"
     ENGINE_PID = "engine_pid"
+    ENGINE_SERVER = "engine_server"     # the socket of the shared engine server the node attached to
     HORIZON = "horizon"
     ENGINE_RESTART = "engine_restart"   # while one is under way: "attempt n"
     CONTROL_RATE_HZ = "control_rate_hz"
@@ -218,6 +219,7 @@ class Key:
     COMMAND_PERIOD = "command_period"   # between control ticks (the node's clock)
     COMMAND_JITTER = "command_jitter"   # |period - control period|; not on simulated time
     ENGINE_PREDICT = "engine_predict"   # engine.predict() wall time in the engine process
+    ENGINE_QUEUE = "engine_queue"       # waiting in the engine's process behind other nodes' queries
     ROUND_TRIP = "round_trip"           # request sent -> chunk taken
     NODE_OVERHEAD = "node_overhead"     # the sum of OVERHEAD_PARTS
     TRAJECTORY_PUBLISH = "trajectory_publish"
@@ -285,6 +287,7 @@ class NodeTelemetry:
         self.loop = Rolling(STATS_WINDOW)          # control tick start times (time.perf_counter(), s)
         self.stage_ms = {s: Rolling(TIMING_WINDOW) for s in STAGES}
         self.predict_ms = Rolling(TIMING_WINDOW)
+        self.queue_ms = Rolling(TIMING_WINDOW)
         self.round_trip_ms = Rolling(TIMING_WINDOW)
         self.overhead_ms = Rolling(TIMING_WINDOW)
         self.overhead_parts_ms = {part: Rolling(TIMING_WINDOW) for part in OVERHEAD_PARTS}
@@ -297,18 +300,19 @@ class NodeTelemetry:
         self.loop.add(started)
 
     def chunk(self, request, result, arrived: float) -> None:
-        """Timings of an answered request (control.Request) whose chunk (engine_process.Result)
+        """Timings of an answered request (control.Request) whose chunk (engine_protocol.Chunk)
         the control loop has taken or dropped as late; `arrived`: when the loop had it (read from
         the pipe, after any wait a fixed latency makes)."""
         for stage in STAGES:
             if stage in result.timings:
                 self.stage_ms[stage].add(result.timings[stage])
         self.predict_ms.add(result.predict_ms)
+        self.queue_ms.add(result.queued_ms)
         self.round_trip_ms.add((arrived - request.sent_at) * 1e3)
         # Not the wait for the next tick, which is scheduling, not work; the trajectory message
         # is built after and timed apart.
         parts = dict(send=request.send_ms, to_worker=(result.received_at - request.sent_at) * 1e3,
-                     worker=(result.sent_at - result.received_at) * 1e3 - result.predict_ms,
+                     worker=(result.sent_at - result.received_at) * 1e3 - result.predict_ms - result.queued_ms,
                      take=(time.perf_counter() - arrived) * 1e3)
         for part, ms in parts.items():
             self.overhead_parts_ms[part].add(ms)
@@ -321,6 +325,7 @@ class NodeTelemetry:
         for stage in STAGES:
             values += percentile_pairs(Key.engine_stage(stage), self.stage_ms[stage])
         values += percentile_pairs(Key.ENGINE_PREDICT, self.predict_ms)
+        values += percentile_pairs(Key.ENGINE_QUEUE, self.queue_ms)
         values += percentile_pairs(Key.ROUND_TRIP, self.round_trip_ms)
         values += percentile_pairs(Key.NODE_OVERHEAD, self.overhead_ms)
         for part, rolling in self.overhead_parts_ms.items():

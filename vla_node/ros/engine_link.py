@@ -2,7 +2,7 @@
 observations and taking answers, the run-time engine options (Reconfigure: the engine's answer is
 the configuration the node mirrors), and the loss of its worker
 with the restart that engine_restart_s asks for. The process itself, and what crosses its
-boundary, is engine_process.py (no ROS there: the worker imports it).
+boundary, are engine_process.py and engine_protocol.py (no ROS there: the worker imports them).
 """
 from __future__ import annotations
 
@@ -19,17 +19,8 @@ from . import params
 from .context import NodeContext
 from .control import PostProcess
 from .diagnostics import FaultSource, Key
-from .engine_process import (
-    Answer,
-    EngineError,
-    EngineInfo,
-    EngineProcess,
-    Failed,
-    Predict,
-    Reconfigured,
-    Rejected,
-    WorkerOptions,
-)
+from .engine_process import EngineError, EngineInfo, EngineProcess
+from .engine_protocol import Answer, Failed, Predict, Reconfigured, Rejected, WorkerOptions
 from .frames import Window
 
 RESTART_POLL_S = 0.1    # how often a restarting engine is checked (on the executor, never blocking)
@@ -47,7 +38,8 @@ class EngineLink:
     def __init__(self, ctx: NodeContext, on_lost: Callable[[], None], on_restarted: Callable[[], None]):
         s = ctx.settings
         self._ctx, self._telemetry, self._on_lost, self._on_restarted = ctx, ctx.telemetry, on_lost, on_restarted
-        self.process = EngineProcess(s.engine, WorkerOptions(s.engine_mode, s.engine_threads, s.engine_nice))
+        self.process = EngineProcess(s.engine, WorkerOptions(s.engine_mode, s.engine_threads, s.engine_nice),
+                                     server=s.engine_server)
         self.info: Optional[EngineInfo] = None    # the last worker's; kept while it is lost
         self._restart_timer = None
         self._reconfiguring = 0                  # Reconfigure messages not answered yet
@@ -231,7 +223,7 @@ class EngineLink:
 
     def pairs(self) -> list[tuple[str, object]]:
         """/diagnostics values: the engine, its process, a restart under way."""
-        values = []
+        values = [(Key.ENGINE_SERVER, self.process.server)] if self.process.server else []
         if self.info is not None:
             values += [(Key.ENGINE, self.info.description),
                        (Key.ENGINE_PID, self.info.pid if self.serving else "none (lost)"),

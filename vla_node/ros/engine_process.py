@@ -4,36 +4,55 @@ Why a process: torch's Python-level work holds the GIL for milliseconds at a tim
 delays a control timer in the same process by 2-4 ms (p99) on a 2-core machine; a separate,
 niced process leaves the node's interpreter to the control loop (BENCHMARKS.md, "ROS node").
 
+A node can instead attach to a shared engine server (engine_server.py, `vla-engine-server`): the
+same messages cross its Unix socket, after an Attach that carries the node's configuration, and
+the server serves every attached node from one engine. EngineProcess is the node's side of both.
+
 Frames travel through shared memory (an anonymous memfd both processes map): the node writes
 each camera frame into a slot once and the engine reads it in place. The buffer is made after the
 engine is ready, because its size follows the checkpoint's history offset (EngineInfo). The worker
 is built from the node's frozen EngineConfig (validated when the parameters were); what crosses
-the pipe are the small frozen dataclasses below (Predict -> Chunk | Rejected | Failed,
-Reconfigure -> Reconfigured, ...), matched by type on both sides; an error crosses it with its
-traceback. Only one request is in flight at a time, so nothing
-queues.
+the pipe are the messages of engine_protocol.py, and the worker runs engine_server's serving loop
+with one session. Only one request is in flight at a time, so nothing queues.
 The worker exits when its pipe closes or its parent dies, and cleanup joins it, so closing the
 engine really frees its memory (device memory included). Ending it is bounded (stop_worker): a
 serving worker is asked to end and given STOP_GRACE_S, a worker still loading is killed at once.
 """
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import mmap
 import multiprocessing as mp
 import os
-import signal
 import time
-import traceback
 from dataclasses import dataclass
 from multiprocessing import reduction
-from typing import Callable, Optional, Union
+from multiprocessing.connection import Client
+from typing import Callable, Optional
 
 import numpy as np
 
 from ..runtime.images import check_frames
 from ..runtime.types import ActionChunk, EngineConfig, Observation
+from .engine_protocol import (
+    STARTING,
+    Answer,
+    Attach,
+    Chunk,
+    Close,
+    Failed,
+    FrameBuffer,
+    Predict,
+    Progress,
+    Ready,
+    Reconfigure,
+    Reconfigured,
+    Rejected,
+    ResetStream,
+    Stage,
+    StartFailed,
+    WorkerOptions,
+)
+from .engine_server import worker_main
 
 # A serving worker asked to end finishes the prediction under way and exits: 0.5-0.6 s for the
 # tiny model on the idle 2-core VM, most of it torch's teardown. One that takes longer (a niced
@@ -43,13 +62,6 @@ STOP_GRACE_S = 2.0
 KILLED_EXIT_S = 5.0   # a killed process is gone within milliseconds; this only bounds the wait
 READY_POLL_S = 0.5    # start(): how often the wait for "ready" looks up (waiting() runs between)
 
-# The stages of an engine's start, as /diagnostics reports them during configure.
-STARTING = "starting the engine process"
-LOADING = "loading weights"
-WARMING_UP = "warming up (compiling and capturing, as engine_mode asks)"
-# Tests: a worker whose environment names a file here waits for the file to exist before warming up,
-# so that a test can look at the node while it configures for as long as it needs.
-WARMUP_GATE_ENV = "VLA_NODE_TEST_WARMUP_GATE"
 
 
 class EngineError(RuntimeError):
@@ -71,128 +83,17 @@ class EngineInfo:
     history_offset_s: float    # between consecutive frame times of a window, from the checkpoint
     robot: dict                # the checkpoint's RobotConfig: its deployment's action post-processing
 
-
-# -- what crosses the boundary: frozen dataclasses, matched by type on both sides -------------------
-# Node -> worker.
-@dataclass(frozen=True)
-class FrameBuffer:
-    """The shared frames (their file descriptor follows on the pipe): uint8 `shape`."""
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Predict:
-    request_id: int
-    slots: list[int]            # the window's frames in the shared buffer, in slot order
-    frame_ids: Optional[list]   # (camera, stamp_ns) per slot: the engine's frame identity; None: all new
-    state: np.ndarray           # [state_dim] float32
-    instruction: str
-    stamp: float                # seconds: the newest frame's
-    known_actions: Optional[np.ndarray] = None   # [k, action_dim] float32: Observation.known_actions
-
-
-@dataclass(frozen=True)
-class ResetStream:
-    """A new timeline: the engine forgets what it carries between queries."""
-
-
-@dataclass(frozen=True)
-class Reconfigure:
-    """Change run-time options (runtime.types.RUNTIME_OPTIONS) between predictions."""
-    changes: dict
-
-
-@dataclass(frozen=True)
-class Close:
-    """End the worker once the prediction under way is done."""
-
-
-# Worker -> node.
-@dataclass(frozen=True)
-class Progress:
-    message: str
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str                   # STARTING, LOADING, WARMING_UP
-
-
-@dataclass(frozen=True)
-class StartFailed:
-    reason: str                 # one line: for /diagnostics and configure's answer
-    trace: str                  # the worker's traceback: the node logs it once
-
-
-@dataclass(frozen=True)
-class Ready:
-    horizon: int
-    action_dim: int
-    state_dim: int
-    description: str
-    history_offset_s: float
-    robot: dict
-    config: EngineConfig        # what the engine runs: the node mirrors this, not its own copy
-
-
-@dataclass(frozen=True)
-class Chunk:
-    request_id: int
-    actions: np.ndarray         # [horizon, action_dim] float32
-    normalized: np.ndarray      # [horizon, action_dim] the model's output in [-1, 1]
-    timings: dict
-    received_at: float = 0.0    # time.perf_counter() in the worker: request received ...
-    predict_ms: float = 0.0     # ... engine.predict() wall time
-    sent_at: float = 0.0        # ... result sent
-    memory: Optional[tuple] = None   # (allocated, reserved) device bytes; None on the CPU
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """The engine's verdict on the observation (its ValueError): nothing ran."""
-    request_id: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The engine raised while predicting."""
-    request_id: int
-    reason: str
-    trace: str
-
-
-@dataclass(frozen=True)
-class Reconfigured:
-    """The answer to Reconfigure: the configuration in effect now (unchanged after an error)."""
-    config: EngineConfig
-    error: str = ""
-    trace: str = ""
-
-
-Answer = Union[Chunk, Rejected, Failed, Reconfigured]   # what poll() returns
-
-
-def _reason(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """How the engine's process runs, beside what it runs (EngineConfig)."""
-    mode: str           # the engine_mode the config was built from (for its description)
-    threads: int        # torch CPU threads; 0: torch's default
-    nice: int           # niceness added to the process
-
-
 class EngineProcess:
     """The engine's worker process, from configure to cleanup: across the loss of a worker (it
-    died or cannot be reached) and its replacement by another one, which maps the same frames."""
+    died or cannot be reached) and its replacement by another one, which maps the same frames.
+    With `server` (a socket path) the worker is a session of that engine server: started is
+    attached, ended is detached, and a lost server is attached to again."""
 
-    def __init__(self, config: EngineConfig, worker: WorkerOptions):
+    def __init__(self, config: EngineConfig, worker: WorkerOptions, server: str = ""):
         # What a worker is built from; its action_cache is the schedule the engine accepted last.
         self.config = config
         self.worker = worker
+        self.server = server
         self.frames: Optional[mmap.mmap] = None
         # Kept open until close(): a worker started again after a crash maps the same frames, so
         # the node's frame ring lives on across an engine restart.
@@ -223,14 +124,22 @@ class EngineProcess:
         return info
 
     def spawn(self, timeout_s: float) -> None:
-        """Start a worker without waiting for it: check_ready() says when it is warm."""
-        ctx = mp.get_context("spawn")   # never fork a process that runs DDS threads
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_worker_main, args=(child, self.config, self.worker),
-                                    name="vla_node_engine", daemon=True)
-        self._process.start()
+        """Start a worker (or attach to the server) without waiting for it: check_ready() says when
+        it is warm."""
+        if self.server:
+            try:
+                self._conn = Client(self.server, family="AF_UNIX")
+            except OSError as e:
+                raise EngineError(f"no engine server at {self.server} ({e.strerror or e})") from None
+            self._conn.send(Attach(self.config, self.worker))
+        else:
+            ctx = mp.get_context("spawn")   # never fork a process that runs DDS threads
+            self._conn, child = ctx.Pipe()
+            self._process = ctx.Process(target=worker_main, args=(child, self.config, self.worker),
+                                        name="vla_node_engine", daemon=True)
+            self._process.start()
+            child.close()
         self._warm = False
-        child.close()
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
 
@@ -239,7 +148,8 @@ class EngineProcess:
         """Without blocking: the engine's description once it is loaded and warm, None while it
         is starting (its progress messages go to `progress`, the stages it enters to `stage`).
         Raises EngineError when the worker failed, exited or missed the start timeout."""
-        alive = self._process.is_alive()   # before reading: a worker that reports, then exits, is heard
+        # Before reading: a worker that reports, then exits, is heard (a server's end is the socket's).
+        alive = self._process is None or self._process.is_alive()
         while self._conn.poll():
             match self._receive():
                 case Progress(message=message):
@@ -251,7 +161,7 @@ class EngineProcess:
                 case Ready() as ready:
                     self._warm = True
                     self.config = ready.config
-                    self.info = EngineInfo(self._process.pid, ready.horizon, ready.action_dim, ready.state_dim,
+                    self.info = EngineInfo(ready.pid, ready.horizon, ready.action_dim, ready.state_dim,
                                            ready.description, ready.history_offset_s, ready.robot)
                     return self.info
         if not alive:
@@ -277,12 +187,14 @@ class EngineProcess:
     def send_frames(self) -> None:
         """Give the worker the frame buffer: after share_frames(), and to a worker started again."""
         self._conn.send(FrameBuffer(self._frames_shape))
-        reduction.send_handle(self._conn, self._frames_fd, self._process.pid)
+        reduction.send_handle(self._conn, self._frames_fd, self.info.pid)
 
     def _receive(self):
         try:
             return self._conn.recv()
         except (EOFError, OSError):
+            if self._process is None:
+                raise EngineError(f"engine server {self.server} closed the connection") from None
             self._process.join(1.0)
             raise EngineError(f"engine process exited (code {self._process.exitcode})") from None
 
@@ -364,7 +276,7 @@ class EngineProcess:
         """Replace a lost worker without blocking (call it periodically): respawn it when due, poll
         it until warm, hand it the frames. Its description once it serves, None until then;
         EngineError when this attempt failed (the next one starts retry_s later)."""
-        if self._process is None:
+        if self._conn is None:
             if time.monotonic() < self.restart_due:
                 return None
             progress(f"restarting the engine (attempt {self.restart_attempt})")
@@ -386,7 +298,12 @@ class EngineProcess:
         """End the worker within STOP_GRACE_S + KILLED_EXIT_S; the shared frames stay for the next one.
         A serving worker is asked to end (it finishes the prediction under way) and killed if it
         has not after STOP_GRACE_S; one still loading or warming up reads no message before it is
-        warm, so it is killed at once."""
+        warm, so it is killed at once. A server's session is only ended (Close, then the socket)."""
+        if self._process is None and self._conn is not None and self._warm:
+            try:
+                self._conn.send(Close())
+            except OSError:
+                pass
         if self._process is not None:
             if self._process.is_alive() and self._warm:
                 try:
@@ -414,103 +331,3 @@ class EngineProcess:
             self.frames.close()
             self.frames = None
 
-
-# -- the worker process -------------------------------------------------------------------------
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the node process dies, even mid-prediction."""
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass   # not Linux: the closed pipe still ends the worker after its current prediction
-
-
-def _worker_main(conn, config: EngineConfig, worker: WorkerOptions) -> None:
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the node decides
-    if worker.nice:
-        os.nice(worker.nice)
-    try:
-        engine = _load_engine(conn, config, worker)
-    except Exception as e:   # every start-up failure becomes the configure transition's reason
-        conn.send(StartFailed(_reason(e), traceback.format_exc()))
-        return
-    frames: list[mmap.mmap] = []   # the shared frames, once FrameBuffer came
-    try:
-        _serve(conn, engine, frames)
-    finally:
-        engine.close()
-        for buffer in frames:
-            try:
-                buffer.close()
-            except BufferError:   # a view of it is still alive (an exception's frame): exiting frees it
-                pass
-
-
-def _load_engine(conn, config: EngineConfig, worker: WorkerOptions):
-    import torch
-
-    if worker.threads:
-        torch.set_num_threads(worker.threads)
-    from ..runtime import PolicyEngine
-
-    conn.send(Stage(LOADING))
-    engine = PolicyEngine(config, progress=lambda message: conn.send(Progress(message)))
-    conn.send(Stage(WARMING_UP))
-    if gate := os.environ.get(WARMUP_GATE_ENV):
-        while not os.path.exists(gate):
-            time.sleep(0.05)
-    engine.warmup()
-    a = engine.model_cfg.action
-    conn.send(Ready(horizon=a.horizon, action_dim=a.action_dim, state_dim=a.state_dim,
-                    description=f"{engine.model_cfg.name} {worker.mode} on {engine.device}",
-                    history_offset_s=engine.history_offset_s, robot=dataclasses.asdict(engine.model_cfg.robot),
-                    config=engine.config))
-    return engine
-
-
-def _serve(conn, engine, frames: list) -> None:
-    pixels = None
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return   # the node is gone
-        received = time.perf_counter()
-        match message:
-            case Close():
-                return
-            case FrameBuffer(shape=shape):   # its file descriptor follows
-                fd = reduction.recv_handle(conn)
-                frames.append(mmap.mmap(fd, 0))
-                os.close(fd)
-                pixels = np.ndarray(shape, dtype=np.uint8, buffer=frames[-1])
-            case ResetStream():
-                engine.reset_stream()
-            case Reconfigure(changes=changes):
-                try:
-                    conn.send(Reconfigured(engine.reconfigure(changes)))
-                except Exception as e:
-                    conn.send(Reconfigured(engine.config, _reason(e), traceback.format_exc()))
-            case Predict() as request:
-                conn.send(_predict(engine, pixels, request, received))
-
-
-def _predict(engine, pixels: np.ndarray, p: Predict, received: float) -> Answer:
-    obs = Observation(images=[pixels[s] for s in p.slots], state=p.state, instruction=p.instruction, stamp=p.stamp,
-                      frame_ids=p.frame_ids, known_actions=p.known_actions)
-    t0 = time.perf_counter()
-    try:
-        chunk = engine.predict(obs)
-    except ValueError as e:   # the engine's verdict on the inputs
-        return Rejected(p.request_id, str(e))
-    except Exception as e:
-        return Failed(p.request_id, _reason(e), traceback.format_exc())
-    predict_ms = (time.perf_counter() - t0) * 1e3
-    memory = None
-    if engine.device.type == "cuda":
-        import torch
-        memory = (torch.cuda.memory_allocated(engine.device), torch.cuda.memory_reserved(engine.device))
-    return Chunk(p.request_id, chunk.actions, chunk.normalized, chunk.timings, received_at=received,
-                 predict_ms=predict_ms, sent_at=time.perf_counter(), memory=memory)

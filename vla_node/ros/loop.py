@@ -22,7 +22,7 @@ import numpy as np
 from ..runtime.windows import Wait
 from .control import LATE, NON_FINITE, STALE, ChunkScheduler, Request, blocking_cause, may_send
 from .diagnostics import Faults, FaultSource, Key, NodeTelemetry, duration_in_words
-from .engine_process import Answer, Chunk
+from .engine_protocol import Answer, Chunk
 
 
 class EnginePort(Protocol):

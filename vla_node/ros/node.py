@@ -45,7 +45,8 @@ from .inputs import Inputs
 from .loop import ControlLoop, clock_jumped_back
 from .outputs import DiagnosticsPublisher, Outputs, node_status
 
-SUBSCRIBING = "subscribing to the inputs"    # configure's last stage, after the engine's (engine_process.STARTING, ...)
+# configure's last stage, after the engine's (engine_protocol.STARTING, ...)
+SUBSCRIBING = "subscribing to the inputs"
 
 NO_CHECKPOINT = ("no checkpoint: set checkpoint to a MolmoBot checkpoint folder (an official one with config.yaml "
                  "+ model.pt is converted on first use, or convert it with `vla-convert OFFICIAL_DIR OUT_DIR "

@@ -101,6 +101,8 @@ SPECS: dict[str, Spec] = {
     "engine_restart_s": Spec(0.0, "when the engine process dies: hold, wait this long, start a new one and resume "
                                   "once it is warm (retried at this period); 0: off, cleanup + configure restart it",
                              range=(0.0, 3600.0)),
+    "engine_server": Spec("", "socket path of a shared engine server (vla-engine-server) this node attaches to "
+                              "instead of starting its own engine process; empty: its own", read_only=True),
     "streaming_kv": Spec(False, "opt-in: reuse surviving frames' LLM keys/values when the window slides by one "
                                 "frame time (changes the actions; needs engine_mode fast)", read_only=True),
     "fp8": Spec("off", "opt-in: e4m3 LLM linears, off | rowwise | tensorwise (changes the actions; CUDA)",
@@ -196,6 +198,7 @@ class Settings:
     engine_nice: int
     engine_start_timeout_s: float
     engine_restart_s: float
+    engine_server: str
     camera_names: tuple
     camera_topics: tuple
     camera_height: int

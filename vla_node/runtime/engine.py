@@ -140,7 +140,9 @@ class PolicyEngine:
         return self.stats
 
     def predict(self, obs: Observation, noise: Optional[torch.Tensor] = None,
-                layout: Optional[WindowLayout] = None) -> ActionChunk:
+                layout: Optional[WindowLayout] = None, generator: Optional[torch.Generator] = None) -> ActionChunk:
+        """The chunk for `obs`; without `noise`, the flow starts from noise drawn from `generator`
+        (default: the engine's own stream), after the observation passed its checks."""
         layout = layout or self.layout
         if layout not in self.config.layouts:
             raise ValueError(f"layout {layout} is not one of the engine's layouts (EngineConfig.layout / "
@@ -148,7 +150,7 @@ class PolicyEngine:
         layout = self.query_layout(obs, layout)
         self.check_observation(obs, layout)
         if noise is None:
-            noise = self.draw_noise()
+            noise = self.draw_noise(generator)
         with torch.inference_mode():
             known = self.known_actions(obs)
             if self.static is not None:
@@ -189,9 +191,9 @@ class PolicyEngine:
         expert's e4m3 copies are what the flow loop reads, its bf16 weights stay for the context)."""
         return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
-    def draw_noise(self) -> torch.Tensor:
+    def draw_noise(self, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         a = self.model_cfg.action
-        return torch.randn((1, a.horizon, a.action_dim), generator=self.generator, device=self.device)
+        return torch.randn((1, a.horizon, a.action_dim), generator=generator or self.generator, device=self.device)
 
     def reset_stream(self) -> None:
         """Forget everything carried between calls (a new episode or robot)."""

@@ -36,7 +36,7 @@ from ..ros.control import (
     latency_ticks,
 )
 from ..ros.diagnostics import Faults, Key, NodeTelemetry
-from ..ros.engine_process import Chunk
+from ..ros.engine_protocol import Chunk
 from ..ros.loop import QUIET, ControlLoop, Tick
 from ..runtime.timeline import InputTimeline, Picked
 from ..runtime.types import Observation, Policy, WindowLayout, history_offset

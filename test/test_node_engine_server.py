@@ -1,0 +1,75 @@
+"""Two robots, one engine: two namespaced nodes attached to one vla-engine-server (engine_server)
+are both commanded from its one engine; one node killed mid-run leaves the other commanding; the
+server killed makes the survivor hold and say why, and with engine_restart_s it attaches to a new
+server by itself and resumes."""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from ros_helpers import HOME, EngineServer, Harness, NodeProcess, Robot, stamp_ns
+from vla_node.ros.diagnostics import Key
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def chunks_after(h: Harness, since: float, count: int = 3) -> None:
+    h.wait_until(lambda: len(h.messages("trajectory", since)) >= count, 60, f"{count} chunks from {h.target}")
+
+
+def commands_after(h: Harness, report: dict, count: int) -> np.ndarray:
+    """The first `count` commands the node stamped after `report`."""
+    def after():
+        commands = [m.position for m in h.messages("joint_command") if stamp_ns(m.header.stamp) > report["_stamp_ns"]]
+        return commands if len(commands) >= count else None
+    return np.array(h.wait_until(after, 60, f"{count} commands after the report")[:count])
+
+
+def test_two_nodes_share_one_engine_server_and_survive_each_others_faults(tmp_path):
+    path = str(tmp_path / "engine.sock")
+    server = EngineServer(path)
+    params = {"autostart": True, "engine_server": path, "engine_restart_s": 0.5, "publish_joint_command": True}
+    nodes = [NodeProcess(params, namespace=ns) for ns in ("/robot1", "/robot2")]
+    harnesses = []
+    try:
+        for node, offset in zip(nodes, (0.0, 0.1)):
+            h = Harness(node)
+            harnesses.append(h)
+            Robot(h).joints = HOME + offset
+        for h in harnesses:
+            d = h.wait_diagnostics(lambda d: d["_message"] == "running", 60, f"{h.target} to run", since=0)
+            assert d[Key.ENGINE_PID] == str(server.proc.pid) and d[Key.ENGINE_SERVER] == path   # one engine
+        since = time.monotonic()
+        for h in harnesses:
+            chunks_after(h, since)
+            d = h.wait_diagnostics(lambda d: Key.ms(Key.ENGINE_QUEUE, "p50") in d, 30, "queue times", since=since)
+            assert d[Key.FAULTS] == "none" and float(d[Key.ms(Key.ENGINE_QUEUE, "max")]) >= 0.0
+        server.wait_for("session 1 attached (2 now)")
+
+        # One robot's node dies mid-run: the other keeps being served.
+        nodes[0].proc.send_signal(signal.SIGKILL)
+        nodes[0].proc.wait(10)
+        server.wait_for("ended (1 left)")
+        survivor = harnesses[1]
+        chunks_after(survivor, time.monotonic())
+
+        # The server dies: the survivor holds, says why, and attaches again to a new server.
+        start = time.monotonic()
+        os.kill(server.proc.pid, signal.SIGKILL)
+        lost = survivor.wait_diagnostics(lambda d: "engine server" in d["_message"], 60, "the loss", since=start)
+        assert f"engine lost: engine server {path} closed the connection" in lost["_message"]
+        assert lost["_level"] == 2
+        held = commands_after(survivor, lost, 5)
+        assert (held == held[0]).all()
+        os.unlink(path)   # the killed server's socket: a new server replaces a stale one anyway
+        server = EngineServer(path)
+        nodes[1].wait_for_line("engine restarted: tiny eager on cpu", 120)
+        chunks_after(survivor, time.monotonic())
+    finally:
+        for h in harnesses:
+            h.close()
+        nodes[0].proc.kill()
+        nodes[1].stop_cleanly()
+        server.stop()
