@@ -219,7 +219,9 @@ class Key:
     COMMAND_PERIOD = "command_period"   # between control ticks (the node's clock)
     COMMAND_JITTER = "command_jitter"   # |period - control period|; not on simulated time
     ENGINE_PREDICT = "engine_predict"   # engine.predict() wall time in the engine process
-    ENGINE_QUEUE = "engine_queue"       # waiting in the engine's process behind other nodes' queries
+    # From the node's send to the engine starting the query: the transfer and, on a shared engine
+    # server, the wait behind other nodes' queries (which node_overhead's to_worker then holds too).
+    ENGINE_QUEUE = "engine_queue"
     ROUND_TRIP = "round_trip"           # request sent -> chunk taken
     NODE_OVERHEAD = "node_overhead"     # the sum of OVERHEAD_PARTS
     TRAJECTORY_PUBLISH = "trajectory_publish"
@@ -312,7 +314,7 @@ class NodeTelemetry:
         # Not the wait for the next tick, which is scheduling, not work; the trajectory message
         # is built after and timed apart.
         parts = dict(send=request.send_ms, to_worker=(result.received_at - request.sent_at) * 1e3,
-                     worker=(result.sent_at - result.received_at) * 1e3 - result.predict_ms - result.queued_ms,
+                     worker=(result.sent_at - result.received_at) * 1e3 - result.predict_ms,
                      take=(time.perf_counter() - arrived) * 1e3)
         for part, ms in parts.items():
             self.overhead_parts_ms[part].add(ms)

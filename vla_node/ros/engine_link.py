@@ -74,7 +74,7 @@ class EngineLink:
         worker could not be reached (it is lost then)."""
         try:
             self.process.submit(Predict(request_id, window.slots, window.frame_ids, window.state.astype(np.float32),
-                                        instruction, window.stamp_ns / 1e9, known_actions))
+                                        instruction, window.stamp_ns / 1e9, known_actions, time.perf_counter()))
         except OSError as e:
             self.lose(f"engine process unreachable: {e}")
             return False

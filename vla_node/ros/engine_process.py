@@ -246,7 +246,7 @@ class EngineProcess:
         frame_ids = list(obs.frame_ids) if obs.frame_ids is not None else None
         known = None if obs.known_actions is None else np.asarray(obs.known_actions, np.float32)
         self.submit(Predict(request_id, list(range(len(obs.images))), frame_ids, np.asarray(obs.state, np.float32),
-                            obs.instruction, obs.stamp, known))
+                            obs.instruction, obs.stamp, known, time.perf_counter()))
         deadline = time.monotonic() + timeout_s
         while True:
             answer = self.poll(max(0.0, deadline - time.monotonic()))

@@ -44,6 +44,7 @@ class Predict:
     instruction: str
     stamp: float                # seconds: the newest frame's
     known_actions: Optional[np.ndarray] = None   # [k, action_dim] float32: Observation.known_actions
+    sent_at: float = 0.0        # time.perf_counter() when the node sent it (one clock on one machine)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class Chunk:
     received_at: float = 0.0    # time.perf_counter() in the worker: request received ...
     predict_ms: float = 0.0     # ... engine.predict() wall time
     sent_at: float = 0.0        # ... result sent
-    queued_ms: float = 0.0      # ... of it waiting behind other nodes' work (an engine server)
+    queued_ms: float = 0.0      # from the node's send to predict()'s start (Predict.sent_at)
     memory: Optional[tuple] = None   # (allocated, reserved) device bytes; None on the CPU
 
 

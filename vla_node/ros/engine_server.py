@@ -221,9 +221,9 @@ class Serving:
         if self.engine.device.type == "cuda":
             import torch
             memory = (torch.cuda.memory_allocated(self.engine.device), torch.cuda.memory_reserved(self.engine.device))
+        queued_ms = (started - (p.sent_at or received)) * 1e3
         return Chunk(p.request_id, chunk.actions, chunk.normalized, chunk.timings, received_at=received,
-                     predict_ms=predict_ms, sent_at=time.perf_counter(), queued_ms=(started - received) * 1e3,
-                     memory=memory)
+                     predict_ms=predict_ms, sent_at=time.perf_counter(), queued_ms=queued_ms, memory=memory)
 
     # -- ending ---------------------------------------------------------------------------------
     def drop(self, session: Session, reason: str = "") -> None:
