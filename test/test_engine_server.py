@@ -120,5 +120,25 @@ def test_a_server_that_is_gone_is_an_engine_error_and_its_socket_is_removed(serv
         with pytest.raises(EngineError, match="closed the connection"):
             e.poll(5.0)
         e.close()
-    with pytest.raises(EngineError, match=f"no engine server at {server.path}"):
-        attach(server.path)
+    with pytest.raises(EngineError, match=f"no engine server at {server.path} .* within 1 s"):
+        EngineProcess(EngineConfig(), WORKER, server=server.path).start(1, lambda _: None, lambda _: None,
+                                                                         lambda: None)
+
+
+def test_a_node_started_before_its_server_waits_for_it(tmp_path):
+    """A launch may start the server and the nodes together: configure waits for the socket."""
+    path = str(tmp_path / "later.sock")
+    engine = EngineProcess(EngineConfig(), WORKER, server=path)
+    waits = []
+
+    def waiting():
+        waits.append(1)
+        if len(waits) == 3:   # the node has waited a while: now the server comes
+            waiting.server = EngineServer(path)
+
+    try:
+        info = engine.start(120, lambda _: None, lambda _: None, waiting)
+        assert info.pid == waiting.server.proc.pid and engine.predict(a_obs()).actions.shape == (16, 8)
+    finally:
+        engine.close()
+        waiting.server.stop()

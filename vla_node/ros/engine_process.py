@@ -101,6 +101,8 @@ class EngineProcess:
         self._frames_shape: tuple[int, ...] = ()
         self._conn = None
         self._process = None
+        self._spawned = False                   # spawn() ran since the last stop_worker()
+        self._attach_error = ""                 # why the server could not be reached, while it cannot
         self._warm = False                      # the worker said "ready": it reads messages
         self._deadline = 0.0
         self._timeout_s = 0.0
@@ -120,18 +122,19 @@ class EngineProcess:
         self.spawn(timeout_s)
         while (info := self.check_ready(progress, stage)) is None:
             waiting()
-            self._conn.poll(READY_POLL_S)
+            if self._conn is not None:
+                self._conn.poll(READY_POLL_S)
+            else:   # the server's socket is not there yet
+                time.sleep(READY_POLL_S)
         return info
 
     def spawn(self, timeout_s: float) -> None:
         """Start a worker (or attach to the server) without waiting for it: check_ready() says when
-        it is warm."""
+        it is warm. A server not listening yet is waited for, up to the same timeout: a launch may
+        start the server and its nodes together."""
+        self._spawned = True
         if self.server:
-            try:
-                self._conn = Client(self.server, family="AF_UNIX")
-            except OSError as e:
-                raise EngineError(f"no engine server at {self.server} ({e.strerror or e})") from None
-            self._conn.send(Attach(self.config, self.worker))
+            self._attach()
         else:
             ctx = mp.get_context("spawn")   # never fork a process that runs DDS threads
             self._conn, child = ctx.Pipe()
@@ -143,11 +146,26 @@ class EngineProcess:
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
 
+    def _attach(self) -> bool:
+        """Connect to the server and ask for the engine; False while nobody listens there."""
+        try:
+            self._conn = Client(self.server, family="AF_UNIX")
+        except OSError as e:
+            self._attach_error = e.strerror or str(e)
+            return False
+        self._conn.send(Attach(self.config, self.worker))
+        return True
+
     def check_ready(self, progress: Callable[[str], None],
                     stage: Callable[[str], None] = lambda _: None) -> Optional[EngineInfo]:
         """Without blocking: the engine's description once it is loaded and warm, None while it
         is starting (its progress messages go to `progress`, the stages it enters to `stage`).
         Raises EngineError when the worker failed, exited or missed the start timeout."""
+        if self.server and self._conn is None and not self._attach():
+            if time.monotonic() > self._deadline:
+                raise EngineError(f"no engine server at {self.server} ({self._attach_error}) within "
+                                  f"{self._timeout_s:.0f} s (engine_start_timeout_s)")
+            return None
         # Before reading: a worker that reports, then exits, is heard (a server's end is the socket's).
         alive = self._process is None or self._process.is_alive()
         while self._conn.poll():
@@ -276,7 +294,7 @@ class EngineProcess:
         """Replace a lost worker without blocking (call it periodically): respawn it when due, poll
         it until warm, hand it the frames. Its description once it serves, None until then;
         EngineError when this attempt failed (the next one starts retry_s later)."""
-        if self._conn is None:
+        if not self._spawned:
             if time.monotonic() < self.restart_due:
                 return None
             progress(f"restarting the engine (attempt {self.restart_attempt})")
@@ -299,6 +317,7 @@ class EngineProcess:
         A serving worker is asked to end (it finishes the prediction under way) and killed if it
         has not after STOP_GRACE_S; one still loading or warming up reads no message before it is
         warm, so it is killed at once. A server's session is only ended (Close, then the socket)."""
+        self._spawned = False
         if self._process is None and self._conn is not None and self._warm:
             try:
                 self._conn.send(Close())
