@@ -4,6 +4,10 @@
     ros2 launch vla_node molmobot.launch.py autostart:=false     # transitions from a lifecycle manager or you
     ros2 launch vla_node molmobot.launch.py params_file:=/path/to/tiny.yaml model_preset:=tiny \\
         namespace:=robot1 use_sim_time:=true log_level:=debug
+    # two robots, one engine (one copy of the weights): robot1's launch starts the server, robot2 attaches
+    ros2 launch vla_node molmobot.launch.py namespace:=robot1 engine_server:=/tmp/vla_engine.sock \
+        start_engine_server:=true
+    ros2 launch vla_node molmobot.launch.py namespace:=robot2 engine_server:=/tmp/vla_engine.sock
 
 autostart:=true sets the node's `autostart` parameter: the node configures and activates itself
 once, as soon as it spins (a failed configure stays unconfigured, with the reason in the log and on
@@ -11,6 +15,10 @@ once, as soon as it spins (a failed configure stays unconfigured, with the reaso
 `ros2 lifecycle set`) are never answered with one of its own. Input topics are relative, so
 `namespace:=robot1` moves the inputs (/robot1/joint_states, ...) and the outputs
 (/robot1/vla_node/...) alike.
+
+engine_server:=PATH sets the node's `engine_server` parameter: it attaches to the vla-engine-server
+on the Unix socket PATH (its configure waits for the socket, up to engine_start_timeout_s) instead
+of starting an engine process of its own; start_engine_server:=true also starts that server here.
 
 The launch ends when the node exits: after the shutdown transition (exit_on_finalize), on Ctrl-C,
 or when it cannot start. `ros2 launch` then exits 0 if the node did, else 1 (launch returns 1 when
@@ -20,12 +28,13 @@ defaults).
 """
 from pathlib import Path
 
-from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, OpaqueFunction, Shutdown
+from launch.actions import DeclareLaunchArgument, ExecuteProcess, OpaqueFunction, Shutdown
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch_ros.actions import LifecycleNode
 from launch_ros.parameter_descriptions import ParameterValue
 from launch_ros.substitutions import FindPackageShare
+
+from launch import LaunchDescription
 
 
 def _node(context):
@@ -35,11 +44,18 @@ def _node(context):
                            "$(ros2 pkg prefix vla_node)/share/vla_node/config/tiny.yaml")
     overrides = {"autostart": ParameterValue(LaunchConfiguration("autostart"), value_type=bool),
                  "use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool)}
-    # An empty model_preset or checkpoint keeps the params file's.
-    for name in ("model_preset", "checkpoint"):
+    engine_server = LaunchConfiguration("engine_server").perform(context)
+    start_server = LaunchConfiguration("start_engine_server").perform(context).lower() in ("true", "1")
+    if start_server and not engine_server:
+        raise RuntimeError("start_engine_server:=true needs engine_server:=PATH, the socket the server listens on "
+                           "(e.g. engine_server:=/tmp/vla_engine.sock)")
+    # An empty model_preset, checkpoint or engine_server keeps the params file's.
+    for name in ("model_preset", "checkpoint", "engine_server"):
         if LaunchConfiguration(name).perform(context):
             overrides[name] = LaunchConfiguration(name)
-    return [LifecycleNode(
+    server = [ExecuteProcess(cmd=["vla-engine-server", "--socket", engine_server], name="vla_engine_server",
+                             output="screen")] if start_server else []
+    return server + [LifecycleNode(
         package="vla_node", executable="vla-node", name="vla_node",
         namespace=LaunchConfiguration("namespace"),
         parameters=[params_file, overrides],
@@ -73,6 +89,11 @@ def generate_launch_description():
                                           "empty: the file's"),
         DeclareLaunchArgument("checkpoint", default_value="",
                               description="checkpoint folder overriding the params file's; empty: the file's"),
+        DeclareLaunchArgument("engine_server", default_value="",
+                              description="Unix socket of a vla-engine-server to attach to (one engine for several "
+                                          "nodes); empty: the params file's (by default the node's own engine)"),
+        DeclareLaunchArgument("start_engine_server", default_value="false",
+                              description="true: also start `vla-engine-server --socket <engine_server>` here"),
         DeclareLaunchArgument("use_sim_time", default_value="false", description="follow /clock"),
         DeclareLaunchArgument("log_level", default_value="info",
                               description="log level of the node: debug, info, warn, error or fatal"),

@@ -24,7 +24,7 @@ from launch.launch_description_sources import PythonLaunchDescriptionSource  # n
 
 from launch import LaunchDescription, LaunchService  # noqa: E402
 from ros_helpers import HOME, JOINTS, ros_env  # noqa: E402
-from vla_node.ros.engine_process import WARMUP_GATE_ENV  # noqa: E402
+from vla_node.ros.engine_protocol import WARMUP_GATE_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_FILE = ROOT / "launch" / "molmobot.launch.py"
