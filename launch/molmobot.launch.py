@@ -5,7 +5,7 @@
     ros2 launch vla_node molmobot.launch.py params_file:=/path/to/tiny.yaml model_preset:=tiny \\
         namespace:=robot1 use_sim_time:=true log_level:=debug
     # two robots, one engine (one copy of the weights): robot1's launch starts the server, robot2 attaches
-    ros2 launch vla_node molmobot.launch.py namespace:=robot1 engine_server:=/tmp/vla_engine.sock \
+    ros2 launch vla_node molmobot.launch.py namespace:=robot1 engine_server:=/tmp/vla_engine.sock \\
         start_engine_server:=true
     ros2 launch vla_node molmobot.launch.py namespace:=robot2 engine_server:=/tmp/vla_engine.sock
 
@@ -32,7 +32,7 @@ from launch.actions import DeclareLaunchArgument, ExecuteProcess, OpaqueFunction
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch_ros.actions import LifecycleNode
 from launch_ros.parameter_descriptions import ParameterValue
-from launch_ros.substitutions import FindPackageShare
+from launch_ros.substitutions import ExecutableInPackage, FindPackageShare
 
 from launch import LaunchDescription
 
@@ -53,8 +53,9 @@ def _node(context):
     for name in ("model_preset", "checkpoint", "engine_server"):
         if LaunchConfiguration(name).perform(context):
             overrides[name] = LaunchConfiguration(name)
-    server = [ExecuteProcess(cmd=["vla-engine-server", "--socket", engine_server], name="vla_engine_server",
-                             output="screen")] if start_server else []
+    # From the package's lib folder, where a colcon install puts it (not on PATH), as LifecycleNode finds vla-node.
+    server = [ExecuteProcess(cmd=[ExecutableInPackage("vla-engine-server", "vla_node"), "--socket", engine_server],
+                             name="vla_engine_server", output="screen")] if start_server else []
     return server + [LifecycleNode(
         package="vla_node", executable="vla-node", name="vla_node",
         namespace=LaunchConfiguration("namespace"),

@@ -1,9 +1,10 @@
 """launch/molmobot.launch.py under launch_pytest, as a user runs it: with autostart (the default)
 the node configures and activates itself and commands; with autostart:=false every transition is
 left to a lifecycle manager, and the launch file never answers one with its own; two namespaced
-launches serve two robots side by side; while the node configures, it answers `configuring`;
-the launch ends with the node: with exit code 0 after the shutdown transition, with 1 when the
-node refuses its parameters or the params file does not exist.
+launches serve two robots side by side, also from one engine server that the first of them starts
+(engine_server, start_engine_server); while the node configures, it answers `configuring`; the
+launch ends with the node: with exit code 0 after the shutdown transition, with 1 when the node
+refuses its parameters, the params file does not exist or start_engine_server has no socket.
 
 launch_pytest comes with a ROS 2 install (the package built with colcon, so that launch_ros
 finds `vla_node` in the ament index); where it is not importable these tests are skipped.
@@ -24,6 +25,7 @@ from launch.launch_description_sources import PythonLaunchDescriptionSource  # n
 
 from launch import LaunchDescription, LaunchService  # noqa: E402
 from ros_helpers import HOME, JOINTS, ros_env  # noqa: E402
+from vla_node.ros.diagnostics import Key  # noqa: E402
 from vla_node.ros.engine_protocol import WARMUP_GATE_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +68,25 @@ class Probe:
                                       lambda msg: received.append(np.array(msg.data)), 10)
         joints = self.node.create_publisher(JointState, f"/{namespace}/joint_states", qos_profile_sensor_data)
         self.node.create_timer(0.02, lambda: joints.publish(JointState(name=JOINTS, position=position.tolist())))
+
+    def engine(self, namespace: str, timeout: float = 60.0) -> tuple[str, str]:
+        """(engine_pid, engine_server) from the namespace's node's /diagnostics."""
+        from diagnostic_msgs.msg import DiagnosticArray
+
+        found, seen = threading.Event(), {}
+
+        def heard(msg) -> None:
+            for status in msg.status:
+                values = {v.key: v.value for v in status.values}
+                if status.hardware_id == f"/{namespace}/vla_node" and values.get(Key.ENGINE_PID):
+                    seen.update(values)
+                    found.set()
+        subscription = self.node.create_subscription(DiagnosticArray, "/diagnostics", heard, 10)
+        try:
+            assert found.wait(timeout), f"no /diagnostics with {Key.ENGINE_PID} from /{namespace}/vla_node"
+        finally:
+            self.node.destroy_subscription(subscription)
+        return seen[Key.ENGINE_PID], seen.get(Key.ENGINE_SERVER, "")
 
     def call(self, service_type, name: str, request, timeout: float = 120.0):
         client = self.node.create_client(service_type, name)
@@ -162,6 +183,31 @@ def test_two_namespaced_launches_serve_two_robots(probe):
     assert not any(np.allclose(c, HOME) for c in probe.commands["robot2"])
 
 
+ENGINE_SOCKET = Path(tempfile.mkdtemp()) / "engine.sock"
+
+
+@launch_pytest.fixture
+def one_engine_server():
+    ros_env()
+    return LaunchDescription([include("robot1", engine_server=str(ENGINE_SOCKET), start_engine_server="true"),
+                              include("robot2", engine_server=str(ENGINE_SOCKET)),
+                              launch_pytest.actions.ReadyToTest()])
+
+
+@pytest.mark.launch(fixture=one_engine_server)
+def test_two_launches_share_the_engine_server_that_the_first_one_starts(probe):
+    probe.robot("robot1", HOME)
+    probe.robot("robot2", HOME2)
+    for namespace, position in (("robot1", HOME), ("robot2", HOME2)):
+        probe.wait_active(namespace)
+        probe.wait_commanding(namespace, position)
+    assert not any(np.allclose(c, HOME2) for c in probe.commands["robot1"])
+    assert not any(np.allclose(c, HOME) for c in probe.commands["robot2"])
+    # One engine: both nodes name the same process, the server on the socket.
+    (pid1, server1), (pid2, server2) = probe.engine("robot1"), probe.engine("robot2")
+    assert pid1 == pid2 and server1 == server2 == str(ENGINE_SOCKET)
+
+
 WARMUP_GATE = Path(tempfile.mkdtemp()) / "warm-up gate"   # the node's engine warms up once this exists
 
 
@@ -209,6 +255,11 @@ def test_a_node_that_refuses_its_parameters_ends_the_launch_with_exit_code_1(tmp
 def test_a_params_file_that_does_not_exist_stops_the_launch_with_exit_code_1(tmp_path):
     ros_env()
     assert run_launch(params_file=str(tmp_path / "my_robto.yaml")) == 1
+
+
+def test_start_engine_server_without_an_engine_server_socket_stops_the_launch_with_exit_code_1():
+    ros_env()
+    assert run_launch(start_engine_server="true") == 1
 
 
 def test_after_the_shutdown_transition_the_launch_ends_with_exit_code_0(probe):
