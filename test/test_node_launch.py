@@ -165,6 +165,17 @@ def test_with_autostart_false_every_transition_is_the_managers(probe):
         assert probe.transition("managed", "cleanup") and probe.state("managed") == "unconfigured"
 
 
+def serve_two_robots(probe) -> None:
+    """robot1 at HOME, robot2 at HOME2: both nodes go active and command, each its own robot only."""
+    probe.robot("robot1", HOME)
+    probe.robot("robot2", HOME2)
+    for namespace, position in (("robot1", HOME), ("robot2", HOME2)):
+        probe.wait_active(namespace)
+        probe.wait_commanding(namespace, position)
+    assert not any(np.allclose(c, HOME2) for c in probe.commands["robot1"])
+    assert not any(np.allclose(c, HOME) for c in probe.commands["robot2"])
+
+
 @launch_pytest.fixture
 def two_robots():
     ros_env()
@@ -173,14 +184,7 @@ def two_robots():
 
 @pytest.mark.launch(fixture=two_robots)
 def test_two_namespaced_launches_serve_two_robots(probe):
-    probe.robot("robot1", HOME)
-    probe.robot("robot2", HOME2)
-    for namespace, position in (("robot1", HOME), ("robot2", HOME2)):
-        probe.wait_active(namespace)
-        probe.wait_commanding(namespace, position)
-    # Each node heard its own robot only.
-    assert not any(np.allclose(c, HOME2) for c in probe.commands["robot1"])
-    assert not any(np.allclose(c, HOME) for c in probe.commands["robot2"])
+    serve_two_robots(probe)
 
 
 ENGINE_SOCKET = Path(tempfile.mkdtemp()) / "engine.sock"
@@ -196,13 +200,7 @@ def one_engine_server():
 
 @pytest.mark.launch(fixture=one_engine_server)
 def test_two_launches_share_the_engine_server_that_the_first_one_starts(probe):
-    probe.robot("robot1", HOME)
-    probe.robot("robot2", HOME2)
-    for namespace, position in (("robot1", HOME), ("robot2", HOME2)):
-        probe.wait_active(namespace)
-        probe.wait_commanding(namespace, position)
-    assert not any(np.allclose(c, HOME2) for c in probe.commands["robot1"])
-    assert not any(np.allclose(c, HOME) for c in probe.commands["robot2"])
+    serve_two_robots(probe)
     # One engine: both nodes name the same process, the server on the socket.
     (pid1, server1), (pid2, server2) = probe.engine("robot1"), probe.engine("robot2")
     assert pid1 == pid2 and server1 == server2 == str(ENGINE_SOCKET)
