@@ -1,6 +1,11 @@
-"""Device buffers of one window layout (a bucket): the padded prompt, its attention mask, RoPE
-tables, the query's inputs and the stages' outputs. Shapes never change after construction, so
-stages that read and write only these can be compiled once and captured as CUDA graphs."""
+"""Device buffers of one window layout (a bucket) at one batch size: the padded prompts, their
+attention mask, RoPE tables, the query's inputs and the stages' outputs. Shapes never change
+after construction, so stages that read and write only these can be compiled once and captured
+as CUDA graphs.
+
+A batch's entries share the layout, so they share the padded length, the image part of the
+prompt, the prefill's attention mask and the RoPE tables; each row has its own instruction
+tokens, cross-attention mask (its instruction's length), state, noise and known actions."""
 from __future__ import annotations
 
 import torch
@@ -12,16 +17,16 @@ from .types import WindowLayout
 
 
 class Bucket:
-    """Device buffers of one window layout at the instruction token budget."""
+    """Device buffers of one window layout at the instruction token budget, for `batch` entries."""
 
-    def __init__(self, engine: EngineParts, layout: WindowLayout, cache_len: int):
+    def __init__(self, engine: EngineParts, layout: WindowLayout, cache_len: int, batch: int = 1):
         m, dev = engine.model, engine.device
-        self.layout = layout
+        self.layout, self.batch = layout, batch
         prompt = engine.prompts.build(len(layout.cameras), layout.frames, "x")
         self.instruction_start = prompt.instruction_start
         self.length = prompt.instruction_start + engine.config.max_instruction_tokens
-        ids = torch.full((1, self.length), engine.prompts.pad_id, dtype=torch.long)
-        ids[0, :self.instruction_start] = torch.tensor(prompt.ids[:self.instruction_start])
+        ids = torch.full((batch, self.length), engine.prompts.pad_id, dtype=torch.long)
+        ids[:, :self.instruction_start] = torch.tensor(prompt.ids[:self.instruction_start])
         self.ids = ids.to(dev)
         # Tokens that see each other both ways (none without bidirectional image attention).
         self.image_token = torch.zeros(self.length, dtype=torch.bool)
@@ -47,19 +52,19 @@ class Bucket:
         self.slots = torch.arange(self.length, device=dev)
         llm = m.cfg.llm
         self.cos, self.sin = rope_tables(llm.head_dim, self.slots, llm.rope_theta)
-        self.ctx_mask = torch.ones((1, 1, 1, self.length + 1), dtype=torch.bool, device=dev)  # + the state token
-        self.frame_rows = torch.zeros(layout.images, dtype=torch.long, device=dev)
+        self.ctx_mask = torch.ones((batch, 1, 1, self.length + 1), dtype=torch.bool, device=dev)  # + the state token
+        self.frame_rows = torch.zeros(batch * layout.images, dtype=torch.long, device=dev)   # entry-major
         a = m.cfg.action
-        self.state = torch.zeros((1, a.state_dim), dtype=torch.float32, device=dev)
-        self.noise = torch.zeros((1, a.horizon, a.action_dim), dtype=torch.float32, device=dev)
+        self.state = torch.zeros((batch, a.state_dim), dtype=torch.float32, device=dev)
+        self.noise = torch.zeros((batch, a.horizon, a.action_dim), dtype=torch.float32, device=dev)
         self.x = torch.zeros_like(self.noise)          # adaptive action caching: the flow state,
         self.v_last = torch.zeros_like(self.noise)     # the last computed velocity,
         self.change = torch.zeros((), device=dev)      # and its relative change from the one before
         # The query's known prefix (normalised, padded to the horizon, and its mask): what the
         # inpainting flow loop reads, so every prefix length replays one graph.
         self.known = KnownActions(torch.zeros_like(self.noise),
-                                  torch.zeros((1, a.horizon, 1), dtype=torch.bool, device=dev))
-        self.instruction: str | None = None
+                                  torch.zeros((batch, a.horizon, 1), dtype=torch.bool, device=dev))
+        self.instructions: list[str | None] = [None] * batch   # each row's
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.graph_outputs: dict[str, torch.Tensor] = {}   # the output tensor of a graph that returns one
         self.prompt = prompt  # its image part (the instruction of a query is set by set_instruction)
@@ -76,23 +81,28 @@ class Bucket:
         mask = torch.ones(self.length, self.length, dtype=torch.bool).tril()
         return mask | (self.image_token[:, None] & self.image_token[None, :])
 
-    def set_instruction(self, engine: EngineParts, text: str) -> None:
-        if text == self.instruction:
+    def set_instruction(self, engine: EngineParts, text: str, entry: int = 0) -> None:
+        """Row `entry`'s instruction. One that types an image special token changes the prefill's
+        mask, which the rows share: such a query runs alone (PolicyEngine.batch_key)."""
+        if text == self.instructions[entry]:
             return
         tokens = engine.prompts.instruction(text)
         n, start = len(tokens), self.instruction_start
         row = torch.full((self.length - start,), engine.prompts.pad_id, dtype=torch.long)
         row[:n] = torch.tensor(tokens)
-        self.ids[0, start:].copy_(row)
         image = torch.tensor([t in engine.prompts.bidirectional_ids for t in row.tolist()])
         image &= engine.model.cfg.prompt.bidirectional_images
         if bool(image.any() or self.image_token[start:].any()):  # special tokens typed into the instruction
+            if self.batch > 1:
+                raise ValueError("an instruction with image special tokens has a prefill mask of its own: run it "
+                                 "alone (batch of 1)")
             self.image_token[start:] = image
             self._masks_changed()
+        self.ids[entry, start:].copy_(row)
         mask = torch.ones(self.length + 1, dtype=torch.bool)
         mask[start + n:self.length] = False
-        self.ctx_mask.view(-1).copy_(mask)
-        self.instruction = text
+        self.ctx_mask[entry].view(-1).copy_(mask)
+        self.instructions[entry] = text
 
     def _masks_changed(self) -> None:
         """Rewrite every attention mask in place (captured graphs keep reading the same tensors)."""

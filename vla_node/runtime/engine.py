@@ -3,6 +3,7 @@
     engine = PolicyEngine(config)        # load weights + tokenizer, build buffers on the device
     engine.warmup()                      # compile / capture once, with progress output
     chunk = engine.predict(observation)  # -> ActionChunk(actions[H, A], stamp, timings)
+    chunks = engine.predict_batch([a, b], generators=[ga, gb])   # one query for several robots
 
 With every feature off this is the eager reference: plain module calls, dynamic shapes, the
 action expert's context recomputed at every flow step. Every fast path is compared to it.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from ..model import (
 )
 from ..model.action_expert import KnownActions, euler, flow_times
 from ..model.layers import rope_tables
-from .action_cache import FlowSchedule
+from .action_cache import FlowSchedule, is_adaptive
 from .fp8 import quantize_llm_
 from .fusion import fuse_projections
 from .images import check_frames
@@ -141,26 +142,75 @@ class PolicyEngine:
 
     def predict(self, obs: Observation, noise: Optional[torch.Tensor] = None,
                 layout: Optional[WindowLayout] = None, generator: Optional[torch.Generator] = None) -> ActionChunk:
-        """The chunk for `obs`; without `noise`, the flow starts from noise drawn from `generator`
-        (default: the engine's own stream), after the observation passed its checks."""
+        """The chunk for `obs`; without `noise` [1, H, A], the flow starts from noise drawn from
+        `generator` (default: the engine's own stream), after the observation passed its checks.
+        A batch of one (predict_batch)."""
+        return self.predict_batch([obs], noise, layout, [generator])[0]
+
+    def predict_batch(self, observations: Sequence[Observation], noise: Optional[torch.Tensor] = None,
+                      layout: Optional[WindowLayout] = None,
+                      generators: Optional[Sequence[Optional[torch.Generator]]] = None) -> list[ActionChunk]:
+        """The chunks of observations of one layout bucket (equal batch_key), as one query: the new
+        frames of all of them encoded together, one prefill over [B, T], the flow loop over
+        [B, H, A]. Each entry gets what predict() gives it alone, to rounding: its own noise
+        (`noise` [B, H, A], or drawn from its generator, default the engine's stream, once every
+        observation passed its checks), known actions, state and instruction. A ValueError names
+        an observation the engine cannot use, and nothing runs."""
+        n = len(observations)
+        if not 1 <= n <= self.max_batch:
+            raise ValueError(f"a batch holds 1 to {self.max_batch} observations (max_batch; 1 with streaming_kv or "
+                             f"the adaptive action cache), got {n}")
         layout = layout or self.layout
         if layout not in self.config.layouts:
             raise ValueError(f"layout {layout} is not one of the engine's layouts (EngineConfig.layout / "
                              "extra_layouts)")
-        layout = self.query_layout(obs, layout)
-        self.check_observation(obs, layout)
+        layouts = [self.query_layout(obs, layout) for obs in observations]
+        if len(set(layouts)) > 1:
+            raise ValueError(f"the observations of a batch must have one layout, got {sorted(set(layouts), key=str)}")
+        layout = layouts[0]
+        for obs in observations:
+            self.check_observation(obs, layout)
         if noise is None:
-            noise = self.draw_noise(generator)
+            noise = torch.cat([self.draw_noise(g) for g in (generators or [None] * n)])
+        if noise.shape[0] != n:
+            raise ValueError(f"noise must be [{n}, horizon, action_dim] for {n} observations, got {tuple(noise.shape)}")
         with torch.inference_mode():
-            known = self.known_actions(obs)
+            known = self.known_actions(observations)
             if self.static is not None:
-                normalized, timings = self.static.predict(obs, noise, layout, known)
+                normalized, timings = self.static.predict(observations, noise, layout, known)
             else:
-                normalized, timings = self._predict_reference(obs, noise, layout, known)
-        self.stats.queries += 1
-        actions = self.model.denormalize_actions(normalized)
-        return ActionChunk(actions=actions.cpu().numpy().astype(np.float32),
-                           normalized=normalized.float().cpu().numpy(), stamp=obs.stamp, timings=timings)
+                normalized, timings = self._predict_reference(observations, noise, layout, known)
+        self.stats.queries += n
+        actions = self.model.denormalize_actions(normalized).cpu().numpy().astype(np.float32)
+        normalized = normalized.float().cpu().numpy()
+        return [ActionChunk(actions=actions[j], normalized=normalized[j], stamp=obs.stamp, timings=dict(timings))
+                for j, obs in enumerate(observations)]
+
+    @property
+    def max_batch(self) -> int:
+        """Observations one query may hold now: EngineConfig.max_batch, but 1 under streaming_kv
+        (the LLM's KV cache holds one robot's window) and under the adaptive action cache (whether
+        a step reuses a velocity is decided on the whole batch's change)."""
+        if self.config.streaming_kv or self.schedule.adaptive_threshold is not None:
+            return 1
+        return self.config.max_batch
+
+    def batch_key(self, obs: Observation, layout: Optional[WindowLayout] = None,
+                  options: Optional[Mapping[str, object]] = None) -> Optional[Hashable]:
+        """What a query must share with others to run in one predict_batch: its layout bucket and
+        the run-time options it runs with (`options`: RUNTIME_OPTIONS -> value; default the
+        engine's). None: it runs alone, as max_batch says, or because its instruction types an
+        image special token (its prefill mask is its own: the static buckets share one). Raises
+        predict()'s ValueError for an observation the engine cannot use."""
+        query = self.query_layout(obs, layout or self.layout)
+        self.check_observation(obs, query)
+        options = {k: getattr(self.config, k) for k in RUNTIME_OPTIONS} | dict(options or {})
+        if self.config.streaming_kv or is_adaptive(str(options.get("action_cache", ""))):
+            return None
+        if self.model_cfg.prompt.bidirectional_images and \
+                self.prompts.bidirectional_ids.intersection(self.prompts.instruction(obs.instruction)):
+            return None
+        return query, tuple(sorted(options.items()))
 
     def set_flow(self, steps: Optional[int] = None, action_cache: Optional[str] = None) -> None:
         """Change the flow steps and/or the action-cache schedule between queries. Invalid values
@@ -236,41 +286,61 @@ class PolicyEngine:
     def state_tensor(self, obs: Observation) -> torch.Tensor:
         return self.parts.state_tensor(obs)
 
-    def known_actions(self, obs: Observation) -> Optional[KnownActions]:
-        """The observation's fixed first actions in the model's units, the inverse of the
-        denormalisation predict() applies to its output: values [1, H, A] padded with zeros, and
-        the mask of the rows known."""
-        if obs.known_actions is None:
+    def known_actions(self, observations: Sequence[Observation]) -> Optional[KnownActions]:
+        """The observations' fixed first actions in the model's units, the inverse of the
+        denormalisation predict() applies to its output: values [B, H, A] padded with zeros, and
+        the mask of the rows known (none for an entry without them: its rows are sampled freely,
+        exactly as without a prefix). None when no entry has any."""
+        if all(obs.known_actions is None for obs in observations):
             return None
         a = self.model_cfg.action
-        rows = torch.as_tensor(np.asarray(obs.known_actions, dtype=np.float32), device=self.device)
-        values = torch.zeros((1, a.horizon, a.action_dim), device=self.device)
-        values[0, :len(rows)] = self.model.normalize_actions(rows)
-        known = torch.arange(a.horizon, device=self.device)[None, :, None] < len(rows)
+        values = torch.zeros((len(observations), a.horizon, a.action_dim), device=self.device)
+        counts = torch.zeros((len(observations), 1, 1), dtype=torch.long, device=self.device)
+        for j, obs in enumerate(observations):
+            if obs.known_actions is not None:
+                rows = torch.as_tensor(np.asarray(obs.known_actions, dtype=np.float32), device=self.device)
+                values[j, :len(rows)] = self.model.normalize_actions(rows)
+                counts[j] = len(rows)
+        known = torch.arange(a.horizon, device=self.device)[None, :, None] < counts
         return KnownActions(values, known)
 
     # -- the eager reference ------------------------------------------------------------------
-    def _predict_reference(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout,
+    def _predict_reference(self, observations: Sequence[Observation], noise: torch.Tensor, layout: WindowLayout,
                            known: Optional[KnownActions]):
-        m, cfg, timer = self.model, self.model_cfg, StageTimer(self.device)
-        pixels = preprocess_reference(obs.images, cfg.vision.image_size).to(self.device, self.dtype)
+        """-> (normalised actions [B, H, A], timings). Prompts of one batch differ in their
+        instruction's length: the shorter ones are padded at the end, where no real token sees the
+        padding (causal mask) and the expert's cross-attention masks it; one alone runs unpadded."""
+        m, cfg, timer, n = self.model, self.model_cfg, StageTimer(self.device), len(observations)
+        images = [image for obs in observations for image in obs.images]
+        pixels = preprocess_reference(images, cfg.vision.image_size).to(self.device, self.dtype)
         timer.mark("preprocess")
-        image_tokens = m.vision(pixels).reshape(1, -1, cfg.llm.dim)
+        image_tokens = m.vision(pixels).reshape(n, -1, cfg.llm.dim)
         timer.mark("vision")
-        prompt = self.prompts.build(len(layout.cameras), layout.frames, obs.instruction)
-        ids = torch.tensor([prompt.ids], device=self.device)
-        embeds = m.embed(ids, image_tokens, torch.tensor(prompt.patch_positions, device=self.device))
-        cos, sin = rope_tables(cfg.llm.head_dim, torch.arange(len(prompt), device=self.device), cfg.llm.rope_theta)
-        hidden = m.llm(embeds, cos, sin, m.attention_mask(prompt, self.device))
+        prompts = [self.prompts.build(len(layout.cameras), layout.frames, obs.instruction) for obs in observations]
+        length = max(len(p) for p in prompts)
+        ids = torch.full((n, length), self.prompts.pad_id, dtype=torch.long)
+        masks = torch.ones((n, 1, length, length), dtype=torch.bool).tril()
+        ctx_mask = torch.ones((n, 1, 1, length + 1), dtype=torch.bool)   # + the state token
+        for j, prompt in enumerate(prompts):
+            ids[j, :len(prompt)] = torch.tensor(prompt.ids)
+            masks[j, 0, :len(prompt), :len(prompt)] = m.attention_mask(prompt, "cpu")
+            ctx_mask[j, ..., len(prompt):length] = False
+        same = all(torch.equal(masks[0], mask) for mask in masks)
+        mask = (masks[0, 0] if same else masks).to(self.device)
+        ctx_mask = None if all(len(p) == length for p in prompts) else ctx_mask.to(self.device)
+        patch_positions = torch.tensor(prompts[0].patch_positions, device=self.device)   # one layout: the same
+        embeds = m.embed(ids.to(self.device), image_tokens, patch_positions)
+        cos, sin = rope_tables(cfg.llm.head_dim, torch.arange(length, device=self.device), cfg.llm.rope_theta)
+        hidden = m.llm(embeds, cos, sin, mask)
         timer.mark("llm")
-        state = m.normalize_state(self.state_tensor(obs)).to(self.dtype)
+        state = m.normalize_state(torch.cat([self.state_tensor(obs) for obs in observations])).to(self.dtype)
         times = flow_times(self.flow_steps)
 
         def velocity(x: torch.Tensor, i: int) -> torch.Tensor:
-            t = torch.full((1,), times[i], device=self.device)
+            t = torch.full((1,), times[i], device=self.device)   # [1, ...] modulations: every entry's
             kv = m.expert.context_kv(hidden, state)  # recomputed every step: the uncached reference
-            return m.expert.velocity(x.to(self.dtype), m.expert.modulations(t), kv).float()
+            return m.expert.velocity(x.to(self.dtype), m.expert.modulations(t), kv, ctx_mask).float()
 
-        normalized = euler(velocity, noise.float(), self.flow_steps, self.schedule.reuse_map, known)[0]
+        normalized = euler(velocity, noise.float(), self.flow_steps, self.schedule.reuse_map, known)
         timer.mark("action")
         return normalized, timer.total()

@@ -5,11 +5,17 @@ Stages per query: vision (new frames only, batched) -> prefill (LLM over the pad
 plus the action expert's per-query context K/V when ctx_kv_once) -> action (the whole flow
 loop). The instruction is padded at the end of the prompt: under the causal mask no real token
 sees the padding, and the expert's cross-attention masks it.
+
+A query holds one observation or a batch of several of one layout (PolicyEngine.predict_batch):
+buffers and graphs are per (layout, batch size), batch sizes BATCH_SIZES up to
+EngineConfig.max_batch; a batch runs in the smallest one that holds it, its padding rows
+repeating its last entry (their outputs are dropped). The new frames of every entry are encoded
+together, the prefill runs over [B, T] and the flow loop over [B, H, A].
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +30,7 @@ from .parts import EngineParts
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
 from .streaming import StreamBuffers
 from .timing import StageTimer
-from .types import Observation, WindowLayout
+from .types import BATCH_SIZES, Observation, WindowLayout
 
 
 class StaticRunner:
@@ -35,14 +41,22 @@ class StaticRunner:
         cfg, m, dev = engine.config, engine.model, engine.device
         mc = m.cfg
         self.size = mc.vision.image_size
-        self.buckets: dict[WindowLayout, Bucket] = {}
+        # One robot's streaming caches hold one window (the LLM's KV cache has one row): a
+        # streaming engine runs one observation per query.
+        self.batch_sizes = [s for s in BATCH_SIZES if s <= (1 if cfg.streaming_kv else cfg.max_batch)]
+        most = self.batch_sizes[-1]
+        self.buckets: dict[tuple[WindowLayout, int], Bucket] = {}   # by (layout, batch size)
         layouts = engine.config.query_layouts
         self.max_images = max(layout.images for layout in layouts)
-        capacity = max(cfg.vision_cache_frames, 2 * self.max_images) if cfg.vision_cache else self.max_images
+        # A batch's frames are planned together (none evicts another entry's), so the store holds
+        # two of the largest batches.
+        capacity = (max(cfg.vision_cache_frames, 2 * self.max_images * most) if cfg.vision_cache
+                    else self.max_images * most)
         self.store = FrameStore(capacity, mc.vision.tokens_per_image, mc.llm.dim, engine.dtype, dev)
         # Vision runs in batches of these sizes (one graph each): a camera's worth of new frames
-        # (a sliding window) and a whole window (a cold start).
-        self.vision_batches = sorted({len(cfg.layout.cameras)} | {layout.images for layout in layouts})
+        # (a sliding window) and a whole window (a cold start), for each batch size.
+        per_entry = {len(cfg.layout.cameras)} | {layout.images for layout in layouts}
+        self.vision_batches = sorted({n * batch for n in per_entry for batch in self.batch_sizes})
         nb = self.vision_batches[-1]
         self.write_rows = {b: torch.full((b,), self.store.scratch_row, dtype=torch.long, device=dev)
                            for b in self.vision_batches}
@@ -65,14 +79,14 @@ class StaticRunner:
         self.expert_calls = 0
         longest = max(engine.prompts.build(len(l.cameras), l.frames, "x").instruction_start for l in layouts)
         self.cache_len = longest + cfg.max_instruction_tokens
-        m.llm.setup_caches(1, self.cache_len, engine.dtype, dev)
+        m.llm.setup_caches(1, self.cache_len, engine.dtype, dev)   # one row: what a streaming step reads
 
-    def bucket(self, layout: WindowLayout) -> Bucket:
-        if layout not in self.buckets:
-            b = self.buckets[layout] = Bucket(self.engine, layout, self.cache_len)
-            if self.engine.config.streaming_kv and layout.frames > 1:
+    def bucket(self, layout: WindowLayout, batch: int = 1) -> Bucket:
+        if (layout, batch) not in self.buckets:
+            b = self.buckets[layout, batch] = Bucket(self.engine, layout, self.cache_len, batch)
+            if self.engine.config.streaming_kv and layout.frames > 1:   # batch 1 (batch_sizes)
                 b.stream = StreamBuffers(self.engine, b)
-        return self.buckets[layout]
+        return self.buckets[layout, batch]
 
     def reset(self) -> None:
         self.store.clear()
@@ -102,9 +116,10 @@ class StaticRunner:
 
     def _prefill_stage(self, b: Bucket) -> None:
         m = self.engine.model
-        image_tokens = self.store.tokens.index_select(0, b.frame_rows).reshape(1, -1, m.cfg.llm.dim)
+        image_tokens = self.store.tokens.index_select(0, b.frame_rows).reshape(b.batch, -1, m.cfg.llm.dim)
         embeds = m.embed(b.ids, image_tokens, b.patch_positions)
-        b.hidden = m.llm(embeds, b.cos, b.sin, b.attn_mask, b.slots)
+        # The KV cache has one row (streaming is one robot's): a batch's prefill leaves it alone.
+        b.hidden = m.llm(embeds, b.cos, b.sin, b.attn_mask, b.slots if b.batch == 1 else None)
         b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
         if self.mod_table is not None:
             b.kv = m.expert.context_kv(b.hidden, b.state_norm)
@@ -174,39 +189,51 @@ class StaticRunner:
             return fn()
 
     # -- a query --------------------------------------------------------------------------------
-    def predict(self, obs: Observation, noise: torch.Tensor, layout: WindowLayout,
-                known: Optional[KnownActions] = None):
-        """One query; `known` (PolicyEngine.known_actions) is copied into the bucket's buffers,
-        which the inpainting flow loop reads (one graph for every prefix length)."""
-        e = self.engine
-        b = self.bucket(layout)
+    def predict(self, observations: Sequence[Observation], noise: torch.Tensor, layout: WindowLayout,
+                known: Optional[KnownActions] = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """One query of n observations of `layout` (noise [n, H, A]) -> (normalised actions
+        [n, H, A], timings), in the bucket of the smallest batch size >= n (its padding rows
+        repeat the last entry). `known` (PolicyEngine.known_actions, [n, H, ...]) is copied into
+        the bucket's buffers, which the inpainting flow loop reads (one graph for every prefix
+        length)."""
+        e, n = self.engine, len(observations)
+        size = next((s for s in self.batch_sizes if s >= n), None)
+        if size is None or n < 1:
+            raise ValueError(f"a query holds 1 to {self.batch_sizes[-1]} observations here, got {n}")
+        b = self.bucket(layout, size)
         timer = StageTimer(e.device)
-        ids = obs.frame_ids if (e.config.vision_cache and obs.frame_ids is not None) else [None] * layout.images
-        rows, to_encode = self.store.plan(list(ids))
+        windows = [list(obs.frame_ids) if (e.config.vision_cache and obs.frame_ids is not None)
+                   else [None] * layout.images for obs in observations]
+        # One plan for the batch's frames (entry after entry): no entry's rows are recycled for another's.
+        rows, to_encode = self.store.plan([f for ids in windows for f in ids])
+        rows += rows[-layout.images:] * (size - n)
         b.frame_rows.copy_(torch.tensor(rows), non_blocking=True)
-        b.set_instruction(e, obs.instruction)
-        b.state.copy_(e.state_tensor(obs))
-        b.noise.copy_(noise)
+        entries = list(range(n)) + [n - 1] * (size - n)   # each row's observation
+        for row, j in enumerate(entries):
+            b.set_instruction(e, observations[j].instruction, row)
+        b.state.copy_(torch.cat([e.state_tensor(observations[j]) for j in entries]))
+        b.noise.copy_(noise[entries])
         if known is not None:
-            b.known.values.copy_(known.values)
-            b.known.known.copy_(known.known)
+            b.known.values.copy_(known.values[entries])
+            b.known.known.copy_(known.known[entries])
         timer.mark("preprocess")
+        images = [image for obs in observations for image in obs.images]   # the plan's order
         for start in range(0, len(to_encode), self.vision_batches[-1]):
             chunk = to_encode[start:start + self.vision_batches[-1]]
             batch = next(s for s in self.vision_batches if s >= len(chunk))
-            self._stage_frames([obs.images[i] for i, _ in chunk], batch)
+            self._stage_frames([images[i] for i, _ in chunk], batch)
             rows_host = [row for _, row in chunk] + [self.store.scratch_row] * (batch - len(chunk))
             self.write_rows[batch].copy_(torch.tensor(rows_host), non_blocking=True)
             timer.mark("preprocess")
             self._run(b, f"vision{batch}", lambda: self._vision_stage(batch))
             timer.mark("vision")
-        if b.stream is not None and self.stream_layout == layout and b.stream.slides_from(ids):
+        if b.stream is not None and self.stream_layout == layout and b.stream.slides_from(windows[0]):
             self._run(b, "stream", lambda: self._stream_stage(b))
             self.stream_steps += 1
         else:
             self._run(b, "prefill", lambda: self._prefill_stage(b))
         if b.stream is not None:
-            b.stream.last_ids = list(ids)
+            b.stream.last_ids = windows[0]
         self.stream_layout = layout
         timer.mark("llm")
         bucket_known = b.known if known is not None else None
@@ -217,7 +244,7 @@ class StaticRunner:
             b.out = self._run(b, name, lambda: self._action_stage(b, bucket_known))
             self.expert_calls += self.schedule.expert_calls
         timer.mark("action")
-        return b.out[0].clone(), timer.total()
+        return b.out[:n].clone(), timer.total()
 
     def _stage_frames(self, images: list[np.ndarray], batch: int) -> None:
         """Frames of one vision batch into its input buffer (padding rows keep stale pixels and
@@ -231,21 +258,21 @@ class StaticRunner:
     def warmup(self) -> None:
         e = self.engine
         compiled_before = compile_count()
-        for layout in e.config.query_layouts:
-            b = self.bucket(layout)
+        for layout, size in ((l, s) for l in e.config.query_layouts for s in self.batch_sizes):
+            b = self.bucket(layout, size)
+            name = f"bucket {layout.images} images" + (f" x{size}" if size > 1 else "")
             t0 = time.perf_counter()
             with torch.inference_mode():
                 # Two windows one frame time apart: a full prefill, then (streaming) a sliding step.
                 for obs in self._warmup_windows(layout):
                     # Not from the engine's generator: warm-up must not shift the noise stream,
                     # so engines of any mode with the same seed see the same noise per query.
-                    self.predict(obs, torch.zeros_like(b.noise), layout)
+                    self.predict([obs] * size, torch.zeros_like(b.noise), layout)
                 nothing_known = KnownActions(torch.zeros_like(b.noise), torch.zeros_like(b.known.known))
-                self.predict(obs, torch.zeros_like(b.noise), layout, nothing_known)   # the inpainting loop too
+                self.predict([obs] * size, torch.zeros_like(b.noise), layout, nothing_known)   # the inpainting loop
                 for batch in self.vision_batches:
                     self._vision_stage(batch)
-            e.progress(f"bucket {layout.images} images ({b.length} tokens): eager/compile pass "
-                       f"{time.perf_counter() - t0:.1f}s")
+            e.progress(f"{name} ({b.length} tokens): eager/compile pass {time.perf_counter() - t0:.1f}s")
             if self.graphs_on:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
@@ -257,7 +284,7 @@ class StaticRunner:
                     if b.stream is not None:
                         b.graphs["stream"], _ = self._capture(lambda: self._stream_stage(b))
                     self._capture_action(b)
-                e.progress(f"bucket {layout.images} images: captured {len(b.graphs)} CUDA graphs in "
+                e.progress(f"{name}: captured {len(b.graphs)} CUDA graphs in "
                            f"{time.perf_counter() - t0:.1f}s")
         self.compiled_graphs = compile_count() - compiled_before
         self.compiled_at_ready = compile_count()

@@ -94,6 +94,10 @@ def history_offset(parameter_s: float, checkpoint_s: float) -> float:
 # the node sends them on a parameter change (ros/params.py SPECS: not read_only).
 RUNTIME_OPTIONS = ("action_cache",)
 
+# The batch sizes a static engine keeps buffers (and CUDA graphs) for, up to EngineConfig.max_batch:
+# a batch of n observations runs in the smallest one >= n, its padding rows repeating a real entry.
+BATCH_SIZES = (1, 2, 4, 8)
+
 
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
@@ -161,6 +165,9 @@ class EngineConfig:
     action_cache: str = ""                # flow-step velocity reuse schedule (runtime/action_cache.py)
     fp8: str = "off"                      # off | rowwise | tensorwise: e4m3 LLM linears
     expert_fp8: bool = False              # e4m3 action-expert weights (per output channel) in the fused expert
+    # Observations one query may hold (PolicyEngine.predict_batch; the engine server's --max-batch):
+    # one of BATCH_SIZES. A static engine keeps buffers and graphs for every batch size up to it.
+    max_batch: int = 1
 
     def __post_init__(self):
         get_preset(self.preset)     # a known name (its weights are used when there is no checkpoint)
@@ -170,6 +177,8 @@ class EngineConfig:
             raise ValueError(f"flow_steps must be >= 1, got {self.flow_steps}")
         if self.max_instruction_tokens < 1:
             raise ValueError("max_instruction_tokens must be >= 1")
+        if self.max_batch not in BATCH_SIZES:
+            raise ValueError(f"max_batch must be one of {BATCH_SIZES}, got {self.max_batch}")
         if self.streaming_kv and not (self.vision_cache and self.ctx_kv_once):
             raise ValueError(f"streaming_kv needs vision_cache and ctx_kv_once (only new frames are encoded and "
                              f"prefilled): engine_mode {_modes_with('vision_cache', 'ctx_kv_once')}")
