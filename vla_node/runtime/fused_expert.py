@@ -56,6 +56,7 @@ SPIN_LIMIT = 1 << 22    # polls of a grid barrier before it gives up (~seconds):
 # (memcheck, the self-attention's p @ v; fine with DISABLE_MMA_V3=1 and in per-phase launches,
 # BENCHMARKS.md, issue 22): horizons above this run one launch per phase.
 PERSISTENT_MAX_TOKENS = 32
+BACKENDS = ("triton", "cuda")
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,9 @@ class FusedExpert:
     """The expert's flow loop on the fused kernel. Not re-entrant across streams: calls share
     scratch. The weights are copies: the expert may change afterwards without effect."""
 
-    def __init__(self, expert: ActionExpert, fp8: bool = False, tiling: Tiling = Tiling()):
+    def __init__(self, expert: ActionExpert, fp8: bool = False, tiling: Tiling = Tiling(), backend: str = "triton"):
+        if backend not in BACKENDS:
+            raise ValueError(f"fused expert backend must be one of {BACKENDS}, got {backend!r}")
         cfg = expert.cfg
         self.expert, self.fp8, self.tiling = expert, fp8, tiling
         self.width, self.heads, self.mlp, self.action_dim = cfg.width, cfg.heads, cfg.mlp, cfg.action_dim
@@ -180,6 +183,11 @@ class FusedExpert:
         self.fc1 = Stack.of([(b.fc1.weight, b.fc1.bias) for b in blocks], fp8)
         self.fc2 = Stack.of([(b.fc2.weight, b.fc2.bias) for b in blocks], fp8)
         self._buffers: dict[tuple, Buffers] = {}
+        # backend "cuda": the loop on kernels/expert_flow.cu (fused_expert_cuda.py), else Triton's.
+        self.cuda = None
+        if backend == "cuda":
+            from .fused_expert_cuda import CudaFlow
+            self.cuda = CudaFlow(self)
         self.handle = next(_IDS)
         _INSTANCES[self.handle] = self
 
@@ -284,7 +292,8 @@ class FusedExpert:
     def barrier_timed_out(self) -> bool:
         """Whether a persistent launch ever gave up waiting at a grid barrier (its programs were
         not all resident: the results of that launch are wrong). Syncs: call it after warm-up."""
-        return any(bool(b.error.item()) for b in self._buffers.values())
+        return (any(bool(b.error.item()) for b in self._buffers.values())
+                or (self.cuda is not None and self.cuda.barrier_timed_out()))
 
     # -- calls ---------------------------------------------------------------------------------
     def flow(self, noise: torch.Tensor, inputs: FlowInputs, kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -295,11 +304,11 @@ class FusedExpert:
         `known` (real-time chunking by inpainting): the loop runs one step per launch and the known
         rows are inpainted between them with torch ops (capturable), as model.action_expert.euler
         does; without it the loop stays one launch."""
-        buf = self.prepare(noise, inputs.steps, kv)
+        buf = self.prepare(noise, inputs.steps, kv, ctx_mask)
         if known is None:
             self._run(buf, inputs, ctx_mask, euler=True)
             return buf.xa.view(noise.shape)
-        if self.tiling.trace:
+        if self.tiling.trace and self.cuda is None:
             raise ValueError("Tiling(trace=True) times the loop's one launch; with known actions it runs one per step")
         actions = buf.xa.view(noise.shape)
         for i, t in enumerate(flow_times(inputs.steps)):
@@ -316,9 +325,12 @@ class FusedExpert:
         return fused_expert_velocity(self.handle, x, list(block_mods), final_mod, [k for k, _ in kv],
                                      [v for _, v in kv], ctx_mask)
 
-    def prepare(self, x: torch.Tensor, steps: int, kv: list) -> Buffers:
+    def prepare(self, x: torch.Tensor, steps: int, kv: list, ctx_mask: Optional[torch.Tensor] = None):
         """The scratch for actions x [B, H, A], with x and the context K/V copied in (K and V of
-        every block into the kernel's layout in one batched copy)."""
+        every block into the kernel's layout in one batched copy): Buffers, or the CUDA
+        backend's Scratch."""
+        if self.cuda is not None:
+            return self.cuda.prepare(x, steps, kv, ctx_mask)
         buf = self.buffers(x.shape[0], x.shape[1], kv[0][0].shape[2], steps, x.device)
         torch.stack([t for pair in kv for t in pair], out=buf.kv.view(-1, *buf.kv.shape[2:]))
         buf.xa.copy_(x.reshape(buf.xa.shape))
@@ -329,6 +341,9 @@ class FusedExpert:
         """Flow steps `steps` (default: all) in one persistent launch (its barrier counts from zero
         per launch), or one launch per phase."""
         steps = steps or range(inputs.steps)
+        if self.cuda is not None:
+            self.cuda.run(buf, inputs, euler, steps)
+            return
         if self.runs_persistent(buf):
             buf.barrier.zero_()
             if self.tiling.trace:
@@ -399,7 +414,7 @@ class FusedExpert:
         """One flow step's velocity (the custom op's body)."""
         inputs = FlowInputs(torch.cat(block_mods).unsqueeze(0), final_mod.reshape(1, -1),
                             self._no_reuse(x.device), (-1,))
-        buf = self.prepare(x, 1, list(zip(keys, values)))
+        buf = self.prepare(x, 1, list(zip(keys, values)), ctx_mask)
         self._run(buf, inputs, ctx_mask, euler=False)
         return buf.vel[0].view(x.shape).clone()
 

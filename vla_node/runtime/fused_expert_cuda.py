@@ -1,0 +1,187 @@
+"""FusedExpert's CUDA backend: the flow loop on kernels/expert_flow.cu, one persistent launch.
+
+    cuda = CudaFlow(fused)                          # weights re-laid out once, in fragment order
+    buf = cuda.prepare(noise, steps, kv, ctx_mask)  # scratch of the shape; x and K/V copied in
+    cuda.run(buf, inputs, euler, steps)             # the steps in one launch
+
+What it takes (else `unsupported` says why and FusedExpert keeps the Triton kernel): a bf16
+expert on a CUDA GPU, width and MLP multiples of 256 (each of 8 warps takes an even number of
+k-steps), a head dim multiple of 16, horizons up to 32 (padded to tiles of 16 rows), at most 128
+padded rows (8 observations of 16 actions), no e4m3 weights.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..model.action_expert import LN_EPS
+from .kernels.expert_flow_cuda import THREADS, FlowKernel, Params, available
+
+MAX_ROWS = 128
+SPIN_LIMIT = 1 << 22   # polls of a grid barrier before it gives up (programs not all resident)
+
+
+def unsupported(fused) -> Optional[str]:
+    """Why the CUDA kernel cannot run this expert (None: it can)."""
+    if fused.dtype != torch.bfloat16:
+        return f"the CUDA expert kernel runs bf16 weights, not {fused.dtype}"
+    if fused.fp8:
+        return "the CUDA expert kernel has no e4m3 weights (the Triton kernel has)"
+    if fused.width % 256 or fused.mlp % 256 or fused.head_dim % 16:
+        return (f"the CUDA expert kernel needs width and MLP multiples of 256 and a head dim multiple of 16, got "
+                f"{fused.width}, {fused.mlp}, {fused.head_dim}")
+    if fused.action_dim > 32:
+        return f"the CUDA expert kernel takes at most 32 action dims, got {fused.action_dim}"
+    return available()
+
+
+def fragments_b(weight: torch.Tensor) -> torch.Tensor:
+    """Stacked weights [depth, N, K] in the mma B-fragment order the kernel loads: [depth][N/8]
+    [K/32][lane = 4 g + q][k-step s][half][e] with n = 8 tile + g, k = 32 p + 16 s + 8 half + 2 q + e
+    (a lane's fragments of two k-steps: one 16-byte load)."""
+    d, n, k = weight.shape
+    return (weight.view(d, n // 8, 8, k // 32, 2, 2, 4, 2).permute(0, 1, 3, 2, 6, 4, 5, 7).contiguous())
+
+
+def pack_kv(kv: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+    """Per-block context K, V [B, heads, keys, hd] into out [depth, B, heads, tiles, 2, 32, hd/2]:
+    per 16-key tile and lane, K in the B-fragment order of Q K^T ([k-step][key half nt][d half][e]:
+    key = 8 nt + g, d = 16 ks + 8 half + 2 q + e) and V in that of P V ([d tile dn][key half][e]:
+    key = 8 half + 2 q + e, d = 8 dn + g). Padding keys are zeros (the kernel masks them)."""
+    depth, b, h, tiles, _, _, half_hd = out.shape
+    hd, pad = 2 * half_hd, tiles * 16 - kv[0][0].shape[2]
+    for which in (0, 1):
+        t = torch.stack([pair[which] for pair in kv])
+        if pad:
+            t = F.pad(t, (0, 0, 0, pad))
+        if which == 0:
+            t = t.view(depth, b, h, tiles, 2, 8, hd // 16, 2, 4, 2).permute(0, 1, 2, 3, 5, 8, 6, 4, 7, 9)
+        else:
+            t = t.view(depth, b, h, tiles, 2, 4, 2, hd // 8, 8).permute(0, 1, 2, 3, 8, 5, 7, 4, 6)
+        out[:, :, :, :, which].copy_(t.reshape(depth, b, h, tiles, 32, half_hd))
+
+
+@dataclass
+class Plan:
+    constants: tuple      # the kernel's -D constants (its cache key)
+    programs: int
+    smem: int
+    key_tiles: int
+    cpp: int              # programs per (entry, head) of the cross-attention
+    tiles_per_cta: int
+
+
+@dataclass
+class Scratch:
+    """Everything one shape's launches write (kernels/expert_flow.cu names the layouts)."""
+    plan: Plan
+    n_keys: int
+    xa: torch.Tensor; vel: torch.Tensor; x: torch.Tensor; stats: torch.Tensor
+    qkv: torch.Tensor; q: torch.Tensor; y: torch.Tensor; hid: torch.Tensor
+    opart: torch.Tensor; mlpart: torch.Tensor; counter: torch.Tensor; barrier: torch.Tensor
+    error: torch.Tensor; kv: torch.Tensor
+    mask: Optional[torch.Tensor] = None
+    mask_stride: int = 0
+
+
+class CudaFlow:
+    def __init__(self, fused):
+        if why := unsupported(fused):
+            raise ValueError(why)
+        e = fused.expert
+        self.fused = fused
+        # The kernel reads the weights as 16-byte fragments: copies, made once.
+        self.weights = {name: fragments_b(stack.weight) for name, stack in
+                        zip(("wqkv", "wso", "wq", "wco", "w1", "w2"), fused.stacks())}
+        self.biases = {name: stack.bias for name, stack in zip(("bqkv", "bso", "bq", "bco", "b1", "b2"), fused.stacks())}
+        self.io = dict(win=e.action_in.weight.detach().contiguous(), bin=e.action_in.bias.detach(),
+                       pos=e.action_pos.detach().contiguous(), wout=e.action_out.weight.detach().contiguous(),
+                       bout=e.action_out.bias.detach())
+        self._scratch: dict[tuple, Scratch] = {}
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    def plan(self, entries: int, tokens: int, n_keys: int, device) -> Plan:
+        f = self.fused
+        tok16 = 16 * math.ceil(tokens / 16)
+        rows = entries * tok16
+        if tokens > 32 or rows > MAX_ROWS:
+            raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
+                             f"got {entries} x {tokens}")
+        props = torch.cuda.get_device_properties(device)
+        programs = props.multi_processor_count
+        tpr = 1
+        while tpr < 32 and tpr * 2 * rows <= THREADS:
+            tpr *= 2
+        pairs = entries * f.heads
+        key_tiles = math.ceil(n_keys / 16)
+        cpp = max(1, min(math.ceil(key_tiles / 8), programs // pairs))
+        tpc = lambda n: math.ceil(n / 8 / programs)   # noqa: E731 (tiles of 8 columns a program)
+        gemv = max(2 * rows + 8 * tpc(n) * rows * 8 for n in (3 * f.width, f.width, f.mlp))
+        cross = 8 * tok16 * f.head_dim + 2 * 8 * tok16 + 1
+        smem = 4 * max(gemv, cross, 8 + 8 * f.action_dim)
+        constants = dict(WIDTH=f.width, HEADS=f.heads, HDIM=f.head_dim, MLPD=f.mlp, ADIM=f.action_dim, TOK=tokens,
+                         TOK16=tok16, ENTRIES=entries, DEPTH=f.depth, NPROG=programs, TPR=tpr, SPIN_LIMIT=SPIN_LIMIT)
+        return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, math.ceil(key_tiles / cpp))
+
+    def scratch(self, entries: int, tokens: int, n_keys: int, steps: int, device) -> Scratch:
+        key = (entries, tokens, n_keys, steps, torch.device(device))
+        if key not in self._scratch:
+            f, plan = self.fused, self.plan(entries, tokens, n_keys, device)
+            rows = entries * dict(plan.constants)["TOK16"]
+            w, tok16, pairs = f.width, rows // entries, entries * f.heads
+            with torch.device(device):
+                bf, f32 = dict(dtype=torch.bfloat16), dict(dtype=torch.float32)
+                self._scratch[key] = Scratch(
+                    plan=plan, n_keys=n_keys, xa=torch.empty((entries * tokens, f.action_dim), **f32),
+                    vel=torch.empty((steps, entries * tokens, f.action_dim), **bf),
+                    x=torch.empty((rows, w), **f32), stats=torch.empty((2, w // 8, rows), **f32),
+                    qkv=torch.empty(rows * 3 * w, **bf), q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf),
+                    hid=torch.empty(rows * f.mlp, **bf),
+                    opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
+                    mlpart=torch.empty(pairs * plan.cpp * tok16 * 2, **f32),
+                    counter=torch.zeros(pairs, dtype=torch.int32), barrier=torch.zeros(1, dtype=torch.int32),
+                    error=torch.zeros(1, dtype=torch.int32),
+                    kv=torch.empty((f.depth, entries, f.heads, plan.key_tiles, 2, 32, f.head_dim // 2), **bf))
+        return self._scratch[key]
+
+    def barrier_timed_out(self) -> bool:
+        return any(bool(s.error.item()) for s in self._scratch.values())
+
+    def prepare(self, x: torch.Tensor, steps: int, kv: list, ctx_mask: Optional[torch.Tensor]) -> Scratch:
+        """The scratch for actions x [B, H, A], with x, the context K/V and the mask copied in."""
+        n_keys = kv[0][0].shape[2]
+        buf = self.scratch(x.shape[0], x.shape[1], n_keys, steps, x.device)
+        pack_kv(kv, buf.kv)
+        buf.xa.copy_(x.reshape(buf.xa.shape))
+        if ctx_mask is None:
+            buf.mask, buf.mask_stride = None, 0
+        else:
+            buf.mask = ctx_mask.reshape(ctx_mask.shape[0], -1).contiguous().view(torch.uint8)
+            buf.mask_stride = n_keys if buf.mask.shape[0] > 1 else 0
+        return buf
+
+    def run(self, buf: Scratch, inputs, euler: bool, steps: range) -> None:
+        """Flow steps `steps` of inputs (FusedExpert's FlowInputs) in one launch."""
+        plan = buf.plan
+        kernel = FlowKernel.get(plan.constants, buf.x.device.index or 0, plan.smem)
+        buf.barrier.zero_()
+        ptr = lambda t: t.data_ptr()   # noqa: E731
+        p = Params(xa=ptr(buf.xa), vel=ptr(buf.vel), reuse=ptr(inputs.reuse),
+                   **{k: ptr(v) for k, v in self.weights.items()}, **{k: ptr(v) for k, v in self.biases.items()},
+                   **{k: ptr(v) for k, v in self.io.items()}, mods=ptr(inputs.mods), fmods=ptr(inputs.final_mods),
+                   kv=ptr(buf.kv), mask=ptr(buf.mask) if buf.mask is not None else ptr(buf.kv),
+                   x=ptr(buf.x), stats=ptr(buf.stats), qkv=ptr(buf.qkv), q=ptr(buf.q), y=ptr(buf.y),
+                   hid=ptr(buf.hid), opart=ptr(buf.opart), mlpart=ptr(buf.mlpart), counter=ptr(buf.counter),
+                   bar=ptr(buf.barrier), err=ptr(buf.error),
+                   n_keys=buf.n_keys, key_tiles=plan.key_tiles,
+                   cpp=plan.cpp, tiles_per_cta=plan.tiles_per_cta, mask_stride=buf.mask_stride,
+                   has_mask=int(buf.mask is not None), step_lo=steps.start, step_hi=steps.stop, euler=int(euler),
+                   dt=1.0 / inputs.steps, eps=LN_EPS, scale=1.0 / math.sqrt(self.fused.head_dim))
+        kernel.launch(p, plan.programs, plan.smem, torch.cuda.current_stream(buf.x.device).cuda_stream,
+                      cooperative=self.fused.tiling.cooperative)

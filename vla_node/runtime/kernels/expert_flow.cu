@@ -1,0 +1,716 @@
+// The action expert's flow loop as one persistent CUDA kernel, compiled at run time by NVRTC
+// (kernels/expert_flow_cuda.py builds and launches it; FusedExpert(backend="cuda") uses it).
+//
+// Why CUDA C++ and not Triton: at M = 16 rows the Triton kernel's phases each took 3-4 us for
+// 0.3-1.1 us of bytes, the time going to operand staging through shared memory and barrier
+// broadcasts that Triton's language cannot reach (BENCHMARKS.md, issue 22). Here every
+// operand of a tensor-core mma is loaded straight into the registers it is used in:
+//   - weights are re-laid out once at load time in the mma's B-fragment order, so a lane's
+//     fragments of two k-steps are one 16-byte load, a warp's a contiguous 512 bytes;
+//   - activations that the kernel produces for a later dot (attention outputs, the MLPD hidden,
+//     the cross-attention queries, q/k of the self-attention) are stored by their producer in
+//     the consumer's ADIM-fragment order (one 16-byte load per lane and k-step), and the values of
+//     the self-attention are stored in the B-fragment order of P @ V;
+//   - the context K/V are packed per query (by the host) in the B-fragment orders of Q K^TOK and
+//     P V: one 16-byte load per lane and k-step, straight from memory, no shared memory.
+// One program (256 threads) per SM; the phases of a block are separated by grid barriers (an
+// arrival counter polled by one thread); a phase's weights (and the cross-attention's first
+// keys) are loaded between this program's arrival at the barrier before it and its wait, so
+// their memory latency runs while the other programs finish. Sums over warps, programs and key
+// splits run in a fixed order: graph replays are bit-identical.
+//
+// Phases of block j at flow step i (rows: ENTRIES x TOK16 padded tokens, MT tiles of 16):
+//   qkv       LN1 + modulate(x) @ Wqkv^TOK + b  -> q, k (ADIM-fragment order), v (PV B-fragments)
+//   self      per (entry, head, query tile) one warp: softmax(q k^TOK) v -> y (ADIM-fragment order)
+//   self_out  x += g1 (y @ Wso^TOK + b), and each 8-column tile's row mean and M2
+//   cross_q   LN2 + modulate(x) @ Wq^TOK + b    -> q (ADIM-fragment order)
+//   cross     per (entry, head) CPP programs over its key tiles, one warp a tile at a time;
+//             warps merged in the program, programs by the last to arrive -> y
+//   cross_out x += g2 (y @ Wco^TOK + b)
+//   fc1       LN3 + modulate(x) @ W1^TOK + b, GELU -> hid (ADIM-fragment order)
+//   fc2       x += g3 (hid @ W2^TOK + b)
+// and per step, for the rows a program owns: out (final LN + modulate -> action_out -> v, and
+// the Euler update), reuse (action caching: actions += dt v of an earlier step) and in (x =
+// action_in(actions) + pos). ADIM GEMV phase gives each program TPC tiles of 8 output columns
+// and each of its 8 warps an eighth of K; the warps' partial sums meet in shared memory.
+//
+// Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define NTHREADS 256
+#define NWARPS 8
+#define MP (ENTRIES * TOK16)          // padded rows
+#define MT (MP / 16)                // row tiles of 16
+#define KS_W (WIDTH / 16)               // k-steps of a width-K dot
+#define KS_MLP (MLPD / 16)
+#define NT_W (WIDTH / 8)                // 8-column tiles of the residual stream (LN statistics)
+#define HK (HDIM / 16)                // k-steps of a head
+#define NEG (-1.0e30f)
+#define LOG2E 1.4426950408889634f
+
+struct Params {
+    float* xa; u16* vel; const int* reuse;
+    const uint4* wqkv; const u16* bqkv; const uint4* wso; const u16* bso;
+    const uint4* wq; const u16* bq; const uint4* wco; const u16* bco;
+    const uint4* w1; const u16* b1; const uint4* w2; const u16* b2;
+    const u16* win; const u16* bin; const u16* pos; const u16* wout; const u16* bout;
+    const u16* mods; const u16* fmods; const uint4* kv; const unsigned char* mask;
+    float* x; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* opart; float* mlpart;
+    u32* counter; u32* bar; int* err;
+    int n_keys, key_tiles, cpp, tiles_per_cta, mask_stride, has_mask, step_lo, step_hi, euler;
+    float dt, eps, scale;
+};
+
+// -- memory ------------------------------------------------------------------------------------
+// Inputs that never change within a launch: the read-only path. `volatile` keeps a prefetch
+// where it is written (before a barrier wait), not sunk to its first use.
+__device__ __forceinline__ uint4 ld_in16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 ld_in4(const void* p) {
+    u32 r;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float ld_in_bf(const u16* p) {
+    unsigned short r;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return __uint_as_float(((u32)r) << 16);
+}
+// What this launch writes and reads back: L2 only (the SM's L1 is not coherent across SMs).
+__device__ __forceinline__ uint4 ld_cg16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float2 ld_cg_f2(const float* p) {
+    float2 r;
+    asm volatile("ld.global.cg.v2.f32 {%0,%1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
+    float4 r;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
+                 : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float ld_cg_f(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float ld_cg_bf(const u16* p) {
+    unsigned short r;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return __uint_as_float(((u32)r) << 16);
+}
+
+// -- numbers -----------------------------------------------------------------------------------
+__device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u16 to_bf(float v) { return (u16)(pack_bf2(v, 0.0f) & 0xffffu); }
+__device__ __forceinline__ float round_bf(float v) { return bf_lo(pack_bf2(v, 0.0f)); }
+
+// d += a b: one m16n8k16 bf16 tensor-core product (fp32 accumulators).
+__device__ __forceinline__ void mma(float* d, uint4 a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+// Offset (bf16 elements) of element (r, c) of a [MP, cols] matrix stored in ADIM-fragment order:
+// [row tile][k-step][lane][4 registers][2]. Register 0: (row g, cols 2q, 2q+1), 1: (row g + 8,
+// 2q), 2: (g, 2q + 8), 3: (g + 8, 2q + 8), lane = 4 g + q (the m16n8k16 ADIM operand).
+__device__ __forceinline__ int afrag_offset(int r, int c, int ksteps) {
+    int rr = r & 15, cc = c & 15;
+    int lane = (rr & 7) * 4 + ((cc & 7) >> 1);
+    int reg = (cc >> 3) * 2 + (rr >> 3);
+    return ((((r >> 4) * ksteps + (c >> 4)) * 32 + lane) * 4 + reg) * 2 + (cc & 1);
+}
+
+// -- grid barrier --------------------------------------------------------------------------------
+struct Sync {
+    u32 arrivals;   // this program's arrivals so far (every program arrives at every barrier)
+    int failed;     // thread 0: a wait gave up (programs not all resident): stop waiting
+};
+
+__device__ __forceinline__ void grid_arrive(const Params& p, Sync& s) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p.bar) : "memory");
+    s.arrivals++;
+}
+
+__device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
+    if (threadIdx.x == 0 && !s.failed) {
+        u32 target = s.arrivals * NPROG, seen;
+        int spins = 0;
+        while (true) {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.bar) : "memory");
+            if (seen >= target) break;
+            if (++spins > SPIN_LIMIT) {
+                atomicExch(p.err, 1);
+                s.failed = 1;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// -- block reductions ------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The sum of v over the program's threads, in a fixed order (scratch: NWARPS floats).
+__device__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < NWARPS; ++w) s += scratch[w];
+    return s;
+}
+
+// LayerNorm mean and 1/std of every row from its 8-column tiles' (mean, M2) (Chan's formula,
+// equal counts): into mean[MP], rstd[MP] in shared memory. TPR threads a row.
+__device__ void row_stats(const Params& p, float* mean, float* rstd) {
+    const int lane_in_row = threadIdx.x % TPR;
+    for (int base = 0; base < MP; base += NTHREADS / TPR) {
+        int r = base + threadIdx.x / TPR;
+        bool ok = r < MP;
+        float s = 0.0f;
+        if (ok)
+            for (int t = lane_in_row; t < NT_W; t += TPR) s += ld_cg_f(p.stats + t * MP + r);
+        for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        float mu = s / NT_W, m2 = 0.0f;
+        if (ok)
+            for (int t = lane_in_row; t < NT_W; t += TPR) {
+                float d = ld_cg_f(p.stats + t * MP + r) - mu;
+                m2 += ld_cg_f(p.stats + (NT_W + t) * MP + r) + 8.0f * d * d;
+            }
+        for (int o = TPR / 2; o > 0; o >>= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
+        if (ok && lane_in_row == 0) {
+            mean[r] = mu;
+            rstd[r] = rsqrtf(m2 / WIDTH + p.eps);
+        }
+    }
+}
+
+// Row r's 8 columns from c0 (final values) and their mean and M2.
+__device__ __forceinline__ void store_x8(const Params& p, int r, int c0, const float* v) {
+    float* dst = p.x + r * WIDTH + c0;
+    *(float4*)dst = make_float4(v[0], v[1], v[2], v[3]);
+    *(float4*)(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    float mu = 0.0f;
+    for (int k = 0; k < 8; ++k) mu += v[k];
+    mu *= 0.125f;
+    float m2 = 0.0f;
+    for (int k = 0; k < 8; ++k) m2 += (v[k] - mu) * (v[k] - mu);
+    p.stats[(c0 >> 3) * MP + r] = mu;
+    p.stats[(NT_W + (c0 >> 3)) * MP + r] = m2;
+}
+
+// -- the GEMV phases -------------------------------------------------------------------------------
+enum Source { FROM_X_LN, FROM_FRAGS };
+enum Epilogue { TO_QKV, TO_FRAGS, TO_FRAGS_GELU, TO_RESIDUAL };
+
+template <int N, int K> struct Shape {
+    static constexpr int NT8 = N / 8;                   // output tiles of 8 columns
+    static constexpr int KS = K / 16;
+    static constexpr int KSW = KS / NWARPS;             // k-steps of one warp
+    static constexpr int KP = KSW / 2;                  // 16-byte weight loads per (tile, lane)
+    static constexpr int TPC = (NT8 + NPROG - 1) / NPROG;   // tiles of one program
+};
+
+// y = src @ Wf^TOK (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
+// residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
+// ADIM-fragment order. wr: this program's weights, loaded by gemv_weights before the wait.
+template <int N, int K> struct Gemv {
+    typedef Shape<N, K> S;
+    uint4 wr[S::TPC][S::KP];
+    u32 shift[S::KSW][2], scale[S::KSW][2];
+
+    __device__ __forceinline__ void load(const uint4* wf, const u16* mod, int shift_off, int scale_off,
+                                         bool modulated) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        const int t0 = blockIdx.x * S::TPC;
+#pragma unroll
+        for (int tt = 0; tt < S::TPC; ++tt) {
+            int tile = t0 + tt;
+#pragma unroll
+            for (int kp = 0; kp < S::KP; ++kp)
+                wr[tt][kp] = tile < S::NT8 ? ld_in16(wf + ((tile * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
+                                           : make_uint4(0, 0, 0, 0);
+        }
+        if (modulated && t0 < S::NT8) {
+            const int q = lane & 3;
+#pragma unroll
+            for (int ks = 0; ks < S::KSW; ++ks) {
+                int c = (warp * S::KSW + ks) * 16 + 2 * q;
+                shift[ks][0] = ld_in4(mod + shift_off + c);
+                shift[ks][1] = ld_in4(mod + shift_off + c + 8);
+                scale[ks][0] = ld_in4(mod + scale_off + c);
+                scale[ks][1] = ld_in4(mod + scale_off + c + 8);
+            }
+        }
+    }
+
+    // The ADIM fragment of k-step ks (of this warp's) of row tile mt.
+    template <int SRC>
+    __device__ __forceinline__ uint4 a_frag(const Params& p, const u16* frags, int src_ksteps, int mt, int ks,
+                                            const float* mean, const float* rstd) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+        if (SRC == FROM_FRAGS)
+            return ld_cg16((const uint4*)frags + ((mt * src_ksteps + warp * S::KSW + ks) * 32 + lane));
+        const int r0 = mt * 16 + g, r1 = r0 + 8, c = (warp * S::KSW + ks) * 16 + 2 * q;
+        const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
+        float2 x00 = ld_cg_f2(p.x + r0 * WIDTH + c), x10 = ld_cg_f2(p.x + r1 * WIDTH + c);
+        float2 x01 = ld_cg_f2(p.x + r0 * WIDTH + c + 8), x11 = ld_cg_f2(p.x + r1 * WIDTH + c + 8);
+        float sh0 = bf_lo(shift[ks][0]), sh1 = bf_hi(shift[ks][0]), sh2 = bf_lo(shift[ks][1]), sh3 = bf_hi(shift[ks][1]);
+        float sc0 = 1.0f + bf_lo(scale[ks][0]), sc1 = 1.0f + bf_hi(scale[ks][0]);
+        float sc2 = 1.0f + bf_lo(scale[ks][1]), sc3 = 1.0f + bf_hi(scale[ks][1]);
+        return make_uint4(pack_bf2((x00.x - m0) * s0 * sc0 + sh0, (x00.y - m0) * s0 * sc1 + sh1),
+                          pack_bf2((x10.x - m1) * s1 * sc0 + sh0, (x10.y - m1) * s1 * sc1 + sh1),
+                          pack_bf2((x01.x - m0) * s0 * sc2 + sh2, (x01.y - m0) * s0 * sc3 + sh3),
+                          pack_bf2((x11.x - m1) * s1 * sc2 + sh2, (x11.y - m1) * s1 * sc3 + sh3));
+    }
+
+    // The warps' partial sums of this program's tiles into red[warp][tile][row][8]: per row
+    // tile, the ADIM fragments of KC k-steps loaded together, each used by every tile.
+    template <int SRC>
+    __device__ __forceinline__ void partials(const Params& p, const u16* frags, int src_ksteps, float* red,
+                                             const float* mean, const float* rstd) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+        constexpr int KC = S::KSW < 6 ? S::KSW : 6;
+        for (int mt = 0; mt < MT; ++mt) {
+            float acc[S::TPC][4];
+#pragma unroll
+            for (int tt = 0; tt < S::TPC; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
+#pragma unroll
+            for (int k0 = 0; k0 < S::KSW; k0 += KC) {
+                uint4 a[KC];
+#pragma unroll
+                for (int k = 0; k < KC; ++k) a[k] = a_frag<SRC>(p, frags, src_ksteps, mt, k0 + k, mean, rstd);
+#pragma unroll
+                for (int k = 0; k < KC; ++k) {
+                    const int ks = k0 + k;
+#pragma unroll
+                    for (int tt = 0; tt < S::TPC; ++tt) {
+                        const uint4 w = wr[tt][ks >> 1];
+                        if (ks & 1) mma(acc[tt], a[k], w.z, w.w);
+                        else mma(acc[tt], a[k], w.x, w.y);
+                    }
+                }
+            }
+#pragma unroll
+            for (int tt = 0; tt < S::TPC; ++tt) {
+                float* dst = red + ((warp * S::TPC + tt) * MP + mt * 16 + g) * 8 + 2 * q;
+                *(float2*)dst = make_float2(acc[tt][0], acc[tt][1]);
+                *(float2*)(dst + 8 * 8) = make_float2(acc[tt][2], acc[tt][3]);
+            }
+        }
+    }
+};
+
+// The epilogue of a GEMV phase: each thread one (tile, row) of 8 columns, the warps summed in order.
+template <int N, int K, int EPI>
+__device__ void gemv_epilogue(const Params& p, const float* red, const u16* bias, u16* out, const u16* mod,
+                              int gate_off) {
+    typedef Shape<N, K> S;
+    const int t0 = blockIdx.x * S::TPC;
+    for (int idx = threadIdx.x; idx < S::TPC * MP; idx += NTHREADS) {
+        const int tt = idx / MP, r = idx % MP, tile = t0 + tt, c0 = tile * 8;
+        if (tile >= S::NT8) continue;
+        float v[8];
+        for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+        for (int w = 0; w < NWARPS; ++w) {
+            const float* src = red + ((w * S::TPC + tt) * MP + r) * 8;
+            float4 lo = *(const float4*)src, hi = *(const float4*)(src + 4);
+            v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+            v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+        }
+        for (int k = 0; k < 8; ++k) v[k] += ld_in_bf(bias + c0 + k);
+        if (EPI == TO_RESIDUAL) {
+            float4 lo = ld_cg_f4(p.x + r * WIDTH + c0), hi = ld_cg_f4(p.x + r * WIDTH + c0 + 4);
+            float old[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            for (int k = 0; k < 8; ++k) v[k] = old[k] + ld_in_bf(mod + gate_off + c0 + k) * v[k];
+            store_x8(p, r, c0, v);
+        } else if (EPI == TO_QKV && c0 >= 2 * WIDTH) {
+            // v of head h in the B-fragment order of P @ V: [row tile][head][lane][HDIM/8][2][2] with
+            // (key = half 8 + 2 q + e, d = 8 dn + g) of the tile's 16 keys.
+            const int h = (c0 - 2 * WIDTH) / HDIM, d0 = (c0 - 2 * WIDTH) % HDIM, kk = r & 15;
+            const int half = kk >> 3, qq = (kk & 7) >> 1, e = kk & 1, dn = d0 >> 3;
+            u16* base = out + MP * 2 * WIDTH + ((r >> 4) * HEADS + h) * 32 * (HDIM / 2);
+            for (int gg = 0; gg < 8; ++gg)
+                base[(gg * 4 + qq) * (HDIM / 2) + dn * 4 + half * 2 + e] = to_bf(v[gg]);
+        } else {
+            if (EPI == TO_FRAGS_GELU)
+                for (int k = 0; k < 8; ++k) v[k] = 0.5f * v[k] * (1.0f + erff(v[k] * 0.7071067811865476f));
+            const int cols = EPI == TO_QKV ? 2 * WIDTH : N;
+            for (int k = 0; k < 8; k += 2)
+                *(u32*)(out + afrag_offset(r, c0 + k, cols / 16)) = pack_bf2(v[k], v[k + 1]);
+        }
+    }
+}
+
+// One GEMV phase of block j: weights before the wait, then the dot and its epilogue.
+template <int N, int K, int SRC, int EPI>
+__device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
+                                           const u16* mod, int shift_off, int scale_off, int gate_off,
+                                           const u16* frags, int src_ksteps, u16* out) {
+    Gemv<N, K> gemv;
+    gemv.load(wf, mod, shift_off, scale_off, SRC == FROM_X_LN);
+    grid_wait(p, s);
+    if (blockIdx.x * Shape<N, K>::TPC < Shape<N, K>::NT8) {
+        float* mean = smem;
+        float* rstd = smem + MP;
+        float* red = smem + 2 * MP;
+        if (SRC == FROM_X_LN) {
+            row_stats(p, mean, rstd);
+            __syncthreads();
+        }
+        gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd);
+        __syncthreads();
+        gemv_epilogue<N, K, EPI>(p, red, bias, out, mod, gate_off);
+    }
+    grid_arrive(p, s);
+}
+
+// -- attention -----------------------------------------------------------------------------------
+// Online softmax of one 16-key tile for a warp's 16 query rows (rows g and g + 8 of its lane):
+// scores s[nt][4] (log2 domain, invalid keys already NEG and flagged), running max m, sum l,
+// output o[HDIM/8][4]; P as an ADIM fragment for the P @ V product.
+__device__ __forceinline__ uint4 softmax_tile(float (&s)[2][4], const bool (&ok)[2][4], float (&m)[2], float (&l)[2],
+                                              float (&o)[HDIM / 8][4]) {
+    float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+    float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+    }
+    float n0 = fmaxf(m[0], mx0), n1 = fmaxf(m[1], mx1);
+    float c0 = exp2f(m[0] - n0), c1 = exp2f(m[1] - n1);
+    m[0] = n0;
+    m[1] = n1;
+    float pr[2][4];
+    for (int nt = 0; nt < 2; ++nt)
+        for (int k = 0; k < 4; ++k) pr[nt][k] = ok[nt][k] ? exp2f(s[nt][k] - (k < 2 ? n0 : n1)) : 0.0f;
+    l[0] = l[0] * c0 + pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
+    l[1] = l[1] * c1 + pr[0][2] + pr[0][3] + pr[1][2] + pr[1][3];
+#pragma unroll
+    for (int dn = 0; dn < HDIM / 8; ++dn) {
+        o[dn][0] *= c0; o[dn][1] *= c0; o[dn][2] *= c1; o[dn][3] *= c1;
+    }
+    return make_uint4(pack_bf2(pr[0][0], pr[0][1]), pack_bf2(pr[0][2], pr[0][3]), pack_bf2(pr[1][0], pr[1][1]),
+                      pack_bf2(pr[1][2], pr[1][3]));
+}
+
+__device__ __forceinline__ void pv(float (&o)[HDIM / 8][4], uint4 pa, const uint4* v) {
+#pragma unroll
+    for (int u = 0; u < HK; ++u) {
+        mma(o[2 * u], pa, v[u].x, v[u].y);
+        mma(o[2 * u + 1], pa, v[u].z, v[u].w);
+    }
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Self-attention: one warp per (entry, head, query tile), warps spread over the programs first.
+__device__ void self_phase(const Params& p, Sync& s) {
+    grid_wait(p, s);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
+    const int item = warp * NPROG + blockIdx.x, qtiles = TOK16 / 16;
+    if (item < ENTRIES * HEADS * qtiles) {
+        const int b = item / (HEADS * qtiles), h = (item / qtiles) % HEADS, qm = item % qtiles;
+        const int mt = b * qtiles + qm;
+        const float scale = p.scale * LOG2E;
+        uint4 qa[HK];
+        for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane));
+        float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
+        for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+        for (int kt = 0; kt < qtiles; ++kt) {
+            const int km = b * qtiles + kt;
+            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            for (int ks = 0; ks < HK; ++ks) {
+                // k in ADIM-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
+                uint4 k = ld_cg16((const uint4*)p.qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
+                mma(sc[0], qa[ks], k.x, k.z);
+                mma(sc[1], qa[ks], k.y, k.w);
+            }
+            bool ok[2][4];
+            for (int nt = 0; nt < 2; ++nt)
+                for (int k = 0; k < 4; ++k) {
+                    ok[nt][k] = kt * 16 + nt * 8 + 2 * q + (k & 1) < TOK;
+                    sc[nt][k] = ok[nt][k] ? sc[nt][k] * scale : NEG;
+                }
+            uint4 pa = softmax_tile(sc, ok, m, l, o);
+            uint4 v[HK];
+            const uint4* vsrc = (const uint4*)(p.qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
+            for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
+            pv(o, pa, v);
+        }
+        const float inv0 = 1.0f / quad_sum(l[0]), inv1 = 1.0f / quad_sum(l[1]);
+        uint4* dst = (uint4*)p.y + ((mt * KS_W + h * HK) * 32 + lane);
+        for (int u = 0; u < HK; ++u)
+            dst[u * 32] = make_uint4(pack_bf2(o[2 * u][0] * inv0, o[2 * u][1] * inv0),
+                                     pack_bf2(o[2 * u][2] * inv1, o[2 * u][3] * inv1),
+                                     pack_bf2(o[2 * u + 1][0] * inv0, o[2 * u + 1][1] * inv0),
+                                     pack_bf2(o[2 * u + 1][2] * inv1, o[2 * u + 1][3] * inv1));
+    }
+    grid_arrive(p, s);
+}
+
+// The K/V fragments of key tile `tile` of (entry b, head h) in block j: 2 HK 16-byte loads a lane.
+__device__ __forceinline__ void load_kv(const Params& p, int j, int b, int h, int tile, uint4* kv) {
+    const int lane = threadIdx.x & 31;
+    const uint4* src = p.kv + ((((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + tile) * 2 * 32 + lane) * HK;
+    for (int u = 0; u < HK; ++u) kv[u] = ld_in16(src + u);
+    for (int u = 0; u < HK; ++u) kv[HK + u] = ld_in16(src + 32 * HK + u);
+}
+
+// Cross-attention of block j over the context K/V: (entry, head) pairs, p.cpp programs each,
+// p.tiles_per_cta key tiles a program, warp w its tiles w, w + 8, ...
+__device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const int pair = blockIdx.x / p.cpp, part = blockIdx.x % p.cpp;
+    const bool active = pair < ENTRIES * HEADS;
+    const int b = pair / HEADS, h = pair % HEADS;
+    const int tile_lo = part * p.tiles_per_cta + warp;
+    const int tile_hi = min((part + 1) * p.tiles_per_cta, p.key_tiles);
+    uint4 kv[2 * HK];
+    if (active && tile_lo < tile_hi) load_kv(p, j, b, h, tile_lo, kv);
+    grid_wait(p, s);
+    if (active) {
+        float* so = smem;                                   // [NWARPS][TOK16][HDIM] warp partials
+        float* sm = smem + NWARPS * TOK16 * HDIM;               // [NWARPS][TOK16] max, then sum
+        float* sl = sm + NWARPS * TOK16;
+        int* flag = (int*)(sl + NWARPS * TOK16);
+        const float scale = p.scale * LOG2E;
+        for (int qm = 0; qm < TOK16 / 16; ++qm) {
+            const int mt = b * (TOK16 / 16) + qm;
+            uint4 qa[HK];
+            for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.q + ((mt * KS_W + h * HK + ks) * 32 + lane));
+            float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
+            for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+            for (int tile = tile_lo; tile < tile_hi; tile += NWARPS) {
+                if (qm > 0 || tile != tile_lo) load_kv(p, j, b, h, tile, kv);
+                float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+                for (int ks = 0; ks < HK; ++ks) {
+                    mma(sc[0], qa[ks], kv[ks].x, kv[ks].y);
+                    mma(sc[1], qa[ks], kv[ks].z, kv[ks].w);
+                }
+                bool ok[2][4];
+                for (int nt = 0; nt < 2; ++nt)
+                    for (int k = 0; k < 4; ++k) {
+                        const int key = tile * 16 + nt * 8 + 2 * q + (k & 1);
+                        ok[nt][k] = key < p.n_keys && (!p.has_mask || p.mask[b * p.mask_stride + key]);
+                        sc[nt][k] = ok[nt][k] ? sc[nt][k] * scale : NEG;
+                    }
+                uint4 pa = softmax_tile(sc, ok, m, l, o);
+                pv(o, pa, kv + HK);
+            }
+            l[0] = quad_sum(l[0]);
+            l[1] = quad_sum(l[1]);
+            const int r0 = qm * 16 + g;
+            for (int dn = 0; dn < HDIM / 8; ++dn) {
+                *(float2*)(so + (warp * TOK16 + r0) * HDIM + dn * 8 + 2 * q) = make_float2(o[dn][0], o[dn][1]);
+                *(float2*)(so + (warp * TOK16 + r0 + 8) * HDIM + dn * 8 + 2 * q) = make_float2(o[dn][2], o[dn][3]);
+            }
+            if (q == 0) {
+                sm[warp * TOK16 + r0] = m[0];
+                sm[warp * TOK16 + r0 + 8] = m[1];
+                sl[warp * TOK16 + r0] = l[0];
+                sl[warp * TOK16 + r0 + 8] = l[1];
+            }
+        }
+        __syncthreads();
+        // The program's warps merged; with one program a pair, straight into y.
+        for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
+            const int row = e / HDIM, d = e % HDIM;
+            float mx = NEG;
+            for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, sm[w * TOK16 + row]);
+            float lsum = 0.0f, acc = 0.0f;
+            for (int w = 0; w < NWARPS; ++w) {
+                const float f = exp2f(sm[w * TOK16 + row] - mx);
+                lsum += f * sl[w * TOK16 + row];
+                acc += f * so[(w * TOK16 + row) * HDIM + d];
+            }
+            if (p.cpp == 1) {
+                p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / lsum);
+            } else {
+                const int at = (pair * p.cpp + part) * TOK16 + row;
+                p.opart[at * HDIM + d] = acc;
+                if (d == 0) {
+                    p.mlpart[at * 2] = mx;
+                    p.mlpart[at * 2 + 1] = lsum;
+                }
+            }
+        }
+        if (p.cpp > 1) {
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                __threadfence();
+                *flag = atomicAdd(p.counter + pair, 1u) == (u32)(p.cpp - 1);
+            }
+            __syncthreads();
+            if (*flag) {   // the last program of the pair: every program's partial, in order
+                __threadfence();
+                for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
+                    const int row = e / HDIM, d = e % HDIM;
+                    float mx = NEG;
+                    for (int c = 0; c < p.cpp; ++c) mx = fmaxf(mx, ld_cg_f(p.mlpart + ((pair * p.cpp + c) * TOK16 + row) * 2));
+                    float lsum = 0.0f, acc = 0.0f;
+                    for (int c = 0; c < p.cpp; ++c) {
+                        const int at = (pair * p.cpp + c) * TOK16 + row;
+                        const float f = exp2f(ld_cg_f(p.mlpart + at * 2) - mx);
+                        lsum += f * ld_cg_f(p.mlpart + at * 2 + 1);
+                        acc += f * ld_cg_f(p.opart + at * HDIM + d);
+                    }
+                    p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / lsum);
+                }
+                if (threadIdx.x == 0) p.counter[pair] = 0;
+            }
+        }
+    }
+    grid_arrive(p, s);
+}
+
+// -- the step boundary: rows owned by a program ---------------------------------------------------
+// out: v = action_out(LN(x) (1 + scale) + shift) rounded to the model dtype (as the reference
+// loop rounds it) into vel[i]; with euler, actions += dt v.
+__device__ void out_row(const Params& p, float* smem, int i, int r, int vr) {
+    float* scratch = smem;                  // NWARPS
+    float* part = smem + NWARPS;            // [NWARPS][ADIM]
+    const u16* fmod = p.fmods + i * 2 * WIDTH;
+    float xs[(WIDTH + NTHREADS - 1) / NTHREADS];
+    float sum = 0.0f;
+    for (int u = 0; u * NTHREADS < WIDTH; ++u) {
+        const int c = u * NTHREADS + threadIdx.x;
+        xs[u] = c < WIDTH ? ld_cg_f(p.x + r * WIDTH + c) : 0.0f;
+        sum += xs[u];
+    }
+    const float mu = block_sum(sum, scratch) / WIDTH;
+    float sq = 0.0f;
+    for (int u = 0; u * NTHREADS < WIDTH; ++u) {
+        const int c = u * NTHREADS + threadIdx.x;
+        if (c < WIDTH) sq += (xs[u] - mu) * (xs[u] - mu);
+    }
+    const float rs = rsqrtf(block_sum(sq, scratch) / WIDTH + p.eps);
+    float acc[ADIM];
+    for (int a = 0; a < ADIM; ++a) acc[a] = 0.0f;
+    for (int u = 0; u * NTHREADS < WIDTH; ++u) {
+        const int c = u * NTHREADS + threadIdx.x;
+        if (c >= WIDTH) continue;
+        const float hm = round_bf((xs[u] - mu) * rs * (1.0f + ld_in_bf(fmod + WIDTH + c)) + ld_in_bf(fmod + c));
+        for (int a = 0; a < ADIM; ++a) acc[a] += hm * ld_in_bf(p.wout + a * WIDTH + c);
+    }
+    __syncthreads();
+    for (int a = 0; a < ADIM; ++a) {
+        const float v = warp_sum(acc[a]);
+        if ((threadIdx.x & 31) == 0) part[(threadIdx.x >> 5) * ADIM + a] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < ADIM) {
+        const int a = threadIdx.x;
+        float v = ld_in_bf(p.bout + a);
+        for (int w = 0; w < NWARPS; ++w) v += part[w * ADIM + a];
+        const u16 vb = to_bf(v);
+        p.vel[(i * ENTRIES * TOK + vr) * ADIM + a] = vb;
+        if (p.euler) p.xa[vr * ADIM + a] += p.dt * __uint_as_float(((u32)vb) << 16);
+    }
+    __syncthreads();
+}
+
+// in: x = action_in(actions) + pos (padding rows: 0), each 8-column tile with its statistics.
+__device__ void in_row(const Params& p, float* smem, int r, int tok, int vr) {
+    float* xa = smem;   // [ADIM]
+    __syncthreads();
+    if (threadIdx.x < ADIM) xa[threadIdx.x] = tok < TOK ? ld_cg_f(p.xa + vr * ADIM + threadIdx.x) : 0.0f;
+    __syncthreads();
+    for (int t = threadIdx.x; t < NT_W; t += NTHREADS) {
+        float v[8];
+        for (int k = 0; k < 8; ++k) {
+            const int c = t * 8 + k;
+            float acc = 0.0f;
+            if (tok < TOK) {
+                acc = ld_in_bf(p.bin + c) + ld_in_bf(p.pos + tok * WIDTH + c);
+                for (int a = 0; a < ADIM; ++a) acc += xa[a] * ld_in_bf(p.win + c * ADIM + a);
+            }
+            v[k] = acc;
+        }
+        store_x8(p, r, t * 8, v);
+    }
+}
+
+// The boundary before step `next` (-1: none) after computed step `done` (-1: none): for each
+// owned row, out of `done`, the reused steps between them, and in of `next`.
+__device__ void boundary(const Params& p, float* smem, int done, int first_reuse, int next, int stop) {
+    for (int r = blockIdx.x; r < MP; r += NPROG) {
+        const int b = r / TOK16, tok = r % TOK16, vr = b * TOK + tok;
+        if (done >= 0 && tok < TOK) out_row(p, smem, done, r, vr);
+        for (int i = first_reuse; i < stop; ++i) {
+            __syncthreads();
+            if (tok < TOK && threadIdx.x < ADIM && p.euler) {
+                const int src = p.reuse[i];
+                const float v = ld_cg_bf(p.vel + (src * ENTRIES * TOK + vr) * ADIM + threadIdx.x);
+                p.xa[vr * ADIM + threadIdx.x] += p.dt * v;
+            }
+        }
+        if (next >= 0) in_row(p, smem, r, tok, vr);
+    }
+}
+
+// -- the loop --------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Params p) {
+    extern __shared__ float4 smem4[];
+    float* smem = (float*)smem4;
+    Sync s = {0u, 0};
+    // Steps step_lo .. step_hi - 1; a reused step (reuse[i] >= 0) only updates the actions.
+    int done = -1, i = p.step_lo;
+    while (true) {
+        const int first_reuse = i;
+        while (i < p.step_hi && p.reuse[i] >= 0) ++i;
+        const int next = i < p.step_hi ? i : -1;
+        boundary(p, smem, done, first_reuse, next, i);
+        if (next < 0) break;
+        grid_arrive(p, s);
+        const u16* mods = p.mods + (size_t)next * DEPTH * 9 * WIDTH;
+        for (int j = 0; j < DEPTH; ++j) {
+            const u16* mod = mods + j * 9 * WIDTH;
+            gemv_phase<3 * WIDTH, WIDTH, FROM_X_LN, TO_QKV>(p, s, smem, p.wqkv + (size_t)j * 3 * WIDTH * WIDTH / 8, p.bqkv + j * 3 * WIDTH,
+                                                    mod, 0, WIDTH, 0, nullptr, 0, p.qkv);
+            self_phase(p, s);
+            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8, p.bso + j * WIDTH, mod,
+                                                      0, 0, 2 * WIDTH, p.y, KS_W, nullptr);
+            gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS>(p, s, smem, p.wq + (size_t)j * WIDTH * WIDTH / 8, p.bq + j * WIDTH, mod, 3 * WIDTH,
+                                                  4 * WIDTH, 0, nullptr, 0, p.q);
+            cross_phase(p, s, smem, j);
+            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.wco + (size_t)j * WIDTH * WIDTH / 8, p.bco + j * WIDTH, mod,
+                                                      0, 0, 5 * WIDTH, p.y, KS_W, nullptr);
+            gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU>(p, s, smem, p.w1 + (size_t)j * MLPD * WIDTH / 8, p.b1 + j * MLPD,
+                                                         mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid);
+            gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.w2 + (size_t)j * WIDTH * MLPD / 8, p.b2 + j * WIDTH, mod,
+                                                        0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr);
+        }
+        grid_wait(p, s);
+        done = next;
+        ++i;
+    }
+}

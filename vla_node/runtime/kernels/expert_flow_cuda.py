@@ -1,0 +1,158 @@
+"""Build and launch expert_flow.cu (the flow loop as one persistent CUDA kernel) at run time:
+NVRTC compiles it for the GPU in hand (no nvcc, no build step), the CUDA driver loads and
+launches it (cuda-python: `cuda.bindings`). runtime/fused_expert.py (backend "cuda") packs the
+weights and the context K/V in the layouts the kernel reads and calls `FlowKernel.launch`.
+
+    kernel = FlowKernel.get(constants, device)     # compiled once per shape and GPU, cached
+    kernel.launch(params, smem_bytes, stream)      # params: a Params (the .cu's struct)
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+from pathlib import Path
+from typing import Optional
+
+SOURCE = Path(__file__).with_name("expert_flow.cu")
+THREADS = 256
+# Options that change the machine code the kernel compiles to (and so the cache key).
+NVRTC_OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization")
+
+
+class Params(ctypes.Structure):
+    """expert_flow.cu's `struct Params`, field for field."""
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "xa", "vel", "reuse", "wqkv", "bqkv", "wso", "bso", "wq", "bq", "wco", "bco", "w1", "b1", "w2", "b2",
+        "win", "bin", "pos", "wout", "bout", "mods", "fmods", "kv", "mask",
+        "x", "stats", "qkv", "q", "y", "hid", "opart", "mlpart", "counter", "bar", "err")] + [
+        (name, ctypes.c_int) for name in (
+            "n_keys", "key_tiles", "cpp", "tiles_per_cta", "mask_stride", "has_mask", "step_lo", "step_hi", "euler")] + [
+        (name, ctypes.c_float) for name in ("dt", "eps", "scale")]
+
+
+def _bindings():
+    try:
+        from cuda.bindings import driver, nvrtc
+    except ImportError as e:   # the CUDA backend's one dependency beyond torch
+        raise RuntimeError("the CUDA expert kernel needs cuda-python (pip install cuda-bindings "
+                           "nvidia-cuda-nvrtc)") from e
+    return driver, nvrtc
+
+
+def _ok(result, what: str):
+    """The values of a cuda.bindings call, or its error as a RuntimeError."""
+    err, *values = result
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+    return values[0] if len(values) == 1 else values
+
+
+def nvrtc_compile(constants: dict, arch: str, verbose: bool = False) -> tuple[bytes, str]:
+    """expert_flow.cu compiled for `arch` ("sm_90") with -D constants: (cubin, NVRTC's log;
+    with verbose, ptxas's register and spill report in it). Needs no GPU."""
+    _, nvrtc = _bindings()
+    source = SOURCE.read_bytes()
+    prog = _ok(nvrtc.nvrtcCreateProgram(source, b"expert_flow.cu", 0, [], []), "nvrtcCreateProgram")
+    options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS),
+               *(f"-D{k}={v}".encode() for k, v in sorted(constants.items()))]
+    if verbose:
+        options.append(b"--ptxas-options=-v")
+    try:
+        result = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        size = _ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.decode(errors="replace").rstrip("\x00 \n")
+        if int(result[0]) != 0:
+            raise RuntimeError(f"expert_flow.cu did not compile ({result[0]!r}):\n{log}")
+        size = _ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("VLA_NODE_KERNEL_CACHE", Path.home() / ".cache" / "vla_node" / "kernels"))
+
+
+def cubin_for(constants: dict, arch: str) -> bytes:
+    """The compiled kernel, from the on-disk cache when the same source, options and constants
+    were compiled before (a start of the engine then costs no compile)."""
+    _, nvrtc = _bindings()
+    version = ".".join(str(v) for v in _ok(nvrtc.nvrtcVersion(), "nvrtcVersion"))
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((sorted(constants.items()), arch, NVRTC_OPTIONS, version))
+                         .encode()).hexdigest()[:24]
+    path = _cache_dir() / f"expert_flow_{key}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    cubin, _ = nvrtc_compile(constants, arch)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)
+    except OSError:   # a read-only home: compile again next time
+        pass
+    return cubin
+
+
+class FlowKernel:
+    """The loaded kernel of one shape on one GPU."""
+
+    def __init__(self, cubin: bytes, smem_limit: int):
+        driver, _ = _bindings()
+        self.driver = driver
+        _ok(driver.cuInit(0), "cuInit")
+        self.module = _ok(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.function = _ok(driver.cuModuleGetFunction(self.module, b"expert_flow"), "cuModuleGetFunction")
+        _ok(driver.cuFuncSetAttribute(
+            self.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_limit),
+            "cuFuncSetAttribute")
+        self.smem_limit = smem_limit
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def get(cls, constants: tuple, device_index: int, smem_limit: int) -> "FlowKernel":
+        import torch
+        major, minor = torch.cuda.get_device_capability(device_index)
+        with torch.cuda.device(device_index):
+            torch.cuda.init()
+            return cls(cubin_for(dict(constants), f"sm_{major}{minor}"), smem_limit)
+
+    def launch(self, params: Params, programs: int, smem: int, stream: int, cooperative: bool = True) -> None:
+        """One launch of `programs` programs on `stream` (a CUstream handle). Cooperative: CUDA
+        guarantees every program resident (the grid barriers need it) or refuses the launch."""
+        if smem > self.smem_limit:
+            raise ValueError(f"the kernel needs {smem} bytes of shared memory, configured for {self.smem_limit}")
+        d = self.driver
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        config = d.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = programs, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
+        config.sharedMemBytes = smem
+        config.hStream = d.CUstream(stream)
+        if cooperative:
+            attr = d.CUlaunchAttribute()
+            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            attr.value.cooperative = 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+        _ok(d.cuLaunchKernelEx(config, self.function, ctypes.addressof(args), 0), "cuLaunchKernelEx")
+
+
+def available() -> Optional[str]:
+    """None when the CUDA backend can run here, else why not (one line)."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        _bindings()
+    except RuntimeError as e:
+        return str(e)
+    return None
