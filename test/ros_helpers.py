@@ -57,12 +57,13 @@ def ros_env() -> dict:
 
 
 class EngineServer:
-    """`vla-engine-server --socket PATH` with its output collected."""
+    """`vla-engine-server --socket PATH [--batch-window-ms MS]` with its output collected."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, batch_window_ms: Optional[float] = None):
         self.path = path
         self.log = open(f"{path}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "vla_node.ros.engine_server", "--socket", path],
+        window = [] if batch_window_ms is None else ["--batch-window-ms", str(batch_window_ms)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "vla_node.ros.engine_server", "--socket", path, *window],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 60
         while not os.path.exists(path):

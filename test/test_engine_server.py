@@ -1,8 +1,9 @@
 """One engine for several nodes (vla-engine-server): each attached node gets what an engine of
 its own would give it (the same actions for the same seed), a node with other engine parameters
 is refused in one line, a node that dies mid-request or sends garbage loses only its own session,
-and a server that is gone is an EngineError for every node attached to it. No ROS here; the
-nodes on a server are test_node_engine_server.py."""
+and a server that is gone is an EngineError for every node attached to it. Queries that meet in
+the batching window run as one batch and each answer says so; a malformed one is refused alone.
+No ROS here; the nodes on a server are test_node_engine_server.py."""
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from ros_helpers import ROOT, EngineServer
 from vla_node.ros.engine_process import EngineError, EngineProcess
@@ -20,6 +22,9 @@ from vla_node.runtime import EngineConfig, PolicyEngine
 pytestmark = pytest.mark.timeout(300)
 
 WORKER = WorkerOptions("eager", 1, 0)
+# Long enough that two requests sent one after the other meet on any machine; a window is only
+# waited out when an attached node sends nothing, which these tests never leave it to.
+BATCH_WINDOW_MS = 1000.0
 
 
 def attach(path: str, config: EngineConfig = EngineConfig()) -> EngineProcess:
@@ -41,6 +46,7 @@ def test_each_node_gets_what_an_engine_of_its_own_gives(server):
     own.start(120, lambda _: None, lambda _: None, lambda: None)
     obs = [PolicyEngine(config).dummy_observation(seed=s) for s in range(3)]
     expected = [own.predict(o).actions for o in obs]
+    assert own.answer(own.request(obs[0])).batch_size == 1   # a node's own engine: batches of one
     own.close()
     a, b = attach(server.path, config), attach(server.path, config)
     other_seed = attach(server.path, EngineConfig(seed=4))
@@ -142,3 +148,61 @@ def test_a_node_started_before_its_server_waits_for_it(tmp_path):
     finally:
         engine.close()
         waiting.server.stop()
+
+
+@pytest.fixture
+def batching(tmp_path):
+    s = EngineServer(str(tmp_path / "batching.sock"), batch_window_ms=BATCH_WINDOW_MS)
+    yield s
+    s.stop()
+
+
+def test_queries_that_meet_in_the_window_run_as_one_batch_and_get_what_each_gets_alone(batching):
+    """Two nodes' Predicts sent together run as one query of two: both answers say so, and each
+    is the node's own query alone (its observation, its noise stream: seed 3 and 4, on the first
+    node's weights). A third node that leaves with its query in the batch is dropped; the other
+    two get theirs."""
+    reference = PolicyEngine(EngineConfig(seed=3))
+    obs = [reference.dummy_observation(seed=s) for s in range(2)]
+    obs[1].instruction = "open the drawer"   # another prompt length: padded in the batch
+    streams = [torch.Generator().manual_seed(s) for s in (3, 4)]
+    nodes = [attach(batching.path, EngineConfig(seed=3)), attach(batching.path, EngineConfig(seed=4))]
+    leaving = None
+    try:
+        for size in (2, 3):
+            if size == 3:
+                leaving = attach(batching.path)
+            requests = [node.request(o) for node, o in zip(nodes, obs)]
+            if leaving is not None:
+                leaving.request(obs[0])
+                leaving._conn.close()   # gone, its query in the batch
+            answers = [node.answer(r) for node, r in zip(nodes, requests)]
+            threads = torch.get_num_threads()
+            torch.set_num_threads(WORKER.threads)   # as the server's engine: only the batch reorders sums
+            try:
+                alone = [reference.predict(o, generator=stream).normalized for o, stream in zip(obs, streams)]
+            finally:
+                torch.set_num_threads(threads)
+            for answer, want in zip(answers, alone):
+                assert answer.batch_size == size and answer.batch_wait_ms >= 0.0
+                assert np.abs(answer.normalized - want).max() < 1e-5
+        batching.wait_for("session 2 ended (2 left)")
+    finally:
+        for node in nodes + ([leaving] if leaving is not None else []):
+            node.close()
+
+
+def test_a_malformed_request_in_the_window_is_rejected_and_the_others_are_answered(batching):
+    good, bad = attach(batching.path), attach(batching.path)
+    broken = a_obs()
+    broken.state = np.zeros(7, np.float32)
+    try:
+        rejected, answered = bad.request(broken), good.request(a_obs())
+        with pytest.raises(ValueError, match="state must have 8 values, got shape"):
+            bad.answer(rejected)
+        chunk = good.answer(answered)
+        assert chunk.batch_size == 1 and np.isfinite(chunk.actions).all()
+        assert batching.proc.poll() is None
+    finally:
+        good.close()
+        bad.close()

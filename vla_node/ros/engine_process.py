@@ -244,11 +244,17 @@ class EngineProcess:
         return self.info.history_offset_s
 
     def predict(self, obs: Observation, timeout_s: float = 600.0) -> ActionChunk:
-        """One observation through the process boundary, blocking: its images are copied into the
-        shared frames (made here if share_frames() has not been called), then submit() and poll()
-        until the answer. Raises ValueError for an observation the engine rejects (as
-        PolicyEngine.predict does), EngineError if it failed, died or did not answer in timeout_s.
-        Not beside the node's requests: answers to those would be dropped."""
+        """One observation through the process boundary, blocking: request() and answer(). Raises
+        ValueError for an observation the engine rejects (as PolicyEngine.predict does), EngineError
+        if it failed, died or did not answer in timeout_s. Not beside the node's requests: answers
+        to those would be dropped."""
+        answer = self.answer(self.request(obs), timeout_s)
+        return ActionChunk(actions=answer.actions, normalized=answer.normalized, stamp=obs.stamp,
+                           timings=dict(answer.timings))
+
+    def request(self, obs: Observation) -> int:
+        """Send one observation without waiting: its images are copied into the shared frames
+        (made here if share_frames() has not been called); its request id, for answer()."""
         c = self.config
         slots = max(layout.images for layout in c.layouts) if c.layouts else len(obs.images)
         if len(obs.images) > slots:
@@ -265,6 +271,11 @@ class EngineProcess:
         known = None if obs.known_actions is None else np.asarray(obs.known_actions, np.float32)
         self.submit(Predict(request_id, list(range(len(obs.images))), frame_ids, np.asarray(obs.state, np.float32),
                             obs.instruction, obs.stamp, known, time.perf_counter()))
+        return request_id
+
+    def answer(self, request_id: int, timeout_s: float = 600.0) -> Chunk:
+        """The engine's Chunk for request() `request_id` (other answers are dropped); raises as
+        predict() does."""
         deadline = time.monotonic() + timeout_s
         while True:
             answer = self.poll(max(0.0, deadline - time.monotonic()))
@@ -274,8 +285,7 @@ class EngineProcess:
                 continue
             match answer:
                 case Chunk():
-                    return ActionChunk(actions=answer.actions, normalized=answer.normalized, stamp=obs.stamp,
-                                       timings=dict(answer.timings))
+                    return answer
                 case Rejected(reason=reason):
                     raise ValueError(reason)
                 case Failed(reason=reason, trace=trace):

@@ -103,6 +103,8 @@ class Chunk:
     sent_at: float = 0.0        # ... result sent
     queued_ms: float = 0.0      # from the node's send to predict()'s start (Predict.sent_at)
     memory: Optional[tuple] = None   # (allocated, reserved) device bytes; None on the CPU
+    batch_size: int = 1         # observations of the query it ran in (an engine server batches several nodes')
+    batch_wait_ms: float = 0.0  # from its arrival to its batch closing (the server's batching window)
 
 
 @dataclass(frozen=True)

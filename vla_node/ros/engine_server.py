@@ -5,15 +5,24 @@ engine server runs it for every node attached to its Unix socket: one process ow
 copy of the weights) and each node is a session of its own, with its own frames (the memfd it
 shared), noise stream (seeded by its own `seed`, so a robot gets the noise an engine of its own
 would give it), vision-cache entries (its frame ids are kept apart from the others') and
-run-time options (applied to the engine before each of its queries). Queries run one at a time,
-in the order they arrive; how long one waited behind other nodes' work is in its answer.
+run-time options (applied to the engine before each of its queries).
+
+Batching: when a Predict arrives, the server reads the other sessions' Predicts that arrive
+within the batching window (--batch-window-ms; it stops waiting as soon as every session has
+one in), checks each observation on its own (a bad one is Rejected, the others go on), and runs
+those that can share a query (PolicyEngine.batch_key: one layout bucket, the same run-time
+options, nothing that holds one robot's state alone, such as streaming_kv) as one
+PolicyEngine.predict_batch of up to --max-batch; the others in batches of their own, one after the
+other in the order they arrived. Each answer says the batch size it ran in, how long it waited for
+its batch to close and how long behind other work. A node's own engine process runs the same loop
+with one session and no window: its batches are of one.
 
 The engine is built when the first node attaches, from that node's configuration; a node whose
 configuration differs (beyond its run-time options and seed) is refused in one line naming the
 fields. A node that disappears, or sends what is not a message, loses its session and nothing
 else; the server runs until it is stopped (SIGTERM, Ctrl-C) and then removes its socket.
 
-    vla-engine-server --socket /tmp/vla_engine.sock
+    vla-engine-server --socket /tmp/vla_engine.sock [--batch-window-ms 2] [--max-batch 8]
 """
 from __future__ import annotations
 
@@ -35,12 +44,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..runtime.types import RUNTIME_OPTIONS, EngineConfig, Observation
+from ..runtime.types import BATCH_SIZES, RUNTIME_OPTIONS, EngineConfig, Observation
 from .engine_protocol import (
     LOADING,
     WARMING_UP,
     WARMUP_GATE_ENV,
-    Answer,
     Attach,
     Chunk,
     Close,
@@ -59,8 +67,10 @@ from .engine_protocol import (
     reason,
 )
 
-# Fields two nodes may set apart and still share an engine (each session applies its own).
-PER_SESSION = ("seed", *RUNTIME_OPTIONS)
+# Fields two nodes may set apart and still share an engine: each session applies its own, and
+# max_batch is the server's (--max-batch).
+PER_SESSION = ("seed", "max_batch", *RUNTIME_OPTIONS)
+BATCH_WINDOW_MS = 2.0   # a robot alone is never held (below); at 15 Hz a chunk every 533 ms has room for it
 
 
 @dataclass
@@ -72,6 +82,16 @@ class Session:
     options: dict               # its run-time options (RUNTIME_OPTIONS -> value)
     frames: list = field(default_factory=list)   # the frame buffers it shared (mmap)
     pixels: Optional[np.ndarray] = None          # the last one, as uint8 frames
+
+
+@dataclass
+class Queued:
+    """A Predict read from its session, waiting for its batch to run."""
+    session: Session
+    request: Predict
+    received: float             # time.perf_counter() when the server read it
+    observation: Optional[Observation] = None
+
 
 
 def differences(a: EngineConfig, b: EngineConfig) -> list[str]:
@@ -86,9 +106,11 @@ class Serving:
     when its last session does (a node's own worker)."""
 
     def __init__(self, engine=None, config: Optional[EngineConfig] = None, description: str = "",
-                 listener: Optional[socket.socket] = None, log=lambda message: None):
+                 listener: Optional[socket.socket] = None, log=lambda message: None, batch_window_ms: float = 0.0,
+                 max_batch: int = 1):
         self.engine, self.config, self.description = engine, config, description
         self.listener, self.log = listener, log
+        self.batch_window_s, self.max_batch = batch_window_ms / 1e3, max_batch
         self.sessions: dict[Connection, Session] = {}
         self.pending: list[Connection] = []     # connected, Attach not read yet
         self._keys = itertools.count()
@@ -101,6 +123,7 @@ class Serving:
     def run(self) -> None:
         while self.sessions or self.listener is not None:
             waiting = [*self.sessions, *self.pending] + ([self.listener] if self.listener is not None else [])
+            predicts: list[Queued] = []
             for ready_one in wait(waiting):
                 if ready_one is self.listener:
                     self.pending.append(Connection(self.listener.accept()[0].detach()))
@@ -108,7 +131,9 @@ class Serving:
                     self.pending.remove(ready_one)
                     self._attach(ready_one)
                 elif ready_one in self.sessions:
-                    self._handle(self.sessions[ready_one])
+                    predicts += self._handle(self.sessions[ready_one])
+            if predicts:
+                self._serve(self._gather(predicts))
 
     # -- attaching ------------------------------------------------------------------------------
     def _attach(self, conn: Connection) -> None:
@@ -123,7 +148,8 @@ class Serving:
             return
         try:
             if self.engine is None:
-                self.engine, self.description = load_engine(conn, message.config, message.worker)
+                config = message.config.replace(max_batch=self.max_batch)
+                self.engine, self.description = load_engine(conn, config, message.worker)
                 self.config = message.config
                 self.log(f"engine ready: {self.description}")
             elif diff := differences(self.config, message.config):
@@ -148,15 +174,16 @@ class Serving:
         self.log(f"session {self.sessions[conn].key} attached ({len(self.sessions)} now)")
 
     # -- one message of a session ---------------------------------------------------------------
-    def _handle(self, session: Session) -> None:
+    def _handle(self, session: Session) -> list[Queued]:
+        """Read one message of `session` and act on it; a Predict is returned, to be batched."""
         try:
             message = session.conn.recv()
         except (EOFError, OSError):
             self.drop(session)   # the node is gone
-            return
+            return []
         except Exception as e:   # not a message of ours
             self.drop(session, f"unreadable message ({reason(e)})")
-            return
+            return []
         received = time.perf_counter()
         match message:
             case Close():
@@ -174,9 +201,10 @@ class Serving:
             case Reconfigure(changes=changes):
                 self._send(session, self._reconfigure(session, changes))
             case Predict() as request:
-                self._send(session, self._predict(session, request, received))
+                return [Queued(session, request, received)]
             case _:
                 self.drop(session, f"unexpected message {type(message).__name__}")
+        return []
 
     def _send(self, session: Session, answer) -> None:
         try:
@@ -199,31 +227,90 @@ class Serving:
         session.options = {k: getattr(config, k) for k in RUNTIME_OPTIONS}
         return Reconfigured(config)
 
-    def _predict(self, session: Session, p: Predict, received: float) -> Answer:
+    # -- batches --------------------------------------------------------------------------------
+    def _gather(self, queued: list[Queued]) -> list[Queued]:
+        """`queued` and the Predicts of the other sessions that arrive within the batching window
+        of the first one's arrival: polls of their connections, never a blocking read of one.
+        It ends early once every session has one in, or max_batch are in; with one session
+        (a node's own worker) it ends at once. Other messages read meanwhile are acted on."""
+        if self.max_batch <= 1:
+            return queued
+        deadline = min(q.received for q in queued) + self.batch_window_s
+        while len(queued) < self.max_batch:
+            busy = {q.session.conn for q in queued}   # a node has one request in flight
+            others = [conn for conn in self.sessions if conn not in busy]
+            if not others:
+                break
+            ready = wait(others, max(0.0, deadline - time.perf_counter()))
+            if not ready:
+                break
+            for conn in ready:
+                if conn in self.sessions:
+                    queued += self._handle(self.sessions[conn])
+        return queued
+
+    def _serve(self, queued: list[Queued]) -> None:
+        """Check every request on its own (one bad observation is Rejected alone), then run them
+        in batches of one batch_key, in the order they arrived."""
+        closed = time.perf_counter()
+        groups: dict[object, list[Queued]] = {}
+        for q in queued:
+            try:
+                q.observation = self._observation(q.session, q.request)
+                key = self.engine.batch_key(q.observation, options=q.session.options)
+            except ValueError as e:   # the engine's verdict on the inputs
+                self._send(q.session, Rejected(q.request.request_id, str(e)))
+                continue
+            except Exception as e:
+                self._send(q.session, Failed(q.request.request_id, reason(e), traceback.format_exc()))
+                continue
+            # Apart (key None): streaming_kv, the adaptive action cache, a prefill mask of its own.
+            groups.setdefault(id(q) if key is None else key, []).append(q)
+        size = max(1, min(self.max_batch, self.engine.max_batch))
+        for group in groups.values():
+            for start in range(0, len(group), size):
+                self._predict(group[start:start + size], closed)
+
+    def _observation(self, session: Session, p: Predict) -> Observation:
+        if session.pixels is None:
+            raise ValueError("no frame buffer shared yet")
+        if not all(isinstance(s, (int, np.integer)) and 0 <= s < len(session.pixels) for s in p.slots):
+            raise ValueError(f"slots {p.slots} are not frames of the {len(session.pixels)}-frame buffer")
+        ids = None if p.frame_ids is None else [None if f is None else (session.key, f) for f in p.frame_ids]
+        return Observation(images=[session.pixels[s] for s in p.slots], state=p.state, instruction=p.instruction,
+                           stamp=p.stamp, frame_ids=ids, known_actions=p.known_actions)
+
+    def _predict(self, batch: list[Queued], closed: float) -> None:
+        """One query of `batch` (one batch_key: one layout, one set of run-time options); each
+        answer goes to its session (one that is gone is dropped, the others get theirs)."""
         started = time.perf_counter()
         try:
-            if session.pixels is None:
-                raise ValueError("no frame buffer shared yet")
-            if not all(isinstance(s, (int, np.integer)) and 0 <= s < len(session.pixels) for s in p.slots):
-                raise ValueError(f"slots {p.slots} are not frames of the {len(session.pixels)}-frame buffer")
-            ids = None if p.frame_ids is None else [None if f is None else (session.key, f) for f in p.frame_ids]
-            obs = Observation(images=[session.pixels[s] for s in p.slots], state=p.state, instruction=p.instruction,
-                              stamp=p.stamp, frame_ids=ids, known_actions=p.known_actions)
-            self._apply_options(session)
+            self._apply_options(batch[0].session)
             t0 = time.perf_counter()
-            chunk = self.engine.predict(obs, generator=session.generator)
-        except ValueError as e:   # the engine's verdict on the inputs
-            return Rejected(p.request_id, str(e))
+            chunks = self.engine.predict_batch([q.observation for q in batch],
+                                               generators=[q.session.generator for q in batch])
+        except ValueError as e:   # checked one by one already: each gets its own verdict alone
+            if len(batch) > 1:
+                for q in batch:
+                    self._predict([q], closed)
+                return
+            self._send(batch[0].session, Rejected(batch[0].request.request_id, str(e)))
+            return
         except Exception as e:
-            return Failed(p.request_id, reason(e), traceback.format_exc())
+            for q in batch:
+                self._send(q.session, Failed(q.request.request_id, reason(e), traceback.format_exc()))
+            return
         predict_ms = (time.perf_counter() - t0) * 1e3
         memory = None
         if self.engine.device.type == "cuda":
             import torch
             memory = (torch.cuda.memory_allocated(self.engine.device), torch.cuda.memory_reserved(self.engine.device))
-        queued_ms = (started - (p.sent_at or received)) * 1e3
-        return Chunk(p.request_id, chunk.actions, chunk.normalized, chunk.timings, received_at=received,
-                     predict_ms=predict_ms, sent_at=time.perf_counter(), queued_ms=queued_ms, memory=memory)
+        for q, chunk in zip(batch, chunks):
+            queued_ms = (started - (q.request.sent_at or q.received)) * 1e3
+            self._send(q.session, Chunk(q.request.request_id, chunk.actions, chunk.normalized, chunk.timings,
+                                        received_at=q.received, predict_ms=predict_ms, sent_at=time.perf_counter(),
+                                        queued_ms=queued_ms, memory=memory, batch_size=len(batch),
+                                        batch_wait_ms=max(0.0, closed - q.received) * 1e3))
 
     # -- ending ---------------------------------------------------------------------------------
     def drop(self, session: Session, reason: str = "") -> None:
@@ -335,12 +422,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--socket", required=True, help="Unix socket path the nodes name in their engine_server "
                                                     "parameter")
+    ap.add_argument("--batch-window-ms", type=float, default=BATCH_WINDOW_MS,
+                    help="how long a Predict waits for other nodes' Predicts to batch with (0: only those already "
+                         "there; a node alone never waits; default %(default)s)")
+    ap.add_argument("--max-batch", type=int, default=BATCH_SIZES[-1], choices=BATCH_SIZES,
+                    help="observations one batched query holds (static engines keep buffers and CUDA graphs for "
+                         "each batch size up to it; default %(default)s)")
     args = ap.parse_args(argv)
+    if args.batch_window_ms < 0:
+        ap.error("--batch-window-ms must be >= 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # stopped: the finally below removes the socket
     listener = listen(args.socket)
     log = lambda message: print(f"vla-engine-server: {message}", flush=True)  # noqa: E731
-    serving = Serving(listener=listener, log=log)
-    log(f"listening at {args.socket} (pid {os.getpid()})")
+    serving = Serving(listener=listener, log=log, batch_window_ms=args.batch_window_ms, max_batch=args.max_batch)
+    log(f"listening at {args.socket} (pid {os.getpid()}; batching window {args.batch_window_ms:g} ms, "
+        f"batches of up to {args.max_batch})")
     try:
         serving.run()
     except KeyboardInterrupt:
