@@ -18,7 +18,8 @@ once, as soon as it spins (a failed configure stays unconfigured, with the reaso
 
 engine_server:=PATH sets the node's `engine_server` parameter: it attaches to the vla-engine-server
 on the Unix socket PATH (its configure waits for the socket, up to engine_start_timeout_s) instead
-of starting an engine process of its own; start_engine_server:=true also starts that server here.
+of starting an engine process of its own; start_engine_server:=true also starts that server here
+(batch_window_ms:=MS sets its batching window; empty: the server's default, 2 ms).
 
 The launch ends when the node exits: after the shutdown transition (exit_on_finalize), on Ctrl-C,
 or when it cannot start. `ros2 launch` then exits 0 if the node did, else 1 (launch returns 1 when
@@ -54,8 +55,10 @@ def _node(context):
         if LaunchConfiguration(name).perform(context):
             overrides[name] = LaunchConfiguration(name)
     # From the package's lib folder, where a colcon install puts it (not on PATH), as LifecycleNode finds vla-node.
-    server = [ExecuteProcess(cmd=[ExecutableInPackage("vla-engine-server", "vla_node"), "--socket", engine_server],
-                             name="vla_engine_server", output="screen")] if start_server else []
+    window = LaunchConfiguration("batch_window_ms").perform(context)
+    server_cmd = [ExecutableInPackage("vla-engine-server", "vla_node"), "--socket", engine_server]
+    server_cmd += ["--batch-window-ms", window] if window else []
+    server = [ExecuteProcess(cmd=server_cmd, name="vla_engine_server", output="screen")] if start_server else []
     return server + [LifecycleNode(
         package="vla_node", executable="vla-node", name="vla_node",
         namespace=LaunchConfiguration("namespace"),
@@ -95,6 +98,9 @@ def generate_launch_description():
                                           "nodes); empty: the params file's (by default the node's own engine)"),
         DeclareLaunchArgument("start_engine_server", default_value="false",
                               description="true: also start `vla-engine-server --socket <engine_server>` here"),
+        DeclareLaunchArgument("batch_window_ms", default_value="",
+                              description="the started server's batching window (--batch-window-ms): how long a "
+                                          "query waits for other robots' to batch with; empty: the server's default"),
         DeclareLaunchArgument("use_sim_time", default_value="false", description="follow /clock"),
         DeclareLaunchArgument("log_level", default_value="info",
                               description="log level of the node: debug, info, warn, error or fatal"),

@@ -1,7 +1,7 @@
 """Two robots, one engine: two namespaced nodes attached to one vla-engine-server (engine_server)
-are both commanded from its one engine; one node killed mid-run leaves the other commanding; the
-server killed makes the survivor hold and say why, and with engine_restart_s it attaches to a new
-server by itself and resumes."""
+are both commanded from its one engine, their queries batched (B = 2 on /diagnostics); one node
+killed mid-run leaves the other commanding; the server killed makes the survivor hold and say why,
+and with engine_restart_s it attaches to a new server by itself and resumes."""
 import os
 import signal
 import time
@@ -13,6 +13,10 @@ from ros_helpers import HOME, EngineServer, Harness, NodeProcess, Robot, stamp_n
 from vla_node.ros.diagnostics import Key
 
 pytestmark = pytest.mark.timeout(300)
+
+# Long enough that the two nodes' queries meet (each asks every few control ticks); waited out
+# only while one node attached sends nothing (starting up), and never by a node alone.
+BATCH_WINDOW_MS = 1000.0
 
 
 def chunks_after(h: Harness, since: float, count: int = 3) -> None:
@@ -29,7 +33,7 @@ def commands_after(h: Harness, report: dict, count: int) -> np.ndarray:
 
 def test_two_nodes_share_one_engine_server_and_survive_each_others_faults(tmp_path):
     path = str(tmp_path / "engine.sock")
-    server = EngineServer(path)
+    server = EngineServer(path, batch_window_ms=BATCH_WINDOW_MS)
     params = {"autostart": True, "engine_server": path, "engine_restart_s": 0.5, "publish_joint_command": True}
     nodes = [NodeProcess(params, namespace=ns) for ns in ("/robot1", "/robot2")]
     harnesses = []
@@ -47,6 +51,10 @@ def test_two_nodes_share_one_engine_server_and_survive_each_others_faults(tmp_pa
             d = h.wait_diagnostics(lambda d: Key.ms(Key.ENGINE_QUEUE, "p50") in d, 30, "queue times", since=since)
             assert d[Key.FAULTS] == "none" and float(d[Key.ms(Key.ENGINE_QUEUE, "max")]) >= 0.0
         server.wait_for("session 1 attached (2 now)")
+        # Their queries met in the batching window: one engine query for both robots.
+        d = harnesses[0].wait_diagnostics(lambda d: d.get(Key.ENGINE_BATCH_SIZE_MAX) == "2", 60, "a batch of two",
+                                          since=since)
+        assert d[Key.ENGINE_BATCH_SIZE] in ("1", "2") and float(d[Key.ms(Key.ENGINE_BATCH_WAIT, "max")]) >= 0.0
 
         # One robot's node dies mid-run: the other keeps being served.
         nodes[0].proc.send_signal(signal.SIGKILL)

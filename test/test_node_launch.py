@@ -193,7 +193,8 @@ ENGINE_SOCKET = Path(tempfile.mkdtemp()) / "engine.sock"
 @launch_pytest.fixture
 def one_engine_server():
     ros_env()
-    return LaunchDescription([include("robot1", engine_server=str(ENGINE_SOCKET), start_engine_server="true"),
+    return LaunchDescription([include("robot1", engine_server=str(ENGINE_SOCKET), start_engine_server="true",
+                                      batch_window_ms="5"),
                               include("robot2", engine_server=str(ENGINE_SOCKET)),
                               launch_pytest.actions.ReadyToTest()])
 

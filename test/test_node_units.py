@@ -9,8 +9,9 @@ import pytest
 from sensor_msgs.msg import CompressedImage, Image
 
 from vla_node.ros import messages, params
-from vla_node.ros.control import Plan, SafetyFilter
-from vla_node.ros.diagnostics import LOG_BURST, Faults, duration_in_words
+from vla_node.ros.control import Plan, Request, SafetyFilter
+from vla_node.ros.diagnostics import LOG_BURST, Faults, Key, NodeTelemetry, duration_in_words
+from vla_node.ros.engine_protocol import Chunk
 from vla_node.ros.frames import FrameRing, SharedInputs, Window
 from vla_node.runtime import images
 from vla_node.runtime.windows import InputError, Wait, WindowSpec
@@ -465,3 +466,18 @@ def test_a_flapping_sources_last_changes_reach_the_log_when_the_node_releases_it
     faults.reset()                         # cleanup, shutdown, exit: before the window passed
     assert records[-1].getMessage() == "holding: sync: frames out of step (after 5 changes not logged one by one)"
     assert not faults.active()
+
+
+def test_diagnostics_report_the_batch_each_chunk_ran_in():
+    """engine_batch_size: the last chunk's query (1 from a node's own engine), its largest since
+    start-up; engine_batch_wait_ms_*: the wait for the batch to close."""
+    telemetry = NodeTelemetry()
+    assert Key.ENGINE_BATCH_SIZE not in dict(telemetry.pairs(0.02, False, "cpu"))
+    actions = np.zeros((16, 8), np.float32)
+    for size, wait_ms in ((2, 3.0), (1, 0.0)):
+        telemetry.chunk(Request(0, 0, 0), Chunk(0, actions, actions, {}, batch_size=size, batch_wait_ms=wait_ms),
+                        0.0)
+    values = dict(telemetry.pairs(0.02, False, "cpu"))
+    assert values[Key.ENGINE_BATCH_SIZE] == 1 and values[Key.ENGINE_BATCH_SIZE_MAX] == 2
+    assert values[Key.ms(Key.ENGINE_BATCH_WAIT, "max")] == 3.0
+    assert Chunk(0, actions, actions, {}).batch_size == 1   # what a node's own engine answers

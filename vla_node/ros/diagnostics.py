@@ -195,6 +195,10 @@ class Key:
     ENGINE = "engine"
     ENGINE_PID = "engine_pid"
     ENGINE_SERVER = "engine_server"     # the socket of the shared engine server the node attached to
+    # Observations in the engine's query that answered the last chunk (an engine server batches
+    # several nodes' queries; a node's own engine runs 1), and the largest since start-up.
+    ENGINE_BATCH_SIZE = "engine_batch_size"
+    ENGINE_BATCH_SIZE_MAX = "engine_batch_size_max"
     HORIZON = "horizon"
     ENGINE_RESTART = "engine_restart"   # while one is under way: "attempt n"
     CONTROL_RATE_HZ = "control_rate_hz"
@@ -222,6 +226,8 @@ class Key:
     # From the node's send to the engine starting the query: the transfer and, on a shared engine
     # server, the wait behind other nodes' queries (which node_overhead's to_worker then holds too).
     ENGINE_QUEUE = "engine_queue"
+    # From the query's arrival at the engine server to its batch closing (the batching window; part of engine_queue).
+    ENGINE_BATCH_WAIT = "engine_batch_wait"
     ROUND_TRIP = "round_trip"           # request sent -> chunk taken
     NODE_OVERHEAD = "node_overhead"     # the sum of OVERHEAD_PARTS
     TRAJECTORY_PUBLISH = "trajectory_publish"
@@ -290,6 +296,9 @@ class NodeTelemetry:
         self.stage_ms = {s: Rolling(TIMING_WINDOW) for s in STAGES}
         self.predict_ms = Rolling(TIMING_WINDOW)
         self.queue_ms = Rolling(TIMING_WINDOW)
+        self.batch_wait_ms = Rolling(TIMING_WINDOW)
+        self.batch_size: Optional[int] = None    # of the last chunk's query
+        self.batch_size_max = 0
         self.round_trip_ms = Rolling(TIMING_WINDOW)
         self.overhead_ms = Rolling(TIMING_WINDOW)
         self.overhead_parts_ms = {part: Rolling(TIMING_WINDOW) for part in OVERHEAD_PARTS}
@@ -310,6 +319,9 @@ class NodeTelemetry:
                 self.stage_ms[stage].add(result.timings[stage])
         self.predict_ms.add(result.predict_ms)
         self.queue_ms.add(result.queued_ms)
+        self.batch_wait_ms.add(result.batch_wait_ms)
+        self.batch_size = result.batch_size
+        self.batch_size_max = max(self.batch_size_max, result.batch_size)
         self.round_trip_ms.add((arrived - request.sent_at) * 1e3)
         # Not the wait for the next tick, which is scheduling, not work; the trajectory message
         # is built after and timed apart.
@@ -328,6 +340,9 @@ class NodeTelemetry:
             values += percentile_pairs(Key.engine_stage(stage), self.stage_ms[stage])
         values += percentile_pairs(Key.ENGINE_PREDICT, self.predict_ms)
         values += percentile_pairs(Key.ENGINE_QUEUE, self.queue_ms)
+        values += percentile_pairs(Key.ENGINE_BATCH_WAIT, self.batch_wait_ms)
+        if self.batch_size is not None:
+            values += [(Key.ENGINE_BATCH_SIZE, self.batch_size), (Key.ENGINE_BATCH_SIZE_MAX, self.batch_size_max)]
         values += percentile_pairs(Key.ROUND_TRIP, self.round_trip_ms)
         values += percentile_pairs(Key.NODE_OVERHEAD, self.overhead_ms)
         for part, rolling in self.overhead_parts_ms.items():
