@@ -1,12 +1,14 @@
 """Several robots, one engine (issue 23): N robots query as fast as their answers come (each one
-request in flight, as a node is), first all attached to one vla-engine-server, then each with an
-engine process of its own; per robot the p50 / p99 latency of a query (submit to answer) and how
-much of it was not its own computation (latency - the engine's stage total: the transfer and the
-wait behind the others' queries), and the aggregate queries per second. No ROS:
-each robot is a thread holding an EngineProcess (its pipe or socket waits release the GIL).
+request in flight, as a node is), first all attached to one vla-engine-server that batches their
+queries (--batch-window-ms, --max-batch), then to one that runs them one at a time (--max-batch 1),
+then each with an engine process of its own; per robot the p50 / p99 latency of a query (submit to
+answer) and how much of it was not its own computation (latency - the engine's stage total: the
+transfer, the batching window and the wait behind the others' queries), the mean batch size its
+queries ran in, and the aggregate queries per second. No ROS: each robot is a thread holding an
+EngineProcess (its pipe or socket waits release the GIL).
 
     PYTHONPATH=$PWD python3 scripts/bench_engine_server.py --robots 1,2,4 [--mode eager] [--preset tiny]
-        [--device cpu] [--queries 20] [--separate-max 4] [--json F]
+        [--device cpu] [--queries 20] [--batch-window-ms 2] [--max-batch 8] [--separate-max 4] [--json F]
 """
 import argparse
 import json
@@ -30,14 +32,16 @@ def run_robots(engines: list[EngineProcess], obs, queries: int) -> dict:
     """Every robot's `queries` queries back to back, all robots at once."""
     latencies = [[] for _ in engines]
     waiting = [[] for _ in engines]
+    batches = [[] for _ in engines]
 
     def robot(i: int) -> None:
         engine = engines[i]
         for _ in range(queries):
             t0 = time.perf_counter()
-            chunk = engine.predict(obs)
+            chunk = engine.answer(engine.request(obs))
             latencies[i].append((time.perf_counter() - t0) * 1e3)
             waiting[i].append(latencies[i][-1] - chunk.timings["total"])   # not computing its own query
+            batches[i].append(chunk.batch_size)
 
     threads = [threading.Thread(target=robot, args=(i,)) for i in range(len(engines))]
     t0 = time.perf_counter()
@@ -47,7 +51,8 @@ def run_robots(engines: list[EngineProcess], obs, queries: int) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     per = [{"p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
-            "waiting_p50_ms": float(np.percentile(q, 50))} for lat, q in zip(latencies, waiting)]
+            "waiting_p50_ms": float(np.percentile(q, 50)), "batch_mean": float(np.mean(b))}
+           for lat, q, b in zip(latencies, waiting, batches)]
     return {"qps": len(engines) * queries / wall, "robots": per}
 
 
@@ -55,6 +60,31 @@ def start(config: EngineConfig, worker: WorkerOptions, server: str = "") -> Engi
     engine = EngineProcess(config, worker, server=server)
     engine.start(1800, lambda _: None, lambda _: None, lambda: None)
     return engine
+
+
+def serve(config: EngineConfig, worker: WorkerOptions, obs, robots: list[int], queries: int, flags: list[str],
+          how: str) -> dict:
+    """run_robots for each count of robots, all attached to one server started with `flags`."""
+    results = {}
+    path = os.path.join(tempfile.mkdtemp(), "engine.sock")
+    server = subprocess.Popen([sys.executable, "-m", "vla_node.ros.engine_server", "--socket", path, *flags],
+                              cwd=ROOT)
+    attached: list[EngineProcess] = []
+    try:
+        while not os.path.exists(path):
+            time.sleep(0.05)
+        for n in robots:
+            while len(attached) < n:
+                attached.append(start(config, worker, path))
+                attached[-1].predict(obs)
+            results[n] = run_robots(attached[:n], obs, queries)
+            print(how, n, results[n], flush=True)
+    finally:
+        for engine in attached:
+            engine.close()
+        server.terminate()
+        server.wait(30)
+    return results
 
 
 def main() -> None:
@@ -66,31 +96,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each engine process")
     ap.add_argument("--queries", type=int, default=20, help="per robot, after one untimed query each")
+    ap.add_argument("--batch-window-ms", type=float, default=2.0, help="the batching server's window")
+    ap.add_argument("--max-batch", type=int, default=8, help="the batching server's largest batch")
     ap.add_argument("--separate-max", type=int, default=4, help="most robots run with engines of their own")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     config = EngineConfig.for_mode(args.mode, preset=args.preset, device=args.device, dtype=args.dtype)
     worker = WorkerOptions(args.mode, args.threads, 0)
     obs = PolicyEngine(EngineConfig(preset=args.preset)).dummy_observation()
-    results = {"config": {k: str(v) for k, v in vars(args).items()}, "server": {}, "separate": {}}
-    path = os.path.join(tempfile.mkdtemp(), "engine.sock")
-    server = subprocess.Popen([sys.executable, "-m", "vla_node.ros.engine_server", "--socket", path], cwd=ROOT)
-    try:
-        while not os.path.exists(path):
-            time.sleep(0.05)
-        attached: list[EngineProcess] = []
-        for n in sorted(int(r) for r in args.robots.split(",")):
-            while len(attached) < n:
-                attached.append(start(config, worker, path))
-                attached[-1].predict(obs)
-            results["server"][n] = run_robots(attached[:n], obs, args.queries)
-            print("server", n, results["server"][n], flush=True)
-        for engine in attached:
-            engine.close()
-    finally:
-        server.terminate()
-        server.wait(30)
-    for n in sorted(int(r) for r in args.robots.split(",")):
+    results = {"config": {k: str(v) for k, v in vars(args).items()}, "batched": {}, "one_at_a_time": {},
+               "separate": {}}
+    robots = sorted(int(r) for r in args.robots.split(","))
+    batching = ["--batch-window-ms", str(args.batch_window_ms), "--max-batch", str(args.max_batch)]
+    for how, flags in (("batched", batching), ("one_at_a_time", ["--max-batch", "1"])):
+        results[how] = serve(config, worker, obs, robots, args.queries, flags, how)
+    for n in robots:
         if n > args.separate_max:
             continue
         own = [start(config, worker) for _ in range(n)]
@@ -103,12 +123,13 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    print(f"\n{'robots':>6} {'how':9} {'q/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'waiting p50':>11}  (worst robot)")
-    for how in ("server", "separate"):
+    print(f"\n{'robots':>6} {'how':13} {'q/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'waiting p50':>11} {'mean batch':>10}"
+          "  (worst robot)")
+    for how in ("batched", "one_at_a_time", "separate"):
         for n, r in results[how].items():
             worst = max(r["robots"], key=lambda x: x["p99_ms"])
-            print(f"{n:6d} {how:9} {r['qps']:7.1f} {worst['p50_ms']:8.1f} {worst['p99_ms']:8.1f} "
-                  f"{worst['waiting_p50_ms']:11.1f}")
+            print(f"{n:6d} {how:13} {r['qps']:7.1f} {worst['p50_ms']:8.1f} {worst['p99_ms']:8.1f} "
+                  f"{worst['waiting_p50_ms']:11.1f} {worst['batch_mean']:10.2f}")
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ class Serving:
         of the first one's arrival: polls of their connections, never a blocking read of one.
         It ends early once every session has one in, or max_batch are in; with one session
         (a node's own worker) it ends at once. Other messages read meanwhile are acted on."""
-        if self.max_batch <= 1:
+        if self.batch_size() <= 1 or self.engine.config.streaming_kv:   # nothing would join it
             return queued
         deadline = min(q.received for q in queued) + self.batch_window_s
         while len(queued) < self.max_batch:
@@ -266,10 +266,15 @@ class Serving:
                 continue
             # Apart (key None): streaming_kv, the adaptive action cache, a prefill mask of its own.
             groups.setdefault(id(q) if key is None else key, []).append(q)
-        size = max(1, min(self.max_batch, self.engine.max_batch))
+        size = self.batch_size()
         for group in groups.values():
             for start in range(0, len(group), size):
                 self._predict(group[start:start + size], closed)
+
+    def batch_size(self) -> int:
+        """The largest batch: the server's max_batch, as far as the engine was built for it (a
+        node's own worker: 1)."""
+        return max(1, min(self.max_batch, self.engine.config.max_batch))
 
     def _observation(self, session: Session, p: Predict) -> Observation:
         if session.pixels is None:
