@@ -95,3 +95,20 @@ def test_max_batch_is_a_batch_size_and_defaults_to_one():
     engine = PolicyEngine(EngineConfig.for_mode("ctxkv", layout=LAYOUTS["droid"]))
     with pytest.raises(ValueError, match="1 to 1 observations"):
         engine.predict_batch(observations(engine, 2))
+
+
+@pytest.mark.cuda
+def test_fast_batches_replay_graphs_captured_at_warm_up_and_match_single_queries():
+    """On the GPU (not run in CI): `fast` with batches of 2 and 3 (the graphs of 4) replays what
+    warm-up captured, nothing compiled or captured after it, each entry within bf16 noise of its
+    query alone."""
+    engine = PolicyEngine(EngineConfig.for_mode("fast", device="cuda", dtype="bfloat16", max_batch=4))
+    engine.warmup()
+    captures = engine.stats.graph_captures
+    obs = observations(engine)
+    noise = torch.randn((3, 16, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    alone = [engine.predict(o, noise=noise[j:j + 1]).normalized for j, o in enumerate(obs)]
+    for n in (2, 3):
+        for want, got in zip(alone, engine.predict_batch(obs[:n], noise=noise[:n])):
+            assert np.linalg.norm(got.normalized - want) / np.linalg.norm(want) < 1e-2
+    assert engine.static.graph_captures == captures and engine.static.recompiles() == 0
