@@ -19,12 +19,41 @@ from triton.testing import do_bench
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow_times
 from vla_node.runtime.fused_expert import FusedExpert
+from vla_node.runtime.fused_expert_cuda import CudaFlow, CudaTiling
 from vla_node.runtime.fusion import fuse_projections
 from vla_node.runtime.graphs import capture
 
 
 def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def context(cfg, expert, entries: int, tokens: int, times) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(entries)
+    hidden = [torch.randn(entries, tokens, cfg.llm.dim, device="cuda", generator=g).bfloat16() for _ in expert.blocks]
+    state = (torch.rand(entries, cfg.action.state_dim, device="cuda", generator=g) * 2 - 1).bfloat16()
+    mask = torch.ones(entries, 1, 1, tokens + 1, dtype=torch.bool, device="cuda")
+    with torch.inference_mode():
+        return dict(noise=torch.randn(entries, cfg.action.horizon, cfg.action.action_dim, device="cuda", generator=g),
+                    kv=expert.context_kv(hidden, state), mods=[expert.modulations(t) for t in times], mask=mask)
+
+
+def phase_table(t, names: list[str]) -> tuple[dict, float]:
+    """Per phase, from timestamps t [programs, segments, (start, end)] (us) of segments `names`:
+    the span from the last arrival before it to the last arrival after it, split into the
+    barrier's release (last arrival -> a program starts, median over programs) and the slowest
+    program's work (start -> arrival); medians over the phase's occurrences, and its share."""
+    import numpy as np
+    last_end = t[:, :, 1].max(0)
+    rows = {}
+    for s in range(1, len(names)):
+        r = rows.setdefault(names[s], {"span": [], "release": [], "work": []})
+        r["span"].append(last_end[s] - last_end[s - 1])
+        r["release"].append(float(np.median(t[:, s, 0])) - last_end[s - 1])
+        r["work"].append(float((t[:, s, 1] - t[:, s, 0]).max()))
+    total = float(last_end[-1] - t[:, 0, 0].min())
+    return {k: dict(count=len(v["span"]), share=float(np.sum(v["span"]) / total),
+                    **{m: float(np.median(x)) for m, x in v.items()}) for k, v in rows.items()}, total
 
 
 def main():
@@ -35,6 +64,11 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--preset", default="molmobot-4b")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--variants", default="", help="CUDA knob variants timed at --variant-entries, e.g. "
+                    "'poll1:poll=1,sync:work=0' (CudaTiling fields)")
+    ap.add_argument("--variant-entries", default="1")
+    ap.add_argument("--anatomy", default="", help="batch sizes whose per-phase anatomy the CUDA kernel's own "
+                    "timestamps give, e.g. 1,4")
     args = ap.parse_args()
     cfg = get_preset(args.preset)
     with torch.device("cuda"):
@@ -98,9 +132,36 @@ def main():
             else:
                 continue
             break
+    report = dict(rows=rows, variants=[], anatomy=[])
+    for entries in (int(e) for e in args.variant_entries.split(",") if args.variants):
+        ctx = context(cfg, expert, entries, args.tokens, times)
+        for spec in args.variants.split(","):
+            name, _, fields = spec.partition(":")
+            tiling = CudaTiling(**{k: int(v) for k, v in (f.split("=") for f in fields.split("+") if f)})
+            f = FusedExpert(expert, backend="cuda", cuda_tiling=tiling)
+            inputs = f.schedule(ctx["mods"])
+            graph, _ = capture(lambda: f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"]))
+            ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+            report["variants"].append(dict(variant=name, entries=entries, loop_ms=ms))
+            print(f"variant {name:10s} B={entries}: loop {ms:.3f} ms", flush=True)
+    for entries in (int(e) for e in args.anatomy.split(",") if e):
+        ctx = context(cfg, expert, entries, args.tokens, times)
+        f = FusedExpert(expert, backend="cuda", cuda_tiling=CudaTiling(trace=True))
+        inputs = f.schedule(ctx["mods"])
+        for _ in range(3):   # the last of three
+            f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
+        torch.cuda.synchronize()
+        buf = next(iter(f.cuda._scratch.values()))
+        names = CudaFlow.segment_names(inputs.reuse_host, f.depth)
+        table, total = phase_table(buf.trace.cpu().double().numpy() / 1e3, names)
+        print(f"anatomy B={entries}: loop {total / 1e3:.2f} ms on the kernel's own clock", flush=True)
+        for phase, r in table.items():
+            report["anatomy"].append(dict(entries=entries, phase=phase, **r))
+            print(f"  {phase:10s} span {r['span']:6.2f} us = release {r['release']:5.2f} + slowest work "
+                  f"{r['work']:5.2f} (median of {r['count']}; {100 * r['share']:4.1f} % of the loop)", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "check_cuda_expert.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+        json.dump(report, fh, indent=1)
     print(f"\n{'backend':8} {'B':>2} {'loop ms':>8} {'err':>8} {'reuse':>8} {'known':>8} exact replays timeout")
     for r in rows:
         if "failed" in r:

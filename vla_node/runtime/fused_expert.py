@@ -163,7 +163,8 @@ class FusedExpert:
     """The expert's flow loop on the fused kernel. Not re-entrant across streams: calls share
     scratch. The weights are copies: the expert may change afterwards without effect."""
 
-    def __init__(self, expert: ActionExpert, fp8: bool = False, tiling: Tiling = Tiling(), backend: str = "triton"):
+    def __init__(self, expert: ActionExpert, fp8: bool = False, tiling: Tiling = Tiling(), backend: str = "triton",
+                 cuda_tiling=None):
         if backend not in BACKENDS:
             raise ValueError(f"fused expert backend must be one of {BACKENDS}, got {backend!r}")
         cfg = expert.cfg
@@ -186,8 +187,8 @@ class FusedExpert:
         # backend "cuda": the loop on kernels/expert_flow.cu (fused_expert_cuda.py), else Triton's.
         self.cuda = None
         if backend == "cuda":
-            from .fused_expert_cuda import CudaFlow
-            self.cuda = CudaFlow(self)
+            from .fused_expert_cuda import CudaFlow, CudaTiling
+            self.cuda = CudaFlow(self, cuda_tiling or CudaTiling())
         self.handle = next(_IDS)
         _INSTANCES[self.handle] = self
 

@@ -23,6 +23,17 @@ from .kernels.expert_flow_cuda import THREADS, FlowKernel, Params, available
 
 MAX_ROWS = 128
 SPIN_LIMIT = 1 << 22   # polls of a grid barrier before it gives up (programs not all resident)
+BLOCK_PHASES = ("qkv", "self", "self_out", "cross_q", "cross", "cross_out", "fc1", "fc2")
+
+
+@dataclass(frozen=True)
+class CudaTiling:
+    """The kernel's measurement knobs (expert_flow.cu): how a barrier polls (0 acquire loads, 1
+    atomic adds of 0, 2 relaxed loads and one fence), per-segment timestamps, and `work` False:
+    only the loads and barriers (the loop's synchronisation floor; wrong numbers)."""
+    poll: int = 0
+    trace: bool = False
+    work: bool = True
 
 
 def unsupported(fused) -> Optional[str]:
@@ -86,14 +97,15 @@ class Scratch:
     error: torch.Tensor; kv: torch.Tensor
     mask: Optional[torch.Tensor] = None
     mask_stride: int = 0
+    trace: Optional[torch.Tensor] = None   # int64 [programs, segments, (start, end)] with CudaTiling(trace=True)
 
 
 class CudaFlow:
-    def __init__(self, fused):
+    def __init__(self, fused, tiling: CudaTiling = CudaTiling()):
         if why := unsupported(fused):
             raise ValueError(why)
         e = fused.expert
-        self.fused = fused
+        self.fused, self.tiling = fused, tiling
         # The kernel reads the weights as 16-byte fragments: copies, made once.
         self.weights = {name: fragments_b(stack.weight) for name, stack in
                         zip(("wqkv", "wso", "wq", "wco", "w1", "w2"), fused.stacks())}
@@ -122,11 +134,13 @@ class CudaFlow:
         key_tiles = math.ceil(n_keys / 16)
         cpp = max(1, min(math.ceil(key_tiles / 8), programs // pairs))
         tpc = lambda n: math.ceil(n / 8 / programs)   # noqa: E731 (tiles of 8 columns a program)
-        gemv = max(2 * rows + 8 * tpc(n) * rows * 8 for n in (3 * f.width, f.width, f.mlp))
+        # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
+        gemv = max(2 * rows + 8 * tpc(n) * rows * 8 + 16 * THREADS for n in (3 * f.width, f.width, f.mlp))
         cross = 8 * tok16 * f.head_dim + 2 * 8 * tok16 + 1
         smem = 4 * max(gemv, cross, 8 + 8 * f.action_dim)
         constants = dict(WIDTH=f.width, HEADS=f.heads, HDIM=f.head_dim, MLPD=f.mlp, ADIM=f.action_dim, TOK=tokens,
-                         TOK16=tok16, ENTRIES=entries, DEPTH=f.depth, NPROG=programs, TPR=tpr, SPIN_LIMIT=SPIN_LIMIT)
+                         TOK16=tok16, ENTRIES=entries, DEPTH=f.depth, NPROG=programs, TPR=tpr, SPIN_LIMIT=SPIN_LIMIT,
+                         POLL=self.tiling.poll, TRACE=int(self.tiling.trace), WORK=int(self.tiling.work))
         return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, math.ceil(key_tiles / cpp))
 
     def scratch(self, entries: int, tokens: int, n_keys: int, steps: int, device) -> Scratch:
@@ -166,11 +180,25 @@ class CudaFlow:
             buf.mask_stride = n_keys if buf.mask.shape[0] > 1 else 0
         return buf
 
+    @staticmethod
+    def segment_names(reuse: tuple, depth: int) -> list[str]:
+        """What each segment between two grid barriers of a launch over all steps runs."""
+        names = []
+        for r in reuse:
+            if r < 0:
+                names += ["boundary"] + list(BLOCK_PHASES) * depth
+        return names + ["boundary"]
+
     def run(self, buf: Scratch, inputs, euler: bool, steps: range) -> None:
         """Flow steps `steps` of inputs (FusedExpert's FlowInputs) in one launch."""
         plan = buf.plan
         kernel = FlowKernel.get(plan.constants, buf.x.device.index or 0, plan.smem)
         buf.barrier.zero_()
+        segments = 1
+        if self.tiling.trace:
+            segments = len(self.segment_names(inputs.reuse_host[steps.start:steps.stop], self.fused.depth))
+            if buf.trace is None or buf.trace.shape[1] != segments:
+                buf.trace = torch.zeros((plan.programs, segments, 2), dtype=torch.int64, device=buf.x.device)
         ptr = lambda t: t.data_ptr()   # noqa: E731
         p = Params(xa=ptr(buf.xa), vel=ptr(buf.vel), reuse=ptr(inputs.reuse),
                    **{k: ptr(v) for k, v in self.weights.items()}, **{k: ptr(v) for k, v in self.biases.items()},
@@ -179,6 +207,7 @@ class CudaFlow:
                    x=ptr(buf.x), stats=ptr(buf.stats), qkv=ptr(buf.qkv), q=ptr(buf.q), y=ptr(buf.y),
                    hid=ptr(buf.hid), opart=ptr(buf.opart), mlpart=ptr(buf.mlpart), counter=ptr(buf.counter),
                    bar=ptr(buf.barrier), err=ptr(buf.error),
+                   trace=ptr(buf.trace) if buf.trace is not None else ptr(buf.counter), segments=segments,
                    n_keys=buf.n_keys, key_tiles=plan.key_tiles,
                    cpp=plan.cpp, tiles_per_cta=plan.tiles_per_cta, mask_stride=buf.mask_stride,
                    has_mask=int(buf.mask is not None), step_lo=steps.start, step_hi=steps.stop, euler=int(euler),

@@ -34,7 +34,10 @@
 // action_in(actions) + pos). ADIM GEMV phase gives each program TPC tiles of 8 output columns
 // and each of its 8 warps an eighth of K; the warps' partial sums meet in shared memory.
 //
-// Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT.
+// Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
+// and the measurement knobs POLL (how a barrier polls), TRACE (per-segment timestamps) and WORK
+// (0: every phase's loads and barriers without its arithmetic and stores: the loop's floor of
+// synchronisation).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -58,8 +61,8 @@ struct Params {
     const u16* win; const u16* bin; const u16* pos; const u16* wout; const u16* bout;
     const u16* mods; const u16* fmods; const uint4* kv; const unsigned char* mask;
     float* x; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* opart; float* mlpart;
-    u32* counter; u32* bar; int* err;
-    int n_keys, key_tiles, cpp, tiles_per_cta, mask_stride, has_mask, step_lo, step_hi, euler;
+    u32* counter; u32* bar; int* err; long long* trace;
+    int n_keys, key_tiles, cpp, tiles_per_cta, mask_stride, has_mask, step_lo, step_hi, euler, segments;
     float dt, eps, scale;
 };
 
@@ -110,6 +113,14 @@ __device__ __forceinline__ float ld_cg_bf(const u16* p) {
     return __uint_as_float(((u32)r) << 16);
 }
 
+// Asynchronous copies into shared memory (no registers held while they fly).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // -- numbers -----------------------------------------------------------------------------------
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -145,27 +156,49 @@ struct Sync {
     int failed;     // thread 0: a wait gave up (programs not all resident): stop waiting
 };
 
+__device__ __forceinline__ long long clock_ns() {
+    long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+// TRACE: the start (its wait's end) and end (its arrival) of each segment, per program.
+__device__ __forceinline__ void trace_mark(const Params& p, const Sync& s, int end) {
+    if (TRACE && threadIdx.x == 0 && (int)s.arrivals < p.segments)
+        p.trace[((size_t)blockIdx.x * p.segments + s.arrivals) * 2 + end] = clock_ns();
+}
+
 __device__ __forceinline__ void grid_arrive(const Params& p, Sync& s) {
     __syncthreads();
+    trace_mark(p, s, 1);
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p.bar) : "memory");
     s.arrivals++;
 }
 
+// POLL 0: acquire loads; 1: atomic adds of 0 with acquire; 2: relaxed loads, one fence after.
+__device__ __forceinline__ u32 poll(const Params& p) {
+    u32 seen;
+    if (POLL == 0) asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.bar) : "memory");
+    else if (POLL == 1) asm volatile("atom.acquire.gpu.global.add.u32 %0, [%1], 0;" : "=r"(seen) : "l"(p.bar) : "memory");
+    else asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.bar) : "memory");
+    return seen;
+}
+
 __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
     if (threadIdx.x == 0 && !s.failed) {
-        u32 target = s.arrivals * NPROG, seen;
+        const u32 target = s.arrivals * NPROG;
         int spins = 0;
-        while (true) {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.bar) : "memory");
-            if (seen >= target) break;
+        while (poll(p) < target) {
             if (++spins > SPIN_LIMIT) {
                 atomicExch(p.err, 1);
                 s.failed = 1;
                 break;
             }
         }
+        if (POLL == 2) asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
     __syncthreads();
+    trace_mark(p, s, 0);
 }
 
 // -- block reductions ------------------------------------------------------------------------------
@@ -188,20 +221,28 @@ __device__ float block_sum(float v, float* scratch) {
 // LayerNorm mean and 1/std of every row from its 8-column tiles' (mean, M2) (Chan's formula,
 // equal counts): into mean[MP], rstd[MP] in shared memory. TPR threads a row.
 __device__ void row_stats(const Params& p, float* mean, float* rstd) {
+    constexpr int PER = (NT_W + TPR - 1) / TPR;
     const int lane_in_row = threadIdx.x % TPR;
     for (int base = 0; base < MP; base += NTHREADS / TPR) {
-        int r = base + threadIdx.x / TPR;
-        bool ok = r < MP;
-        float s = 0.0f;
-        if (ok)
-            for (int t = lane_in_row; t < NT_W; t += TPR) s += ld_cg_f(p.stats + t * MP + r);
-        for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        float mu = s / NT_W, m2 = 0.0f;
-        if (ok)
-            for (int t = lane_in_row; t < NT_W; t += TPR) {
-                float d = ld_cg_f(p.stats + t * MP + r) - mu;
-                m2 += ld_cg_f(p.stats + (NT_W + t) * MP + r) + 8.0f * d * d;
-            }
+        const int r = base + threadIdx.x / TPR;
+        const bool ok = r < MP;
+        float tm[PER], t2[PER];
+#pragma unroll
+        for (int u = 0; u < PER; ++u) {
+            const int t = lane_in_row + u * TPR;
+            const bool here = ok && t < NT_W;
+            tm[u] = here ? ld_cg_f(p.stats + t * MP + r) : 0.0f;
+            t2[u] = here ? ld_cg_f(p.stats + (NT_W + t) * MP + r) : 0.0f;
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < PER; ++u) sum += tm[u];
+        for (int o = TPR / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const float mu = sum / NT_W;
+        float m2 = 0.0f;
+#pragma unroll
+        for (int u = 0; u < PER; ++u)
+            if (lane_in_row + u * TPR < NT_W) m2 += t2[u] + 8.0f * (tm[u] - mu) * (tm[u] - mu);
         for (int o = TPR / 2; o > 0; o >>= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
         if (ok && lane_in_row == 0) {
             mean[r] = mu;
@@ -239,15 +280,28 @@ template <int N, int K> struct Shape {
 // y = src @ Wf^TOK (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
 // ADIM-fragment order. wr: this program's weights, loaded by gemv_weights before the wait.
-template <int N, int K> struct Gemv {
+template <int N, int K, int EPI> struct Gemv {
     typedef Shape<N, K> S;
     uint4 wr[S::TPC][S::KP];
     u32 shift[S::KSW][2], scale[S::KSW][2];
-
-    __device__ __forceinline__ void load(const uint4* wf, const u16* mod, int shift_off, int scale_off,
-                                         bool modulated) {
+    // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
+    // (tile, row): bias, gate and the residual's old values (written two or more barriers before
+    // this phase, so copied in before its wait).
+    __device__ __forceinline__ void load(const Params& p, const uint4* wf, const u16* bias, const u16* mod,
+                                         int shift_off, int scale_off, int gate_off, bool modulated, float* pre) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         const int t0 = blockIdx.x * S::TPC;
+        {
+            const int tt = threadIdx.x / MP, r = threadIdx.x % MP, c0 = (t0 + tt) * 8;
+            if (tt < S::TPC && t0 + tt < S::NT8) {
+                cp_async16(pre, bias + c0);
+                if (EPI == TO_RESIDUAL) {
+                    cp_async16(pre + 4, mod + gate_off + c0);
+                    cp_async16(pre + 8, p.x + r * WIDTH + c0);
+                    cp_async16(pre + 12, p.x + r * WIDTH + c0 + 4);
+                }
+            }
+        }
 #pragma unroll
         for (int tt = 0; tt < S::TPC; ++tt) {
             int tile = t0 + tt;
@@ -324,69 +378,77 @@ template <int N, int K> struct Gemv {
             }
         }
     }
-};
 
-// The epilogue of a GEMV phase: each thread one (tile, row) of 8 columns, the warps summed in order.
-template <int N, int K, int EPI>
-__device__ void gemv_epilogue(const Params& p, const float* red, const u16* bias, u16* out, const u16* mod,
-                              int gate_off) {
-    typedef Shape<N, K> S;
-    const int t0 = blockIdx.x * S::TPC;
-    for (int idx = threadIdx.x; idx < S::TPC * MP; idx += NTHREADS) {
-        const int tt = idx / MP, r = idx % MP, tile = t0 + tt, c0 = tile * 8;
-        if (tile >= S::NT8) continue;
-        float v[8];
-        for (int k = 0; k < 8; ++k) v[k] = 0.0f;
-        for (int w = 0; w < NWARPS; ++w) {
-            const float* src = red + ((w * S::TPC + tt) * MP + r) * 8;
-            float4 lo = *(const float4*)src, hi = *(const float4*)(src + 4);
-            v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
-            v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
-        }
-        for (int k = 0; k < 8; ++k) v[k] += ld_in_bf(bias + c0 + k);
-        if (EPI == TO_RESIDUAL) {
-            float4 lo = ld_cg_f4(p.x + r * WIDTH + c0), hi = ld_cg_f4(p.x + r * WIDTH + c0 + 4);
-            float old[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-            for (int k = 0; k < 8; ++k) v[k] = old[k] + ld_in_bf(mod + gate_off + c0 + k) * v[k];
-            store_x8(p, r, c0, v);
-        } else if (EPI == TO_QKV && c0 >= 2 * WIDTH) {
-            // v of head h in the B-fragment order of P @ V: [row tile][head][lane][HDIM/8][2][2] with
-            // (key = half 8 + 2 q + e, d = 8 dn + g) of the tile's 16 keys.
-            const int h = (c0 - 2 * WIDTH) / HDIM, d0 = (c0 - 2 * WIDTH) % HDIM, kk = r & 15;
-            const int half = kk >> 3, qq = (kk & 7) >> 1, e = kk & 1, dn = d0 >> 3;
-            u16* base = out + MP * 2 * WIDTH + ((r >> 4) * HEADS + h) * 32 * (HDIM / 2);
-            for (int gg = 0; gg < 8; ++gg)
-                base[(gg * 4 + qq) * (HDIM / 2) + dn * 4 + half * 2 + e] = to_bf(v[gg]);
-        } else {
-            if (EPI == TO_FRAGS_GELU)
-                for (int k = 0; k < 8; ++k) v[k] = 0.5f * v[k] * (1.0f + erff(v[k] * 0.7071067811865476f));
-            const int cols = EPI == TO_QKV ? 2 * WIDTH : N;
-            for (int k = 0; k < 8; k += 2)
-                *(u32*)(out + afrag_offset(r, c0 + k, cols / 16)) = pack_bf2(v[k], v[k + 1]);
+    // The epilogue: each thread one (tile, row) of 8 columns, the warps summed in order.
+    __device__ __forceinline__ void epilogue(const Params& p, const float* red, const u16* bias, u16* out,
+                                             const u16* mod, int gate_off, const float* pre) {
+        const int t0 = blockIdx.x * S::TPC;
+        cp_async_wait();
+        for (int idx = threadIdx.x; idx < S::TPC * MP; idx += NTHREADS) {
+            const int tt = idx / MP, r = idx % MP, tile = t0 + tt, c0 = tile * 8;
+            if (tile >= S::NT8) continue;
+            const bool first = idx == threadIdx.x;
+            float v[8];
+            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+            for (int w = 0; w < NWARPS; ++w) {
+                const float* src = red + ((w * S::TPC + tt) * MP + r) * 8;
+                float4 lo = *(const float4*)src, hi = *(const float4*)(src + 4);
+                v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+                v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+            }
+            const uint4 b8 = first ? *(const uint4*)pre : ld_in16(bias + c0);
+            const u32 bw[4] = {b8.x, b8.y, b8.z, b8.w};
+            for (int k = 0; k < 8; ++k) v[k] += (k & 1) ? bf_hi(bw[k >> 1]) : bf_lo(bw[k >> 1]);
+            if (EPI == TO_RESIDUAL) {
+                const uint4 g8 = first ? *(const uint4*)(pre + 4) : ld_in16(mod + gate_off + c0);
+                const float4 lo = first ? *(const float4*)(pre + 8) : ld_cg_f4(p.x + r * WIDTH + c0);
+                const float4 hi = first ? *(const float4*)(pre + 12) : ld_cg_f4(p.x + r * WIDTH + c0 + 4);
+                const u32 gw[4] = {g8.x, g8.y, g8.z, g8.w};
+                const float old[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                for (int k = 0; k < 8; ++k) v[k] = old[k] + ((k & 1) ? bf_hi(gw[k >> 1]) : bf_lo(gw[k >> 1])) * v[k];
+                store_x8(p, r, c0, v);
+            } else if (EPI == TO_QKV && c0 >= 2 * WIDTH) {
+                // v of head h in the B-fragment order of P @ V: [row tile][head][lane][HDIM/8][2][2] with
+                // (key = half 8 + 2 q + e, d = 8 dn + g) of the tile's 16 keys.
+                const int h = (c0 - 2 * WIDTH) / HDIM, d0 = (c0 - 2 * WIDTH) % HDIM, kk = r & 15;
+                const int half = kk >> 3, qq = (kk & 7) >> 1, e = kk & 1, dn = d0 >> 3;
+                u16* base = out + MP * 2 * WIDTH + ((r >> 4) * HEADS + h) * 32 * (HDIM / 2);
+                for (int gg = 0; gg < 8; ++gg)
+                    base[(gg * 4 + qq) * (HDIM / 2) + dn * 4 + half * 2 + e] = to_bf(v[gg]);
+            } else {
+                if (EPI == TO_FRAGS_GELU)
+                    for (int k = 0; k < 8; ++k) v[k] = 0.5f * v[k] * (1.0f + erff(v[k] * 0.7071067811865476f));
+                const int cols = EPI == TO_QKV ? 2 * WIDTH : N;
+                for (int k = 0; k < 8; k += 2)
+                    *(u32*)(out + afrag_offset(r, c0 + k, cols / 16)) = pack_bf2(v[k], v[k + 1]);
+            }
         }
     }
-}
+};
 
-// One GEMV phase of block j: weights before the wait, then the dot and its epilogue.
+// One GEMV phase of block j: weights (and the epilogue's inputs) before the wait, then the dot.
 template <int N, int K, int SRC, int EPI>
 __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
                                            const u16* frags, int src_ksteps, u16* out) {
-    Gemv<N, K> gemv;
-    gemv.load(wf, mod, shift_off, scale_off, SRC == FROM_X_LN);
+    typedef Shape<N, K> S;
+    Gemv<N, K, EPI> gemv;
+    float* mean = smem;
+    float* rstd = smem + MP;
+    float* red = smem + 2 * MP;
+    float* pre = red + NWARPS * S::TPC * MP * 8 + threadIdx.x * 16;
+    gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre);
     grid_wait(p, s);
-    if (blockIdx.x * Shape<N, K>::TPC < Shape<N, K>::NT8) {
-        float* mean = smem;
-        float* rstd = smem + MP;
-        float* red = smem + 2 * MP;
+    if (WORK && blockIdx.x * S::TPC < S::NT8) {
         if (SRC == FROM_X_LN) {
             row_stats(p, mean, rstd);
             __syncthreads();
         }
         gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd);
         __syncthreads();
-        gemv_epilogue<N, K, EPI>(p, red, bias, out, mod, gate_off);
+        gemv.epilogue(p, red, bias, out, mod, gate_off, pre);
     }
+    cp_async_wait();
     grid_arrive(p, s);
 }
 
@@ -437,7 +499,7 @@ __device__ void self_phase(const Params& p, Sync& s) {
     grid_wait(p, s);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
     const int item = warp * NPROG + blockIdx.x, qtiles = TOK16 / 16;
-    if (item < ENTRIES * HEADS * qtiles) {
+    if (WORK && item < ENTRIES * HEADS * qtiles) {
         const int b = item / (HEADS * qtiles), h = (item / qtiles) % HEADS, qm = item % qtiles;
         const int mt = b * qtiles + qm;
         const float scale = p.scale * LOG2E;
@@ -497,7 +559,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
     uint4 kv[2 * HK];
     if (active && tile_lo < tile_hi) load_kv(p, j, b, h, tile_lo, kv);
     grid_wait(p, s);
-    if (active) {
+    if (WORK && active) {
         float* so = smem;                                   // [NWARPS][TOK16][HDIM] warp partials
         float* sm = smem + NWARPS * TOK16 * HDIM;               // [NWARPS][TOK16] max, then sum
         float* sl = sm + NWARPS * TOK16;
@@ -662,7 +724,7 @@ __device__ void in_row(const Params& p, float* smem, int r, int tok, int vr) {
 // The boundary before step `next` (-1: none) after computed step `done` (-1: none): for each
 // owned row, out of `done`, the reused steps between them, and in of `next`.
 __device__ void boundary(const Params& p, float* smem, int done, int first_reuse, int next, int stop) {
-    for (int r = blockIdx.x; r < MP; r += NPROG) {
+    for (int r = blockIdx.x; WORK && r < MP; r += NPROG) {
         const int b = r / TOK16, tok = r % TOK16, vr = b * TOK + tok;
         if (done >= 0 && tok < TOK) out_row(p, smem, done, r, vr);
         for (int i = first_reuse; i < stop; ++i) {
@@ -682,6 +744,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
     extern __shared__ float4 smem4[];
     float* smem = (float*)smem4;
     Sync s = {0u, 0};
+    trace_mark(p, s, 0);
     // Steps step_lo .. step_hi - 1; a reused step (reuse[i] >= 0) only updates the actions.
     int done = -1, i = p.step_lo;
     while (true) {
@@ -689,7 +752,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
         while (i < p.step_hi && p.reuse[i] >= 0) ++i;
         const int next = i < p.step_hi ? i : -1;
         boundary(p, smem, done, first_reuse, next, i);
-        if (next < 0) break;
+        if (next < 0) {
+            __syncthreads();
+            trace_mark(p, s, 1);
+            break;
+        }
         grid_arrive(p, s);
         const u16* mods = p.mods + (size_t)next * DEPTH * 9 * WIDTH;
         for (int j = 0; j < DEPTH; ++j) {
