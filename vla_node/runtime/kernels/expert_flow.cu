@@ -9,9 +9,9 @@
 //     fragments of two k-steps are one 16-byte load, a warp's a contiguous 512 bytes;
 //   - activations that the kernel produces for a later dot (attention outputs, the MLPD hidden,
 //     the cross-attention queries, q/k of the self-attention) are stored by their producer in
-//     the consumer's ADIM-fragment order (one 16-byte load per lane and k-step), and the values of
+//     the consumer's A-fragment order (one 16-byte load per lane and k-step), and the values of
 //     the self-attention are stored in the B-fragment order of P @ V;
-//   - the context K/V are packed per query (by the host) in the B-fragment orders of Q K^TOK and
+//   - the context K/V are packed per query (by the host) in the B-fragment orders of Q K^T and
 //     P V: one 16-byte load per lane and k-step, straight from memory, no shared memory.
 // One program (256 threads) per SM; the phases of a block are separated by grid barriers (an
 // arrival counter polled by one thread); a phase's weights (and the cross-attention's first
@@ -20,18 +20,18 @@
 // splits run in a fixed order: graph replays are bit-identical.
 //
 // Phases of block j at flow step i (rows: ENTRIES x TOK16 padded tokens, MT tiles of 16):
-//   qkv       LN1 + modulate(x) @ Wqkv^TOK + b  -> q, k (ADIM-fragment order), v (PV B-fragments)
-//   self      per (entry, head, query tile) one warp: softmax(q k^TOK) v -> y (ADIM-fragment order)
-//   self_out  x += g1 (y @ Wso^TOK + b), and each 8-column tile's row mean and M2
-//   cross_q   LN2 + modulate(x) @ Wq^TOK + b    -> q (ADIM-fragment order)
+//   qkv       LN1 + modulate(x) @ Wqkv^T + b  -> q, k (A-fragment order), v (PV B-fragments)
+//   self      per (entry, head, query tile) one warp: softmax(q k^T) v -> y (A-fragment order)
+//   self_out  x += g1 (y @ Wso^T + b), and each 8-column tile's row mean and M2
+//   cross_q   LN2 + modulate(x) @ Wq^T + b    -> q (A-fragment order)
 //   cross     per (entry, head) CPP programs over its key tiles, one warp a tile at a time;
 //             warps merged in the program, programs by the last to arrive -> y
-//   cross_out x += g2 (y @ Wco^TOK + b)
-//   fc1       LN3 + modulate(x) @ W1^TOK + b, GELU -> hid (ADIM-fragment order)
-//   fc2       x += g3 (hid @ W2^TOK + b)
+//   cross_out x += g2 (y @ Wco^T + b)
+//   fc1       LN3 + modulate(x) @ W1^T + b, GELU -> hid (A-fragment order)
+//   fc2       x += g3 (hid @ W2^T + b)
 // and per step, for the rows a program owns: out (final LN + modulate -> action_out -> v, and
 // the Euler update), reuse (action caching: actions += dt v of an earlier step) and in (x =
-// action_in(actions) + pos). ADIM GEMV phase gives each program TPC tiles of 8 output columns
+// action_in(actions) + pos). A GEMV phase gives each program TPC tiles of 8 output columns
 // and each of its 8 warps an eighth of K; the warps' partial sums meet in shared memory.
 //
 // Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
@@ -140,9 +140,9 @@ __device__ __forceinline__ void mma(float* d, uint4 a, u32 b0, u32 b1) {
         : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
-// Offset (bf16 elements) of element (r, c) of a [MP, cols] matrix stored in ADIM-fragment order:
+// Offset (bf16 elements) of element (r, c) of a [MP, cols] matrix stored in A-fragment order:
 // [row tile][k-step][lane][4 registers][2]. Register 0: (row g, cols 2q, 2q+1), 1: (row g + 8,
-// 2q), 2: (g, 2q + 8), 3: (g + 8, 2q + 8), lane = 4 g + q (the m16n8k16 ADIM operand).
+// 2q), 2: (g, 2q + 8), 3: (g + 8, 2q + 8), lane = 4 g + q (the m16n8k16 A operand).
 __device__ __forceinline__ int afrag_offset(int r, int c, int ksteps) {
     int rr = r & 15, cc = c & 15;
     int lane = (rr & 7) * 4 + ((cc & 7) >> 1);
@@ -218,8 +218,8 @@ __device__ float block_sum(float v, float* scratch) {
     return s;
 }
 
-// LayerNorm mean and 1/std of every row from its 8-column tiles' (mean, M2) (Chan's formula,
-// equal counts): into mean[MP], rstd[MP] in shared memory. TPR threads a row.
+// LayerNorm mean and 1/std of every row from its 8-column tiles' (mean, M2) (stats [MP][NT_W][2];
+// Chan's formula, equal counts): into mean[MP], rstd[MP] in shared memory. TPR threads a row.
 __device__ void row_stats(const Params& p, float* mean, float* rstd) {
     constexpr int PER = (NT_W + TPR - 1) / TPR;
     const int lane_in_row = threadIdx.x % TPR;
@@ -231,8 +231,9 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd) {
         for (int u = 0; u < PER; ++u) {
             const int t = lane_in_row + u * TPR;
             const bool here = ok && t < NT_W;
-            tm[u] = here ? ld_cg_f(p.stats + t * MP + r) : 0.0f;
-            t2[u] = here ? ld_cg_f(p.stats + (NT_W + t) * MP + r) : 0.0f;
+            const float2 st = here ? ld_cg_f2(p.stats + (r * NT_W + t) * 2) : make_float2(0.0f, 0.0f);
+            tm[u] = st.x;
+            t2[u] = st.y;
         }
         float sum = 0.0f;
 #pragma unroll
@@ -261,8 +262,7 @@ __device__ __forceinline__ void store_x8(const Params& p, int r, int c0, const f
     mu *= 0.125f;
     float m2 = 0.0f;
     for (int k = 0; k < 8; ++k) m2 += (v[k] - mu) * (v[k] - mu);
-    p.stats[(c0 >> 3) * MP + r] = mu;
-    p.stats[(NT_W + (c0 >> 3)) * MP + r] = m2;
+    *(float2*)(p.stats + (r * NT_W + (c0 >> 3)) * 2) = make_float2(mu, m2);
 }
 
 // -- the GEMV phases -------------------------------------------------------------------------------
@@ -277,9 +277,9 @@ template <int N, int K> struct Shape {
     static constexpr int TPC = (NT8 + NPROG - 1) / NPROG;   // tiles of one program
 };
 
-// y = src @ Wf^TOK (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
+// y = src @ Wf^T (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
-// ADIM-fragment order. wr: this program's weights, loaded by gemv_weights before the wait.
+// A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait.
 template <int N, int K, int EPI> struct Gemv {
     typedef Shape<N, K> S;
     uint4 wr[S::TPC][S::KP];
@@ -323,17 +323,31 @@ template <int N, int K, int EPI> struct Gemv {
         }
     }
 
-    // The ADIM fragment of k-step ks (of this warp's) of row tile mt.
-    template <int SRC>
-    __device__ __forceinline__ uint4 a_frag(const Params& p, const u16* frags, int src_ksteps, int mt, int ks,
-                                            const float* mean, const float* rstd) {
+    // The residual stream's values of this warp's A fragments of row tile mt (LN sources).
+    __device__ __forceinline__ void load_x(const Params& p, int mt, float2 (&raw)[S::KSW][4]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+        const int r0 = mt * 16 + g, r1 = r0 + 8;
+#pragma unroll
+        for (int ks = 0; ks < S::KSW; ++ks) {
+            const int c = (warp * S::KSW + ks) * 16 + 2 * q;
+            raw[ks][0] = ld_cg_f2(p.x + r0 * WIDTH + c);
+            raw[ks][1] = ld_cg_f2(p.x + r1 * WIDTH + c);
+            raw[ks][2] = ld_cg_f2(p.x + r0 * WIDTH + c + 8);
+            raw[ks][3] = ld_cg_f2(p.x + r1 * WIDTH + c + 8);
+        }
+    }
+
+    // The A fragment of k-step ks (of this warp's) of row tile mt: from frags, or LN + modulate
+    // of the residual values raw.
+    template <int SRC>
+    __device__ __forceinline__ uint4 a_frag(const u16* frags, int src_ksteps, int mt, int ks,
+                                            const float2 (&raw)[S::KSW][4], const float* mean, const float* rstd) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
         if (SRC == FROM_FRAGS)
             return ld_cg16((const uint4*)frags + ((mt * src_ksteps + warp * S::KSW + ks) * 32 + lane));
-        const int r0 = mt * 16 + g, r1 = r0 + 8, c = (warp * S::KSW + ks) * 16 + 2 * q;
+        const int r0 = mt * 16 + g, r1 = r0 + 8;
         const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
-        float2 x00 = ld_cg_f2(p.x + r0 * WIDTH + c), x10 = ld_cg_f2(p.x + r1 * WIDTH + c);
-        float2 x01 = ld_cg_f2(p.x + r0 * WIDTH + c + 8), x11 = ld_cg_f2(p.x + r1 * WIDTH + c + 8);
+        const float2 x00 = raw[ks][0], x10 = raw[ks][1], x01 = raw[ks][2], x11 = raw[ks][3];
         float sh0 = bf_lo(shift[ks][0]), sh1 = bf_hi(shift[ks][0]), sh2 = bf_lo(shift[ks][1]), sh3 = bf_hi(shift[ks][1]);
         float sc0 = 1.0f + bf_lo(scale[ks][0]), sc1 = 1.0f + bf_hi(scale[ks][0]);
         float sc2 = 1.0f + bf_lo(scale[ks][1]), sc3 = 1.0f + bf_hi(scale[ks][1]);
@@ -344,13 +358,15 @@ template <int N, int K, int EPI> struct Gemv {
     }
 
     // The warps' partial sums of this program's tiles into red[warp][tile][row][8]: per row
-    // tile, the ADIM fragments of KC k-steps loaded together, each used by every tile.
+    // tile, the A fragments of KC k-steps loaded together, each used by every tile. raw: row
+    // tile 0's residual values (LN sources), loaded before the statistics.
     template <int SRC>
     __device__ __forceinline__ void partials(const Params& p, const u16* frags, int src_ksteps, float* red,
-                                             const float* mean, const float* rstd) {
+                                             const float* mean, const float* rstd, float2 (&raw)[S::KSW][4]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
         constexpr int KC = S::KSW < 6 ? S::KSW : 6;
         for (int mt = 0; mt < MT; ++mt) {
+            if (SRC == FROM_X_LN && mt > 0) load_x(p, mt, raw);
             float acc[S::TPC][4];
 #pragma unroll
             for (int tt = 0; tt < S::TPC; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
@@ -358,7 +374,7 @@ template <int N, int K, int EPI> struct Gemv {
             for (int k0 = 0; k0 < S::KSW; k0 += KC) {
                 uint4 a[KC];
 #pragma unroll
-                for (int k = 0; k < KC; ++k) a[k] = a_frag<SRC>(p, frags, src_ksteps, mt, k0 + k, mean, rstd);
+                for (int k = 0; k < KC; ++k) a[k] = a_frag<SRC>(frags, src_ksteps, mt, k0 + k, raw, mean, rstd);
 #pragma unroll
                 for (int k = 0; k < KC; ++k) {
                     const int ks = k0 + k;
@@ -440,11 +456,13 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre);
     grid_wait(p, s);
     if (WORK && blockIdx.x * S::TPC < S::NT8) {
-        if (SRC == FROM_X_LN) {
+        float2 raw[S::KSW][4];
+        if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
+            gemv.load_x(p, 0, raw);
             row_stats(p, mean, rstd);
             __syncthreads();
         }
-        gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd);
+        gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
         __syncthreads();
         gemv.epilogue(p, red, bias, out, mod, gate_off, pre);
     }
@@ -455,7 +473,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
 // -- attention -----------------------------------------------------------------------------------
 // Online softmax of one 16-key tile for a warp's 16 query rows (rows g and g + 8 of its lane):
 // scores s[nt][4] (log2 domain, invalid keys already NEG and flagged), running max m, sum l,
-// output o[HDIM/8][4]; P as an ADIM fragment for the P @ V product.
+// output o[HDIM/8][4]; P as an A fragment for the P @ V product.
 __device__ __forceinline__ uint4 softmax_tile(float (&s)[2][4], const bool (&ok)[2][4], float (&m)[2], float (&l)[2],
                                               float (&o)[HDIM / 8][4]) {
     float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
@@ -511,7 +529,7 @@ __device__ void self_phase(const Params& p, Sync& s) {
             const int km = b * qtiles + kt;
             float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
             for (int ks = 0; ks < HK; ++ks) {
-                // k in ADIM-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
+                // k in A-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
                 uint4 k = ld_cg16((const uint4*)p.qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
                 mma(sc[0], qa[ks], k.x, k.z);
                 mma(sc[1], qa[ks], k.y, k.w);
@@ -627,13 +645,13 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
         }
         if (p.cpp > 1) {
             __syncthreads();
-            if (threadIdx.x == 0) {
-                __threadfence();
-                *flag = atomicAdd(p.counter + pair, 1u) == (u32)(p.cpp - 1);
+            if (threadIdx.x == 0) {   // releases this program's partial, acquires the others'
+                u32 old;
+                asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p.counter + pair) : "memory");
+                *flag = old == (u32)(p.cpp - 1);
             }
             __syncthreads();
             if (*flag) {   // the last program of the pair: every program's partial, in order
-                __threadfence();
                 for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
                     const int row = e / HDIM, d = e % HDIM;
                     float mx = NEG;
