@@ -136,7 +136,8 @@ class CudaFlow:
         tpc = lambda n: math.ceil(n / 8 / programs)   # noqa: E731 (tiles of 8 columns a program)
         # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
         gemv = max(2 * rows + 8 * tpc(n) * rows * 8 + 16 * THREADS for n in (3 * f.width, f.width, f.mlp))
-        cross = 8 * tok16 * f.head_dim + 2 * 8 * tok16 + 1
+        # the flag, then the warps' partials, or the last program's copy of every program's
+        cross = 4 + max(8 * tok16 * (f.head_dim + 2), cpp * tok16 * (f.head_dim + 2))
         smem = 4 * max(gemv, cross, 8 + 8 * f.action_dim)
         constants = dict(WIDTH=f.width, HEADS=f.heads, HDIM=f.head_dim, MLPD=f.mlp, ADIM=f.action_dim, TOK=tokens,
                          TOK16=tok16, ENTRIES=entries, DEPTH=f.depth, NPROG=programs, TPR=tpr, SPIN_LIMIT=SPIN_LIMIT,

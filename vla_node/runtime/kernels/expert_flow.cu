@@ -578,10 +578,10 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
     if (active && tile_lo < tile_hi) load_kv(p, j, b, h, tile_lo, kv);
     grid_wait(p, s);
     if (WORK && active) {
-        float* so = smem;                                   // [NWARPS][TOK16][HDIM] warp partials
-        float* sm = smem + NWARPS * TOK16 * HDIM;               // [NWARPS][TOK16] max, then sum
+        int* flag = (int*)smem;
+        float* so = smem + 4;                               // [NWARPS][TOK16][HDIM] warp partials
+        float* sm = so + NWARPS * TOK16 * HDIM;             // [NWARPS][TOK16] max, then sum
         float* sl = sm + NWARPS * TOK16;
-        int* flag = (int*)(sl + NWARPS * TOK16);
         const float scale = p.scale * LOG2E;
         for (int qm = 0; qm < TOK16 / 16; ++qm) {
             const int mt = b * (TOK16 / 16) + qm;
@@ -652,16 +652,24 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
             }
             __syncthreads();
             if (*flag) {   // the last program of the pair: every program's partial, in order
+                // All of them copied in at once (one round trip; smem is free after the merge above).
+                float* gpart = so;                                  // [cpp][TOK16][HDIM]
+                float* gml = so + p.cpp * TOK16 * HDIM;             // [cpp][TOK16][2]
+                const float* src = p.opart + (size_t)pair * p.cpp * TOK16 * HDIM;
+                for (int k = threadIdx.x; k < p.cpp * TOK16 * HDIM / 4; k += NTHREADS) cp_async16(gpart + 4 * k, src + 4 * k);
+                const float* src_ml = p.mlpart + (size_t)pair * p.cpp * TOK16 * 2;
+                for (int k = threadIdx.x; k < p.cpp * TOK16 * 2 / 4; k += NTHREADS) cp_async16(gml + 4 * k, src_ml + 4 * k);
+                cp_async_wait();
+                __syncthreads();
                 for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
                     const int row = e / HDIM, d = e % HDIM;
                     float mx = NEG;
-                    for (int c = 0; c < p.cpp; ++c) mx = fmaxf(mx, ld_cg_f(p.mlpart + ((pair * p.cpp + c) * TOK16 + row) * 2));
+                    for (int c = 0; c < p.cpp; ++c) mx = fmaxf(mx, gml[(c * TOK16 + row) * 2]);
                     float lsum = 0.0f, acc = 0.0f;
                     for (int c = 0; c < p.cpp; ++c) {
-                        const int at = (pair * p.cpp + c) * TOK16 + row;
-                        const float f = exp2f(ld_cg_f(p.mlpart + at * 2) - mx);
-                        lsum += f * ld_cg_f(p.mlpart + at * 2 + 1);
-                        acc += f * ld_cg_f(p.opart + at * HDIM + d);
+                        const float f = exp2f(gml[(c * TOK16 + row) * 2] - mx);
+                        lsum += f * gml[(c * TOK16 + row) * 2 + 1];
+                        acc += f * gpart[(c * TOK16 + row) * HDIM + d];
                     }
                     p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / lsum);
                 }
