@@ -34,6 +34,11 @@ class CudaTiling:
     poll: int = 0
     trace: bool = False
     work: bool = True
+    # output tiles of 8 columns a program takes in the LayerNorm linears (0: as few as cover
+    # them): more a program, fewer programs read the residual stream
+    qkv_tpc: int = 0
+    cq_tpc: int = 0
+    fc1_tpc: int = 0
 
 
 def unsupported(fused) -> Optional[str]:
@@ -133,15 +138,18 @@ class CudaFlow:
         pairs = entries * f.heads
         key_tiles = math.ceil(n_keys / 16)
         cpp = max(1, min(math.ceil(key_tiles / 8), programs // pairs))
-        tpc = lambda n: math.ceil(n / 8 / programs)   # noqa: E731 (tiles of 8 columns a program)
+        t = self.tiling
+        tpcs = [t.qkv_tpc or math.ceil(3 * f.width / 8 / programs), math.ceil(f.width / 8 / programs),
+                t.cq_tpc, t.fc1_tpc or math.ceil(f.mlp / 8 / programs)]
         # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
-        gemv = max(2 * rows + 8 * tpc(n) * rows * 8 + 16 * THREADS for n in (3 * f.width, f.width, f.mlp))
+        gemv = max(2 * rows + 8 * tpc * rows * 8 + 16 * THREADS for tpc in tpcs)
         # the flag, then the warps' partials, or the last program's copy of every program's
         cross = 4 + max(8 * tok16 * (f.head_dim + 2), cpp * tok16 * (f.head_dim + 2))
         smem = 4 * max(gemv, cross, 8 + 8 * f.action_dim)
         constants = dict(WIDTH=f.width, HEADS=f.heads, HDIM=f.head_dim, MLPD=f.mlp, ADIM=f.action_dim, TOK=tokens,
                          TOK16=tok16, ENTRIES=entries, DEPTH=f.depth, NPROG=programs, TPR=tpr, SPIN_LIMIT=SPIN_LIMIT,
-                         POLL=self.tiling.poll, TRACE=int(self.tiling.trace), WORK=int(self.tiling.work))
+                         POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=t.qkv_tpc, CQ_TPC=t.cq_tpc,
+                         FC1_TPC=t.fc1_tpc)
         return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, math.ceil(key_tiles / cpp))
 
     def scratch(self, entries: int, tokens: int, n_keys: int, steps: int, device) -> Scratch:
@@ -160,7 +168,7 @@ class CudaFlow:
                     hid=torch.empty(rows * f.mlp, **bf),
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
                     mlpart=torch.empty(pairs * plan.cpp * tok16 * 2, **f32),
-                    counter=torch.zeros(pairs, dtype=torch.int32), barrier=torch.zeros(1, dtype=torch.int32),
+                    counter=torch.zeros(pairs, dtype=torch.int32), barrier=torch.zeros(1 + plan.programs, dtype=torch.int32),
                     error=torch.zeros(1, dtype=torch.int32),
                     kv=torch.empty((f.depth, entries, f.heads, plan.key_tiles, 2, 32, f.head_dim // 2), **bf))
         return self._scratch[key]

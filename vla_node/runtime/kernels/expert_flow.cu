@@ -171,11 +171,17 @@ __device__ __forceinline__ void trace_mark(const Params& p, const Sync& s, int e
 __device__ __forceinline__ void grid_arrive(const Params& p, Sync& s) {
     __syncthreads();
     trace_mark(p, s, 1);
-    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p.bar) : "memory");
     s.arrivals++;
+    if (threadIdx.x == 0) {
+        if (POLL == 3)   // this program's own flag: its arrivals so far
+            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p.bar + 1 + blockIdx.x), "r"(s.arrivals) : "memory");
+        else
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p.bar) : "memory");
+    }
 }
 
-// POLL 0: acquire loads; 1: atomic adds of 0 with acquire; 2: relaxed loads, one fence after.
+// POLL 0: acquire loads of one counter; 1: atomic adds of 0 with acquire; 2: relaxed loads, one
+// fence after; 3: a flag per program (no atomics), read by warp 0's lanes.
 __device__ __forceinline__ u32 poll(const Params& p) {
     u32 seen;
     if (POLL == 0) asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.bar) : "memory");
@@ -185,6 +191,29 @@ __device__ __forceinline__ u32 poll(const Params& p) {
 }
 
 __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
+    if (POLL == 3) {
+        if (threadIdx.x < 32 && !s.failed) {
+            int spins = 0;
+            while (true) {
+                bool here = true;
+                for (int c = threadIdx.x; c < NPROG; c += 32) {
+                    u32 seen;
+                    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.bar + 1 + c) : "memory");
+                    here &= seen >= s.arrivals;
+                }
+                if (__all_sync(0xffffffffu, here)) break;
+                if (++spins > SPIN_LIMIT) {
+                    if (threadIdx.x == 0) atomicExch(p.err, 1);
+                    s.failed = 1;
+                    break;
+                }
+            }
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        }
+        __syncthreads();
+        trace_mark(p, s, 0);
+        return;
+    }
     if (threadIdx.x == 0 && !s.failed) {
         const u32 target = s.arrivals * NPROG;
         int spins = 0;
@@ -269,19 +298,20 @@ __device__ __forceinline__ void store_x8(const Params& p, int r, int c0, const f
 enum Source { FROM_X_LN, FROM_FRAGS };
 enum Epilogue { TO_QKV, TO_FRAGS, TO_FRAGS_GELU, TO_RESIDUAL };
 
-template <int N, int K> struct Shape {
+template <int N, int K, int TPCX> struct Shape {
     static constexpr int NT8 = N / 8;                   // output tiles of 8 columns
     static constexpr int KS = K / 16;
     static constexpr int KSW = KS / NWARPS;             // k-steps of one warp
     static constexpr int KP = KSW / 2;                  // 16-byte weight loads per (tile, lane)
-    static constexpr int TPC = (NT8 + NPROG - 1) / NPROG;   // tiles of one program
+    // tiles of one program: TPCX, or as few as reach every output tile
+    static constexpr int TPC = TPCX ? TPCX : (NT8 + NPROG - 1) / NPROG;
 };
 
 // y = src @ Wf^T (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
 // A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait.
-template <int N, int K, int EPI> struct Gemv {
-    typedef Shape<N, K> S;
+template <int N, int K, int EPI, int TPCX> struct Gemv {
+    typedef Shape<N, K, TPCX> S;
     uint4 wr[S::TPC][S::KP];
     u32 shift[S::KSW][2], scale[S::KSW][2];
     // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
@@ -443,12 +473,12 @@ template <int N, int K, int EPI> struct Gemv {
 };
 
 // One GEMV phase of block j: weights (and the epilogue's inputs) before the wait, then the dot.
-template <int N, int K, int SRC, int EPI>
+template <int N, int K, int SRC, int EPI, int TPCX = 0>
 __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
                                            const u16* frags, int src_ksteps, u16* out) {
-    typedef Shape<N, K> S;
-    Gemv<N, K, EPI> gemv;
+    typedef Shape<N, K, TPCX> S;
+    Gemv<N, K, EPI, TPCX> gemv;
     float* mean = smem;
     float* rstd = smem + MP;
     float* red = smem + 2 * MP;
@@ -557,6 +587,27 @@ __device__ void self_phase(const Params& p, Sync& s) {
     grid_arrive(p, s);
 }
 
+// Flash-decoding merge weights of n partials per row: m [n][TOK16] (log2 maxima) becomes each
+// partial's weight exp2(m - max), l [n][TOK16] (sums): l[row] becomes the merged sum and
+// l[TOK16 + row] the merged maximum (each row's slots are its own thread's; n >= 2). Ends with
+// __syncthreads.
+__device__ void merge_weights(float* m, float* l, int n) {
+    if (threadIdx.x < TOK16) {
+        const int row = threadIdx.x;
+        float mx = NEG;
+        for (int c = 0; c < n; ++c) mx = fmaxf(mx, m[c * TOK16 + row]);
+        float sum = 0.0f;
+        for (int c = 0; c < n; ++c) {
+            const float f = exp2f(m[c * TOK16 + row] - mx);
+            m[c * TOK16 + row] = f;
+            sum += f * l[c * TOK16 + row];
+        }
+        l[row] = sum;
+        l[TOK16 + row] = mx;
+    }
+    __syncthreads();
+}
+
 // The K/V fragments of key tile `tile` of (entry b, head h) in block j: 2 HK 16-byte loads a lane.
 __device__ __forceinline__ void load_kv(const Params& p, int j, int b, int h, int tile, uint4* kv) {
     const int lane = threadIdx.x & 31;
@@ -621,25 +672,21 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
             }
         }
         __syncthreads();
-        // The program's warps merged; with one program a pair, straight into y.
+        // The program's warps merged (each row's weights once: sm becomes them, sl the sum); with
+        // one program a pair, straight into y.
+        merge_weights(sm, sl, NWARPS);
         for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
             const int row = e / HDIM, d = e % HDIM;
-            float mx = NEG;
-            for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, sm[w * TOK16 + row]);
-            float lsum = 0.0f, acc = 0.0f;
-            for (int w = 0; w < NWARPS; ++w) {
-                const float f = exp2f(sm[w * TOK16 + row] - mx);
-                lsum += f * sl[w * TOK16 + row];
-                acc += f * so[(w * TOK16 + row) * HDIM + d];
-            }
+            float acc = 0.0f;
+            for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * HDIM + d];
             if (p.cpp == 1) {
-                p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / lsum);
+                p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sl[row]);
             } else {
                 const int at = (pair * p.cpp + part) * TOK16 + row;
                 p.opart[at * HDIM + d] = acc;
                 if (d == 0) {
-                    p.mlpart[at * 2] = mx;
-                    p.mlpart[at * 2 + 1] = lsum;
+                    p.mlpart[at * 2] = sl[TOK16 + row];
+                    p.mlpart[at * 2 + 1] = sl[row];
                 }
             }
         }
@@ -654,24 +701,23 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
             if (*flag) {   // the last program of the pair: every program's partial, in order
                 // All of them copied in at once (one round trip; smem is free after the merge above).
                 float* gpart = so;                                  // [cpp][TOK16][HDIM]
-                float* gml = so + p.cpp * TOK16 * HDIM;             // [cpp][TOK16][2]
+                float* gm = so + p.cpp * TOK16 * HDIM;              // [cpp][TOK16] max, then weight
+                float* gl = gm + p.cpp * TOK16;                     // [cpp][TOK16] sum
                 const float* src = p.opart + (size_t)pair * p.cpp * TOK16 * HDIM;
                 for (int k = threadIdx.x; k < p.cpp * TOK16 * HDIM / 4; k += NTHREADS) cp_async16(gpart + 4 * k, src + 4 * k);
                 const float* src_ml = p.mlpart + (size_t)pair * p.cpp * TOK16 * 2;
-                for (int k = threadIdx.x; k < p.cpp * TOK16 * 2 / 4; k += NTHREADS) cp_async16(gml + 4 * k, src_ml + 4 * k);
+                for (int k = threadIdx.x; k < p.cpp * TOK16; k += NTHREADS) {
+                    gm[k] = ld_cg_f(src_ml + 2 * k);
+                    gl[k] = ld_cg_f(src_ml + 2 * k + 1);
+                }
                 cp_async_wait();
                 __syncthreads();
+                merge_weights(gm, gl, p.cpp);
                 for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
                     const int row = e / HDIM, d = e % HDIM;
-                    float mx = NEG;
-                    for (int c = 0; c < p.cpp; ++c) mx = fmaxf(mx, gml[(c * TOK16 + row) * 2]);
-                    float lsum = 0.0f, acc = 0.0f;
-                    for (int c = 0; c < p.cpp; ++c) {
-                        const float f = exp2f(gml[(c * TOK16 + row) * 2] - mx);
-                        lsum += f * gml[(c * TOK16 + row) * 2 + 1];
-                        acc += f * gpart[(c * TOK16 + row) * HDIM + d];
-                    }
-                    p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / lsum);
+                    float acc = 0.0f;
+                    for (int c = 0; c < p.cpp; ++c) acc += gm[c * TOK16 + row] * gpart[(c * TOK16 + row) * HDIM + d];
+                    p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / gl[row]);
                 }
                 if (threadIdx.x == 0) p.counter[pair] = 0;
             }
@@ -787,17 +833,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
         const u16* mods = p.mods + (size_t)next * DEPTH * 9 * WIDTH;
         for (int j = 0; j < DEPTH; ++j) {
             const u16* mod = mods + j * 9 * WIDTH;
-            gemv_phase<3 * WIDTH, WIDTH, FROM_X_LN, TO_QKV>(p, s, smem, p.wqkv + (size_t)j * 3 * WIDTH * WIDTH / 8, p.bqkv + j * 3 * WIDTH,
+            gemv_phase<3 * WIDTH, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC>(p, s, smem, p.wqkv + (size_t)j * 3 * WIDTH * WIDTH / 8, p.bqkv + j * 3 * WIDTH,
                                                     mod, 0, WIDTH, 0, nullptr, 0, p.qkv);
             self_phase(p, s);
             gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8, p.bso + j * WIDTH, mod,
                                                       0, 0, 2 * WIDTH, p.y, KS_W, nullptr);
-            gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS>(p, s, smem, p.wq + (size_t)j * WIDTH * WIDTH / 8, p.bq + j * WIDTH, mod, 3 * WIDTH,
+            gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(p, s, smem, p.wq + (size_t)j * WIDTH * WIDTH / 8, p.bq + j * WIDTH, mod, 3 * WIDTH,
                                                   4 * WIDTH, 0, nullptr, 0, p.q);
             cross_phase(p, s, smem, j);
             gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.wco + (size_t)j * WIDTH * WIDTH / 8, p.bco + j * WIDTH, mod,
                                                       0, 0, 5 * WIDTH, p.y, KS_W, nullptr);
-            gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU>(p, s, smem, p.w1 + (size_t)j * MLPD * WIDTH / 8, p.b1 + j * MLPD,
+            gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(p, s, smem, p.w1 + (size_t)j * MLPD * WIDTH / 8, p.b1 + j * MLPD,
                                                          mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid);
             gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.w2 + (size_t)j * WIDTH * MLPD / 8, p.b2 + j * WIDTH, mod,
                                                         0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr);
