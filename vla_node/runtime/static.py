@@ -67,7 +67,7 @@ class StaticRunner:
         self.fused_expert = None
         if cfg.fused_expert:
             from .fused_expert import FusedExpert
-            self.fused_expert = FusedExpert(m.expert, fp8=cfg.expert_fp8)
+            self.fused_expert = FusedExpert(m.expert, fp8=cfg.expert_fp8, backend=cfg.expert_kernel)
         self.mod_table = self.flow_inputs = None
         if cfg.ctx_kv_once:
             self._make_modulation_table()

@@ -53,6 +53,7 @@ OPTIONS = {
     "steps5": {"flow_steps": 5},
     "expert": {"fused_expert": True},
     "expertfp8": {"fused_expert": True, "expert_fp8": True},
+    "cudaexpert": {"fused_expert": True, "expert_kernel": "cuda"},  # the loop on kernels/expert_flow.cu
     "flexonly": {"split_attention": False},  # the whole prefill through flex attention, as before the split
 }
 BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "camera_height", "camera_width",
