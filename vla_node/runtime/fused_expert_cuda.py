@@ -105,6 +105,35 @@ class Scratch:
     trace: Optional[torch.Tensor] = None   # int64 [programs, segments, (start, end)] with CudaTiling(trace=True)
 
 
+def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling()) -> Plan:
+    """The kernel's constants and launch shape for `dims` (a FusedExpert's width, heads, head_dim,
+    mlp, action_dim, depth) on a GPU of `programs` SMs."""
+    tok16 = 16 * math.ceil(tokens / 16)
+    rows = entries * tok16
+    if tokens > 32 or rows > MAX_ROWS:
+        raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
+                         f"got {entries} x {tokens}")
+    tpr = 1
+    while tpr < 32 and tpr * 2 * rows <= THREADS:
+        tpr *= 2
+    pairs = entries * dims.heads
+    key_tiles = math.ceil(n_keys / 16)
+    cpp = max(1, min(math.ceil(key_tiles / 8), programs // pairs))
+    t = tiling
+    tpcs = [t.qkv_tpc or math.ceil(3 * dims.width / 8 / programs), math.ceil(dims.width / 8 / programs),
+            t.cq_tpc, t.fc1_tpc or math.ceil(dims.mlp / 8 / programs)]
+    # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
+    gemv = max(2 * rows + 8 * tpc * rows * 8 + 16 * THREADS for tpc in tpcs)
+    # the flag, then the warps' partials, or the last program's copy of every program's
+    cross = 4 + max(8 * tok16 * (dims.head_dim + 2), cpp * tok16 * (dims.head_dim + 2))
+    smem = 4 * max(gemv, cross, 8 + 8 * dims.action_dim)
+    constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
+                     TOK=tokens, TOK16=tok16, ENTRIES=entries, DEPTH=dims.depth, NPROG=programs, TPR=tpr,
+                     SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=t.qkv_tpc,
+                     CQ_TPC=t.cq_tpc, FC1_TPC=t.fc1_tpc)
+    return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, math.ceil(key_tiles / cpp))
+
+
 class CudaFlow:
     def __init__(self, fused, tiling: CudaTiling = CudaTiling()):
         if why := unsupported(fused):
@@ -123,39 +152,12 @@ class CudaFlow:
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 
-    def plan(self, entries: int, tokens: int, n_keys: int, device) -> Plan:
-        f = self.fused
-        tok16 = 16 * math.ceil(tokens / 16)
-        rows = entries * tok16
-        if tokens > 32 or rows > MAX_ROWS:
-            raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
-                             f"got {entries} x {tokens}")
-        props = torch.cuda.get_device_properties(device)
-        programs = props.multi_processor_count
-        tpr = 1
-        while tpr < 32 and tpr * 2 * rows <= THREADS:
-            tpr *= 2
-        pairs = entries * f.heads
-        key_tiles = math.ceil(n_keys / 16)
-        cpp = max(1, min(math.ceil(key_tiles / 8), programs // pairs))
-        t = self.tiling
-        tpcs = [t.qkv_tpc or math.ceil(3 * f.width / 8 / programs), math.ceil(f.width / 8 / programs),
-                t.cq_tpc, t.fc1_tpc or math.ceil(f.mlp / 8 / programs)]
-        # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
-        gemv = max(2 * rows + 8 * tpc * rows * 8 + 16 * THREADS for tpc in tpcs)
-        # the flag, then the warps' partials, or the last program's copy of every program's
-        cross = 4 + max(8 * tok16 * (f.head_dim + 2), cpp * tok16 * (f.head_dim + 2))
-        smem = 4 * max(gemv, cross, 8 + 8 * f.action_dim)
-        constants = dict(WIDTH=f.width, HEADS=f.heads, HDIM=f.head_dim, MLPD=f.mlp, ADIM=f.action_dim, TOK=tokens,
-                         TOK16=tok16, ENTRIES=entries, DEPTH=f.depth, NPROG=programs, TPR=tpr, SPIN_LIMIT=SPIN_LIMIT,
-                         POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=t.qkv_tpc, CQ_TPC=t.cq_tpc,
-                         FC1_TPC=t.fc1_tpc)
-        return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, math.ceil(key_tiles / cpp))
-
     def scratch(self, entries: int, tokens: int, n_keys: int, steps: int, device) -> Scratch:
         key = (entries, tokens, n_keys, steps, torch.device(device))
         if key not in self._scratch:
-            f, plan = self.fused, self.plan(entries, tokens, n_keys, device)
+            f = self.fused
+            plan = plan_of(f, entries, tokens, n_keys, torch.cuda.get_device_properties(device).multi_processor_count,
+                           self.tiling)
             rows = entries * dict(plan.constants)["TOK16"]
             w, tok16, pairs = f.width, rows // entries, entries * f.heads
             with torch.device(device):
