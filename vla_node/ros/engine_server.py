@@ -236,7 +236,7 @@ class Serving:
         if self.batch_size() <= 1 or self.engine.config.streaming_kv:   # nothing would join it
             return queued
         deadline = min(q.received for q in queued) + self.batch_window_s
-        while len(queued) < self.max_batch:
+        while len(queued) < self.batch_size():
             busy = {q.session.conn for q in queued}   # a node has one request in flight
             others = [conn for conn in self.sessions if conn not in busy]
             if not others:
