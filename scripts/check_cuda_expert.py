@@ -99,8 +99,8 @@ def main():
             vel = lambda x, i: truth.velocity(x, truth_mods[i], truth_kv, mask)   # noqa: E731
             want = euler(vel, noise, args.steps)
             want_reuse = euler(vel, noise, args.steps, reuse=reuse)
-            known = KnownActions(torch.randn_like(noise) * 0.5,
-                                 (torch.arange(noise.shape[1], device="cuda") < 4)[None, :, None].expand(entries, -1, 1))
+            first4 = (torch.arange(noise.shape[1], device="cuda") < 4)[None, :, None].expand(entries, -1, 1)
+            known = KnownActions(torch.randn_like(noise) * 0.5, first4)
             want_known = euler(vel, noise, args.steps, known=known)
             for name, f in fused.items():
                 row = dict(backend=name, entries=entries)

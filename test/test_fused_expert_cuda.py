@@ -14,7 +14,7 @@ import torch
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow_times
 from vla_node.runtime.fused_expert import FusedExpert
-from vla_node.runtime.fused_expert_cuda import CudaTiling, fragments_b, pack_kv, plan_of
+from vla_node.runtime.fused_expert_cuda import fragments_b, pack_kv, plan_of
 from vla_node.runtime.fusion import fuse_projections
 
 MOLMOBOT_4B = types.SimpleNamespace(width=768, heads=8, head_dim=96, mlp=3072, action_dim=8, depth=36)

@@ -96,10 +96,20 @@ class Scratch:
     """Everything one shape's launches write (kernels/expert_flow.cu names the layouts)."""
     plan: Plan
     n_keys: int
-    xa: torch.Tensor; vel: torch.Tensor; x: torch.Tensor; stats: torch.Tensor
-    qkv: torch.Tensor; q: torch.Tensor; y: torch.Tensor; hid: torch.Tensor
-    opart: torch.Tensor; mlpart: torch.Tensor; counter: torch.Tensor; barrier: torch.Tensor
-    error: torch.Tensor; kv: torch.Tensor
+    xa: torch.Tensor        # [B T, A] fp32 the actions being integrated
+    vel: torch.Tensor       # [steps, B T, A] each computed step's velocity (bf16)
+    x: torch.Tensor         # [rows, W] fp32 the residual stream (rows: B x horizon padded to 16s)
+    stats: torch.Tensor     # [rows, W / 8, 2] each 8-column tile's row mean and M2
+    qkv: torch.Tensor       # q, k in A-fragment order, then v in P V's B-fragment order (bf16)
+    q: torch.Tensor         # cross-attention queries, A-fragment order
+    y: torch.Tensor         # attention outputs, A-fragment order
+    hid: torch.Tensor       # the MLP hidden, A-fragment order
+    opart: torch.Tensor     # cross-attention partials of each (entry, head)'s programs
+    mlpart: torch.Tensor    # their maxima and sums
+    counter: torch.Tensor   # int32 per (entry, head): its programs' arrivals, left at zero
+    barrier: torch.Tensor   # int32 [1 + programs]: the arrival counter, then a flag a program
+    error: torch.Tensor     # int32 [1], set when a grid barrier timed out (sticky)
+    kv: torch.Tensor        # [depth, B, heads, key tiles, 2, 32, hd / 2] the packed context K/V
     mask: Optional[torch.Tensor] = None
     mask_stride: int = 0
     trace: Optional[torch.Tensor] = None   # int64 [programs, segments, (start, end)] with CudaTiling(trace=True)
@@ -143,7 +153,8 @@ class CudaFlow:
         # The kernel reads the weights as 16-byte fragments: copies, made once.
         self.weights = {name: fragments_b(stack.weight) for name, stack in
                         zip(("wqkv", "wso", "wq", "wco", "w1", "w2"), fused.stacks())}
-        self.biases = {name: stack.bias for name, stack in zip(("bqkv", "bso", "bq", "bco", "b1", "b2"), fused.stacks())}
+        self.biases = {name: stack.bias
+                       for name, stack in zip(("bqkv", "bso", "bq", "bco", "b1", "b2"), fused.stacks())}
         self.io = dict(win=e.action_in.weight.detach().contiguous(), bin=e.action_in.bias.detach(),
                        pos=e.action_pos.detach().contiguous(), wout=e.action_out.weight.detach().contiguous(),
                        bout=e.action_out.bias.detach())
@@ -170,7 +181,8 @@ class CudaFlow:
                     hid=torch.empty(rows * f.mlp, **bf),
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
                     mlpart=torch.empty(pairs * plan.cpp * tok16 * 2, **f32),
-                    counter=torch.zeros(pairs, dtype=torch.int32), barrier=torch.zeros(1 + plan.programs, dtype=torch.int32),
+                    counter=torch.zeros(pairs, dtype=torch.int32),
+                    barrier=torch.zeros(1 + plan.programs, dtype=torch.int32),
                     error=torch.zeros(1, dtype=torch.int32),
                     kv=torch.empty((f.depth, entries, f.heads, plan.key_tiles, 2, 32, f.head_dim // 2), **bf))
         return self._scratch[key]
