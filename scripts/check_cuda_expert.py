@@ -19,7 +19,7 @@ from triton.testing import do_bench
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow_times
 from vla_node.runtime.fused_expert import FusedExpert
-from vla_node.runtime.fused_expert_cuda import CudaFlow, CudaTiling
+from vla_node.runtime.fused_expert_cuda import CudaTiling
 from vla_node.runtime.fusion import fuse_projections
 from vla_node.runtime.graphs import capture
 
@@ -135,15 +135,18 @@ def main():
     report = dict(rows=rows, variants=[], anatomy=[])
     for entries in (int(e) for e in args.variant_entries.split(",") if args.variants):
         ctx = context(cfg, expert, entries, args.tokens, times)
+        reference = None
         for spec in args.variants.split(","):
             name, _, fields = spec.partition(":")
             tiling = CudaTiling(**{k: int(v) for k, v in (f.split("=") for f in fields.split("+") if f)})
             f = FusedExpert(expert, backend="cuda", cuda_tiling=tiling)
             inputs = f.schedule(ctx["mods"])
-            graph, _ = capture(lambda: f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"]))
+            graph, out = capture(lambda: f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"]))
             ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
-            report["variants"].append(dict(variant=name, entries=entries, loop_ms=ms))
-            print(f"variant {name:10s} B={entries}: loop {ms:.3f} ms", flush=True)
+            reference = reference if name != "default" else out.clone()   # the first variant named default
+            diff = rel(out, reference)
+            report["variants"].append(dict(variant=name, entries=entries, loop_ms=ms, diff_vs_default=diff))
+            print(f"variant {name:10s} B={entries}: loop {ms:.3f} ms, rel diff to the default {diff:.1e}", flush=True)
     for entries in (int(e) for e in args.anatomy.split(",") if e):
         ctx = context(cfg, expert, entries, args.tokens, times)
         f = FusedExpert(expert, backend="cuda", cuda_tiling=CudaTiling(trace=True))
@@ -152,7 +155,7 @@ def main():
             f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
         torch.cuda.synchronize()
         buf = next(iter(f.cuda._scratch.values()))
-        names = CudaFlow.segment_names(inputs.reuse_host, f.depth)
+        names = f.cuda.segment_names(inputs.reuse_host)
         table, total = phase_table(buf.trace.cpu().double().numpy() / 1e3, names)
         print(f"anatomy B={entries}: loop {total / 1e3:.2f} ms on the kernel's own clock", flush=True)
         for phase, r in table.items():

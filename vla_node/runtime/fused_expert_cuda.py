@@ -39,6 +39,9 @@ class CudaTiling:
     qkv_tpc: int = 0
     cq_tpc: int = 0
     fc1_tpc: int = 0
+    # self_out computes its own warp's head of the self-attention (no self phase, one barrier less;
+    # heads = 8 and head_dim = width / 8 only): every self_out program reads all of q, k, v
+    fuse_self: bool = False
 
 
 def unsupported(fused) -> Optional[str]:
@@ -140,7 +143,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
                      TOK=tokens, TOK16=tok16, ENTRIES=entries, DEPTH=dims.depth, NPROG=programs, TPR=tpr,
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=t.qkv_tpc,
-                     CQ_TPC=t.cq_tpc, FC1_TPC=t.fc1_tpc)
+                     CQ_TPC=t.cq_tpc, FC1_TPC=t.fc1_tpc, FUSE_SELF=int(t.fuse_self))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, math.ceil(key_tiles / cpp))
 
 
@@ -203,13 +206,13 @@ class CudaFlow:
             buf.mask_stride = n_keys if buf.mask.shape[0] > 1 else 0
         return buf
 
-    @staticmethod
-    def segment_names(reuse: tuple, depth: int) -> list[str]:
+    def segment_names(self, reuse: tuple) -> list[str]:
         """What each segment between two grid barriers of a launch over all steps runs."""
+        phases = [p for p in BLOCK_PHASES if not (self.tiling.fuse_self and p == "self")]
         names = []
         for r in reuse:
             if r < 0:
-                names += ["boundary"] + list(BLOCK_PHASES) * depth
+                names += ["boundary"] + phases * self.fused.depth
         return names + ["boundary"]
 
     def run(self, buf: Scratch, inputs, euler: bool, steps: range) -> None:
@@ -219,7 +222,7 @@ class CudaFlow:
         buf.barrier.zero_()
         segments = 1
         if self.tiling.trace:
-            segments = len(self.segment_names(inputs.reuse_host[steps.start:steps.stop], self.fused.depth))
+            segments = len(self.segment_names(inputs.reuse_host[steps.start:steps.stop]))
             if buf.trace is None or buf.trace.shape[1] != segments:
                 buf.trace = torch.zeros((plan.programs, segments, 2), dtype=torch.int64, device=buf.x.device)
         ptr = lambda t: t.data_ptr()   # noqa: E731

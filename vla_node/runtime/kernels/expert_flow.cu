@@ -294,8 +294,90 @@ __device__ __forceinline__ void store_x8(const Params& p, int r, int c0, const f
     *(float2*)(p.stats + (r * NT_W + (c0 >> 3)) * 2) = make_float2(mu, m2);
 }
 
+// -- attention -----------------------------------------------------------------------------------
+// Online softmax of one 16-key tile for a warp's 16 query rows (rows g and g + 8 of its lane):
+// scores s[nt][4] (log2 domain, invalid keys already NEG and flagged), running max m, sum l,
+// output o[HDIM/8][4]; P as an A fragment for the P @ V product.
+__device__ __forceinline__ uint4 softmax_tile(float (&s)[2][4], const bool (&ok)[2][4], float (&m)[2], float (&l)[2],
+                                              float (&o)[HDIM / 8][4]) {
+    float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+    float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+    }
+    float n0 = fmaxf(m[0], mx0), n1 = fmaxf(m[1], mx1);
+    float c0 = exp2f(m[0] - n0), c1 = exp2f(m[1] - n1);
+    m[0] = n0;
+    m[1] = n1;
+    float pr[2][4];
+    for (int nt = 0; nt < 2; ++nt)
+        for (int k = 0; k < 4; ++k) pr[nt][k] = ok[nt][k] ? exp2f(s[nt][k] - (k < 2 ? n0 : n1)) : 0.0f;
+    l[0] = l[0] * c0 + pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
+    l[1] = l[1] * c1 + pr[0][2] + pr[0][3] + pr[1][2] + pr[1][3];
+#pragma unroll
+    for (int dn = 0; dn < HDIM / 8; ++dn) {
+        o[dn][0] *= c0; o[dn][1] *= c0; o[dn][2] *= c1; o[dn][3] *= c1;
+    }
+    return make_uint4(pack_bf2(pr[0][0], pr[0][1]), pack_bf2(pr[0][2], pr[0][3]), pack_bf2(pr[1][0], pr[1][1]),
+                      pack_bf2(pr[1][2], pr[1][3]));
+}
+
+__device__ __forceinline__ void pv(float (&o)[HDIM / 8][4], uint4 pa, const uint4* v) {
+#pragma unroll
+    for (int u = 0; u < HK; ++u) {
+        mma(o[2 * u], pa, v[u].x, v[u].y);
+        mma(o[2 * u + 1], pa, v[u].z, v[u].w);
+    }
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Self-attention of (entry b, head h, query tile qm) on one warp: its output rows as the A
+// fragments of the head's HK k-steps (normalised, bf16), for y or straight into self_out's dot.
+__device__ __forceinline__ void self_attend(const Params& p, int b, int h, int qm, uint4 (&out)[HK]) {
+    const int lane = threadIdx.x & 31, q = lane & 3, qtiles = TOK16 / 16, mt = b * qtiles + qm;
+    const float scale = p.scale * LOG2E;
+    uint4 qa[HK];
+    for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane));
+    float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
+    for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+    for (int kt = 0; kt < qtiles; ++kt) {
+        const int km = b * qtiles + kt;
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        for (int ks = 0; ks < HK; ++ks) {
+            // k in A-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
+            uint4 k = ld_cg16((const uint4*)p.qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
+            mma(sc[0], qa[ks], k.x, k.z);
+            mma(sc[1], qa[ks], k.y, k.w);
+        }
+        bool ok[2][4];
+        for (int nt = 0; nt < 2; ++nt)
+            for (int k = 0; k < 4; ++k) {
+                ok[nt][k] = kt * 16 + nt * 8 + 2 * q + (k & 1) < TOK;
+                sc[nt][k] = ok[nt][k] ? sc[nt][k] * scale : NEG;
+            }
+        uint4 pa = softmax_tile(sc, ok, m, l, o);
+        uint4 v[HK];
+        const uint4* vsrc = (const uint4*)(p.qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
+        for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
+        pv(o, pa, v);
+    }
+    const float inv0 = 1.0f / quad_sum(l[0]), inv1 = 1.0f / quad_sum(l[1]);
+    for (int u = 0; u < HK; ++u)
+        out[u] = make_uint4(pack_bf2(o[2 * u][0] * inv0, o[2 * u][1] * inv0),
+                            pack_bf2(o[2 * u][2] * inv1, o[2 * u][3] * inv1),
+                            pack_bf2(o[2 * u + 1][0] * inv0, o[2 * u + 1][1] * inv0),
+                            pack_bf2(o[2 * u + 1][2] * inv1, o[2 * u + 1][3] * inv1));
+}
+
 // -- the GEMV phases -------------------------------------------------------------------------------
-enum Source { FROM_X_LN, FROM_FRAGS };
+// FROM_SELF (FUSE_SELF): self_out's A fragments are its own warp's head of the self-attention
+// (warp w's k-range is head w's columns), so the self phase and its barrier go.
+enum Source { FROM_X_LN, FROM_FRAGS, FROM_SELF };
 enum Epilogue { TO_QKV, TO_FRAGS, TO_FRAGS_GELU, TO_RESIDUAL };
 
 template <int N, int K, int TPCX> struct Shape {
@@ -373,7 +455,7 @@ template <int N, int K, int EPI, int TPCX> struct Gemv {
     __device__ __forceinline__ uint4 a_frag(const u16* frags, int src_ksteps, int mt, int ks,
                                             const float2 (&raw)[S::KSW][4], const float* mean, const float* rstd) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-        if (SRC == FROM_FRAGS)
+        if (SRC != FROM_X_LN)
             return ld_cg16((const uint4*)frags + ((mt * src_ksteps + warp * S::KSW + ks) * 32 + lane));
         const int r0 = mt * 16 + g, r1 = r0 + 8;
         const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
@@ -397,6 +479,8 @@ template <int N, int K, int EPI, int TPCX> struct Gemv {
         constexpr int KC = S::KSW < 6 ? S::KSW : 6;
         for (int mt = 0; mt < MT; ++mt) {
             if (SRC == FROM_X_LN && mt > 0) load_x(p, mt, raw);
+            uint4 att[HK];
+            if (SRC == FROM_SELF) self_attend(p, mt / (TOK16 / 16), warp, mt % (TOK16 / 16), att);
             float acc[S::TPC][4];
 #pragma unroll
             for (int tt = 0; tt < S::TPC; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
@@ -404,7 +488,8 @@ template <int N, int K, int EPI, int TPCX> struct Gemv {
             for (int k0 = 0; k0 < S::KSW; k0 += KC) {
                 uint4 a[KC];
 #pragma unroll
-                for (int k = 0; k < KC; ++k) a[k] = a_frag<SRC>(frags, src_ksteps, mt, k0 + k, raw, mean, rstd);
+                for (int k = 0; k < KC; ++k)
+                    a[k] = SRC == FROM_SELF ? att[(k0 + k) % HK] : a_frag<SRC>(frags, src_ksteps, mt, k0 + k, raw, mean, rstd);
 #pragma unroll
                 for (int k = 0; k < KC; ++k) {
                     const int ks = k0 + k;
@@ -500,89 +585,17 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     grid_arrive(p, s);
 }
 
-// -- attention -----------------------------------------------------------------------------------
-// Online softmax of one 16-key tile for a warp's 16 query rows (rows g and g + 8 of its lane):
-// scores s[nt][4] (log2 domain, invalid keys already NEG and flagged), running max m, sum l,
-// output o[HDIM/8][4]; P as an A fragment for the P @ V product.
-__device__ __forceinline__ uint4 softmax_tile(float (&s)[2][4], const bool (&ok)[2][4], float (&m)[2], float (&l)[2],
-                                              float (&o)[HDIM / 8][4]) {
-    float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
-    float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
-    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
-    }
-    float n0 = fmaxf(m[0], mx0), n1 = fmaxf(m[1], mx1);
-    float c0 = exp2f(m[0] - n0), c1 = exp2f(m[1] - n1);
-    m[0] = n0;
-    m[1] = n1;
-    float pr[2][4];
-    for (int nt = 0; nt < 2; ++nt)
-        for (int k = 0; k < 4; ++k) pr[nt][k] = ok[nt][k] ? exp2f(s[nt][k] - (k < 2 ? n0 : n1)) : 0.0f;
-    l[0] = l[0] * c0 + pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
-    l[1] = l[1] * c1 + pr[0][2] + pr[0][3] + pr[1][2] + pr[1][3];
-#pragma unroll
-    for (int dn = 0; dn < HDIM / 8; ++dn) {
-        o[dn][0] *= c0; o[dn][1] *= c0; o[dn][2] *= c1; o[dn][3] *= c1;
-    }
-    return make_uint4(pack_bf2(pr[0][0], pr[0][1]), pack_bf2(pr[0][2], pr[0][3]), pack_bf2(pr[1][0], pr[1][1]),
-                      pack_bf2(pr[1][2], pr[1][3]));
-}
-
-__device__ __forceinline__ void pv(float (&o)[HDIM / 8][4], uint4 pa, const uint4* v) {
-#pragma unroll
-    for (int u = 0; u < HK; ++u) {
-        mma(o[2 * u], pa, v[u].x, v[u].y);
-        mma(o[2 * u + 1], pa, v[u].z, v[u].w);
-    }
-}
-
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
 // Self-attention: one warp per (entry, head, query tile), warps spread over the programs first.
 __device__ void self_phase(const Params& p, Sync& s) {
     grid_wait(p, s);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int item = warp * NPROG + blockIdx.x, qtiles = TOK16 / 16;
     if (WORK && item < ENTRIES * HEADS * qtiles) {
         const int b = item / (HEADS * qtiles), h = (item / qtiles) % HEADS, qm = item % qtiles;
-        const int mt = b * qtiles + qm;
-        const float scale = p.scale * LOG2E;
-        uint4 qa[HK];
-        for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane));
-        float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
-        for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
-        for (int kt = 0; kt < qtiles; ++kt) {
-            const int km = b * qtiles + kt;
-            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-            for (int ks = 0; ks < HK; ++ks) {
-                // k in A-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
-                uint4 k = ld_cg16((const uint4*)p.qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
-                mma(sc[0], qa[ks], k.x, k.z);
-                mma(sc[1], qa[ks], k.y, k.w);
-            }
-            bool ok[2][4];
-            for (int nt = 0; nt < 2; ++nt)
-                for (int k = 0; k < 4; ++k) {
-                    ok[nt][k] = kt * 16 + nt * 8 + 2 * q + (k & 1) < TOK;
-                    sc[nt][k] = ok[nt][k] ? sc[nt][k] * scale : NEG;
-                }
-            uint4 pa = softmax_tile(sc, ok, m, l, o);
-            uint4 v[HK];
-            const uint4* vsrc = (const uint4*)(p.qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
-            for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
-            pv(o, pa, v);
-        }
-        const float inv0 = 1.0f / quad_sum(l[0]), inv1 = 1.0f / quad_sum(l[1]);
-        uint4* dst = (uint4*)p.y + ((mt * KS_W + h * HK) * 32 + lane);
-        for (int u = 0; u < HK; ++u)
-            dst[u * 32] = make_uint4(pack_bf2(o[2 * u][0] * inv0, o[2 * u][1] * inv0),
-                                     pack_bf2(o[2 * u][2] * inv1, o[2 * u][3] * inv1),
-                                     pack_bf2(o[2 * u + 1][0] * inv0, o[2 * u + 1][1] * inv0),
-                                     pack_bf2(o[2 * u + 1][2] * inv1, o[2 * u + 1][3] * inv1));
+        uint4 out[HK];
+        self_attend(p, b, h, qm, out);
+        uint4* dst = (uint4*)p.y + (((b * qtiles + qm) * KS_W + h * HK) * 32 + lane);
+        for (int u = 0; u < HK; ++u) dst[u * 32] = out[u];
     }
     grid_arrive(p, s);
 }
@@ -835,9 +848,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             const u16* mod = mods + j * 9 * WIDTH;
             gemv_phase<3 * WIDTH, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC>(p, s, smem, p.wqkv + (size_t)j * 3 * WIDTH * WIDTH / 8, p.bqkv + j * 3 * WIDTH,
                                                     mod, 0, WIDTH, 0, nullptr, 0, p.qkv);
+#if FUSE_SELF
+            static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
+            gemv_phase<WIDTH, WIDTH, FROM_SELF, TO_RESIDUAL>(p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8,
+                                                            p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr);
+#else
             self_phase(p, s);
             gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8, p.bso + j * WIDTH, mod,
                                                       0, 0, 2 * WIDTH, p.y, KS_W, nullptr);
+#endif
             gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(p, s, smem, p.wq + (size_t)j * WIDTH * WIDTH / 8, p.bq + j * WIDTH, mod, 3 * WIDTH,
                                                   4 * WIDTH, 0, nullptr, 0, p.q);
             cross_phase(p, s, smem, j);
