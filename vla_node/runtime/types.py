@@ -212,7 +212,7 @@ class EngineConfig:
             raise ValueError("expert_fp8 needs fused_expert (its kernels read the e4m3 weights)")
         if self.expert_kernel not in ("triton", "cuda"):
             raise ValueError(f"expert_kernel must be triton or cuda, got {self.expert_kernel!r}")
-        if self.expert_kernel == "cuda" and (self.expert_fp8 or self.dtype != "bfloat16"):
+        if self.expert_kernel == "cuda" and self.expert_fp8:
             raise ValueError("expert_kernel cuda runs bf16 expert weights (no expert_fp8): use expert_kernel triton")
 
     @classmethod
