@@ -34,11 +34,12 @@ class CudaTiling:
     poll: int = 0
     trace: bool = False
     work: bool = True
-    # output tiles of 8 columns a program takes in the LayerNorm linears (0: as few as cover
-    # them): more a program, fewer programs read the residual stream
+    # output tiles of 8 columns a program takes in the LayerNorm linears (at least as many as
+    # cover them): more a program, fewer programs read the residual stream. fc1 4: on the H200
+    # (132 SMs) 96 programs instead of 128, the loop 0.4-0.7 ms faster at B = 1 (BENCHMARKS.md)
     qkv_tpc: int = 0
     cq_tpc: int = 0
-    fc1_tpc: int = 0
+    fc1_tpc: int = 4
     # self_out computes its own warp's head of the self-attention (no self phase, one barrier less;
     # heads = 8 and head_dim = width / 8 only): every self_out program reads all of q, k, v
     fuse_self: bool = False
@@ -133,17 +134,19 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     key_tiles = math.ceil(n_keys / 16)
     cpp = max(1, min(math.ceil(key_tiles / 8), programs // pairs))
     t = tiling
-    tpcs = [t.qkv_tpc or math.ceil(3 * dims.width / 8 / programs), math.ceil(dims.width / 8 / programs),
-            t.cq_tpc, t.fc1_tpc or math.ceil(dims.mlp / 8 / programs)]
+
+    def tpc(n: int, asked: int) -> int:
+        return max(asked, math.ceil(n / 8 / programs))
+    qkv, cq, fc1 = tpc(3 * dims.width, t.qkv_tpc), tpc(dims.width, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc)
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
-    gemv = max(2 * rows + 8 * tpc * rows * 8 + 16 * THREADS for tpc in tpcs)
+    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, cq, fc1))
     # the flag, then the warps' partials, or the last program's copy of every program's
     cross = 4 + max(8 * tok16 * (dims.head_dim + 2), cpp * tok16 * (dims.head_dim + 2))
     smem = 4 * max(gemv, cross, 8 + 8 * dims.action_dim)
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
                      TOK=tokens, TOK16=tok16, ENTRIES=entries, DEPTH=dims.depth, NPROG=programs, TPR=tpr,
-                     SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=t.qkv_tpc,
-                     CQ_TPC=t.cq_tpc, FC1_TPC=t.fc1_tpc, FUSE_SELF=int(t.fuse_self))
+                     SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
+                     CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, math.ceil(key_tiles / cpp))
 
 
