@@ -15,7 +15,7 @@ import torch
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow_times
 from vla_node.runtime.fused_expert import FusedExpert
-from vla_node.runtime.fused_expert_cuda import fragments_b, pack_kv, plan_of
+from vla_node.runtime.fused_expert_cuda import CudaTiling, fragments_b, pack_kv, plan_of
 from vla_node.runtime.fusion import fuse_projections
 
 MOLMOBOT_4B = types.SimpleNamespace(width=768, heads=8, head_dim=96, mlp=3072, action_dim=8, depth=36)
@@ -55,8 +55,11 @@ def test_context_kv_is_packed_in_the_fragment_orders_of_qk_and_pv_with_zero_padd
 
 def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     p = plan_of(MOLMOBOT_4B, entries=1, tokens=16, n_keys=892, programs=H200_SMS)
-    assert (p.key_tiles, p.cpp, p.tiles_per_cta) == (56, 7, 8)   # 8 heads x 7 programs, a tile a warp
+    # key tiles in shared memory: 2 programs a head, 28 tiles each (3.5 a warp), 168 KB of them
+    assert (p.key_tiles, p.cpp, p.tiles_per_cta, dict(p.constants)["KV_SMEM"]) == (56, 2, 28, 1)
     assert p.smem <= 227 * 1024
+    registers = plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(kv_smem=False))
+    assert (registers.cpp, registers.tiles_per_cta) == (7, 8)   # 8 heads x 7 programs, a tile a warp
     p8 = plan_of(MOLMOBOT_4B, entries=8, tokens=16, n_keys=892, programs=H200_SMS)
     assert p8.cpp * 8 * MOLMOBOT_4B.heads <= H200_SMS and p8.smem <= 227 * 1024
     with pytest.raises(ValueError, match="at most 128 padded rows"):

@@ -22,6 +22,7 @@ from ..model.action_expert import LN_EPS
 from .kernels.expert_flow_cuda import THREADS, FlowKernel, Params, available
 
 MAX_ROWS = 128
+SMEM_LIMIT = 227 * 1024   # shared memory a program may have on sm_90 (opt-in maximum)
 SPIN_LIMIT = 1 << 22   # polls of a grid barrier before it gives up (programs not all resident)
 BLOCK_PHASES = ("qkv", "self", "self_out", "cross_q", "cross", "cross_out", "fc1", "fc2")
 
@@ -43,6 +44,11 @@ class CudaTiling:
     # self_out computes its own warp's head of the self-attention (no self phase, one barrier less;
     # heads = 8 and head_dim = width / 8 only): every self_out program reads all of q, k, v
     fuse_self: bool = False
+    # the cross-attention's key tiles copied into shared memory by one bulk copy a block, issued
+    # before the block's first phase (so they land while qkv .. cross_q run); cross_programs:
+    # programs per (entry, head) (0: as few as fit)
+    kv_smem: bool = True
+    cross_programs: int = 0
 
 
 def unsupported(fused) -> Optional[str]:
@@ -119,9 +125,11 @@ class Scratch:
     trace: Optional[torch.Tensor] = None   # int64 [programs, segments, (start, end)] with CudaTiling(trace=True)
 
 
-def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling()) -> Plan:
+def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling(),
+            smem_limit: int = SMEM_LIMIT) -> Plan:
     """The kernel's constants and launch shape for `dims` (a FusedExpert's width, heads, head_dim,
-    mlp, action_dim, depth) on a GPU of `programs` SMs."""
+    mlp, action_dim, depth) on a GPU of `programs` SMs with `smem_limit` bytes of shared memory a
+    program."""
     tok16 = 16 * math.ceil(tokens / 16)
     rows = entries * tok16
     if tokens > 32 or rows > MAX_ROWS:
@@ -132,7 +140,6 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         tpr *= 2
     pairs = entries * dims.heads
     key_tiles = math.ceil(n_keys / 16)
-    cpp = max(1, min(math.ceil(key_tiles / 8), programs // pairs))
     t = tiling
 
     def tpc(n: int, asked: int) -> int:
@@ -140,14 +147,33 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     qkv, cq, fc1 = tpc(3 * dims.width, t.qkv_tpc), tpc(dims.width, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc)
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
     gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, cq, fc1))
-    # the flag, then the warps' partials, or the last program's copy of every program's
-    cross = 4 + max(8 * tok16 * (dims.head_dim + 2), cpp * tok16 * (dims.head_dim + 2))
-    smem = 4 * max(gemv, cross, 8 + 8 * dims.action_dim)
+
+    def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, the
+        # warps' partials, or the last program's copy of every program's), a multiple of 4
+        cross = 4 + max(8 * tok16 * (dims.head_dim + 2), cpp * tok16 * (dims.head_dim + 2))
+        return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
+    # The cross-attention's programs per (entry, head): with kv_smem, as few as hold their key tiles
+    # in shared memory (an mbarrier, then the tiles) at most 4 tiles a warp; else enough that a warp
+    # takes one tile, each loaded into registers before the phase's wait.
+    tile_bytes = 2 * 32 * dims.head_dim // 16 * 16
+    kv_smem, cpp = False, max(1, min(math.ceil(key_tiles / 8), programs // pairs))
+    if t.kv_smem:
+        for c in range(max(1, math.ceil(key_tiles / 32)), programs // pairs + 1):
+            if t.cross_programs and c != t.cross_programs:
+                continue
+            if 4 * general(c) + 16 + math.ceil(key_tiles / c) * tile_bytes <= smem_limit:
+                kv_smem, cpp = True, c
+                break
+    elif t.cross_programs:
+        cpp = t.cross_programs
+    tiles_per_cta = math.ceil(key_tiles / cpp)
+    gen = general(cpp)
+    smem = 4 * gen + (16 + tiles_per_cta * tile_bytes if kv_smem else 0)
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
                      TOK=tokens, TOK16=tok16, ENTRIES=entries, DEPTH=dims.depth, NPROG=programs, TPR=tpr,
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
-                     CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self))
-    return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, math.ceil(key_tiles / cpp))
+                     CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem), KV_OFF=gen)
+    return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
 class CudaFlow:

@@ -35,6 +35,8 @@
 // and each of its 8 warps an eighth of K; the warps' partial sums meet in shared memory.
 //
 // Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
+// the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC), KV_SMEM (the cross-attention's
+// key tiles copied into shared memory at KV_OFF floats, ahead of their use) and FUSE_SELF,
 // and the measurement knobs POLL (how a barrier polls), TRACE (per-segment timestamps) and WORK
 // (0: every phase's loads and barriers without its arithmetic and stores: the loop's floor of
 // synchronisation).
@@ -121,6 +123,23 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
+// One bulk copy (the copy engine, no threads held) of `bytes` into shared memory, completing on
+// the mbarrier `bar` (KV_SMEM: a program's key tiles of a block, issued phases ahead of their use).
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
+    asm volatile("{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; "
+                 "@!done bra WAIT_%=; }" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
 // -- numbers -----------------------------------------------------------------------------------
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -154,6 +173,7 @@ __device__ __forceinline__ int afrag_offset(int r, int c, int ksteps) {
 struct Sync {
     u32 arrivals;   // this program's arrivals so far (every program arrives at every barrier)
     int failed;     // thread 0: a wait gave up (programs not all resident): stop waiting
+    u32 kv_parity;  // KV_SMEM: the phase of the K/V copy's mbarrier that the next wait waits for
 };
 
 __device__ __forceinline__ long long clock_ns() {
@@ -629,6 +649,17 @@ __device__ __forceinline__ void load_kv(const Params& p, int j, int b, int h, in
     for (int u = 0; u < HK; ++u) kv[HK + u] = ld_in16(src + 32 * HK + u);
 }
 
+// KV_SMEM: this program's key tiles of block j copied into shared memory (one bulk copy,
+// thread 0), issued before the block's first phase: they land while qkv .. cross_q run.
+__device__ __forceinline__ void kv_prefetch(const Params& p, float* smem, int j) {
+    const int pair = blockIdx.x / p.cpp, part = blockIdx.x % p.cpp;
+    const int first = part * p.tiles_per_cta, tiles = min(p.tiles_per_cta, p.key_tiles - first);
+    if (!KV_SMEM || threadIdx.x != 0 || pair >= ENTRIES * HEADS || tiles <= 0) return;
+    const int b = pair / HEADS, h = pair % HEADS;
+    const uint4* src = p.kv + (((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + first) * 2 * 32 * HK;
+    bulk_copy(smem + KV_OFF + 4, src, (u32)tiles * 2 * 32 * HK * 16, (unsigned long long*)(smem + KV_OFF));
+}
+
 // Cross-attention of block j over the context K/V: (entry, head) pairs, p.cpp programs each,
 // p.tiles_per_cta key tiles a program, warp w its tiles w, w + 8, ...
 __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
@@ -639,8 +670,13 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
     const int tile_lo = part * p.tiles_per_cta + warp;
     const int tile_hi = min((part + 1) * p.tiles_per_cta, p.key_tiles);
     uint4 kv[2 * HK];
-    if (active && tile_lo < tile_hi) load_kv(p, j, b, h, tile_lo, kv);
+    if (!KV_SMEM && active && tile_lo < tile_hi) load_kv(p, j, b, h, tile_lo, kv);
     grid_wait(p, s);
+    const uint4* kvs = (const uint4*)(smem + KV_OFF + 4);   // KV_SMEM: this program's tiles, from kv_prefetch
+    if (KV_SMEM && active && part * p.tiles_per_cta < p.key_tiles) {
+        mbar_wait((unsigned long long*)(smem + KV_OFF), s.kv_parity);
+        s.kv_parity ^= 1u;
+    }
     if (WORK && active) {
         int* flag = (int*)smem;
         float* so = smem + 4;                               // [NWARPS][TOK16][HDIM] warp partials
@@ -654,7 +690,13 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
             float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
             for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
             for (int tile = tile_lo; tile < tile_hi; tile += NWARPS) {
-                if (qm > 0 || tile != tile_lo) load_kv(p, j, b, h, tile, kv);
+                if (KV_SMEM) {
+                    const uint4* src = kvs + ((tile - part * p.tiles_per_cta) * 2 * 32 + lane) * HK;
+                    for (int u = 0; u < HK; ++u) kv[u] = src[u];
+                    for (int u = 0; u < HK; ++u) kv[HK + u] = src[32 * HK + u];
+                } else if (qm > 0 || tile != tile_lo) {
+                    load_kv(p, j, b, h, tile, kv);
+                }
                 float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
                 for (int ks = 0; ks < HK; ++ks) {
                     mma(sc[0], qa[ks], kv[ks].x, kv[ks].y);
@@ -828,8 +870,13 @@ __device__ void boundary(const Params& p, float* smem, int done, int first_reuse
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Params p) {
     extern __shared__ float4 smem4[];
     float* smem = (float*)smem4;
-    Sync s = {0u, 0};
+    Sync s = {0u, 0, 0u};
     trace_mark(p, s, 0);
+    if (KV_SMEM && threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(smem + KV_OFF)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
     // Steps step_lo .. step_hi - 1; a reused step (reuse[i] >= 0) only updates the actions.
     int done = -1, i = p.step_lo;
     while (true) {
@@ -846,6 +893,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
         const u16* mods = p.mods + (size_t)next * DEPTH * 9 * WIDTH;
         for (int j = 0; j < DEPTH; ++j) {
             const u16* mod = mods + j * 9 * WIDTH;
+            kv_prefetch(p, smem, j);
             gemv_phase<3 * WIDTH, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC>(p, s, smem, p.wqkv + (size_t)j * 3 * WIDTH * WIDTH / 8, p.bqkv + j * 3 * WIDTH,
                                                     mod, 0, WIDTH, 0, nullptr, 0, p.qkv);
 #if FUSE_SELF
