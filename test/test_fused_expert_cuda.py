@@ -55,22 +55,24 @@ def test_context_kv_is_packed_in_the_fragment_orders_of_qk_and_pv_with_zero_padd
 
 def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     p = plan_of(MOLMOBOT_4B, entries=1, tokens=16, n_keys=892, programs=H200_SMS)
-    # key tiles in shared memory: 2 programs a head, 28 tiles each (3.5 a warp), 168 KB of them
-    assert (p.key_tiles, p.cpp, p.tiles_per_cta, dict(p.constants)["KV_SMEM"]) == (56, 2, 28, 1)
+    assert (p.key_tiles, p.cpp, p.tiles_per_cta) == (56, 7, 8)   # 8 heads x 7 programs, a tile a warp
     assert p.smem <= 227 * 1024
-    registers = plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(kv_smem=False))
-    assert (registers.cpp, registers.tiles_per_cta) == (7, 8)   # 8 heads x 7 programs, a tile a warp
+    # key tiles in shared memory: 2 programs a head, 28 tiles each (3.5 a warp), 168 KB of them
+    smem = plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(kv_smem=True))
+    assert (smem.cpp, smem.tiles_per_cta, dict(smem.constants)["KV_SMEM"]) == (2, 28, 1)
+    assert smem.smem <= 227 * 1024
     p8 = plan_of(MOLMOBOT_4B, entries=8, tokens=16, n_keys=892, programs=H200_SMS)
     assert p8.cpp * 8 * MOLMOBOT_4B.heads <= H200_SMS and p8.smem <= 227 * 1024
     with pytest.raises(ValueError, match="at most 128 padded rows"):
         plan_of(MOLMOBOT_4B, entries=9, tokens=16, n_keys=892, programs=H200_SMS)
 
 
-@pytest.mark.parametrize("entries", [1, 4])
-def test_the_kernel_compiles_for_hopper(entries):
+@pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
+                                             (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True))])
+def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
-    constants = dict(plan_of(MOLMOBOT_4B, entries, tokens=16, n_keys=892, programs=H200_SMS).constants)
+    constants = dict(plan_of(MOLMOBOT_4B, entries, tokens=16, n_keys=892, programs=H200_SMS, tiling=tiling).constants)
     cubin, log = nvrtc_compile(constants, "sm_90", verbose=True)
     assert cubin[:4] == b"\x7fELF", log
     # The kernel holds each phase's weights in registers: a change that pushes them out shows here

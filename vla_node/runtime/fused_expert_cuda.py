@@ -46,8 +46,9 @@ class CudaTiling:
     fuse_self: bool = False
     # the cross-attention's key tiles copied into shared memory by one bulk copy a block, issued
     # before the block's first phase (so they land while qkv .. cross_q run); cross_programs:
-    # programs per (entry, head) (0: as few as fit)
-    kv_smem: bool = True
+    # programs per (entry, head) (0: as few as fit). Off: on the H200 it was no faster (the phase
+    # is bound by its merges and mma chain, not its loads; BENCHMARKS.md)
+    kv_smem: bool = False
     cross_programs: int = 0
 
 
