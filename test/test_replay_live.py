@@ -66,10 +66,13 @@ def test_live_replay_yields_the_expected_chunks_at_the_configured_rate(demo):
 def assert_commands_at_50_hz(live: dict) -> None:
     """A live replay's node on the wall clock commanded at its 50 Hz: its median tick within half a
     period of its due time by its own measure (so in its own period's slot; how close a busy
-    machine keeps it is the benchmarks' to say: beside three busy loops and more, 2.7 ms), and no
-    more commands in the recording than ticks fit."""
+    machine keeps it is the benchmarks' to say: beside three busy loops and more, 2.7 ms), and one
+    command a tick as the recorder received them: the median gap between two is the period (a
+    second publisher or a doubled tick halves it). Not the count over the recording's span: on a
+    busy machine the recorder may receive the first commands late and together, which shortens a
+    one-second span by more than any fixed tolerance (57.6 Hz measured once for a node at 50)."""
     assert live["node_command_jitter_ms"]["p50"] < 0.5 * 20.0, live["node_command_jitter_ms"]
-    assert live["command_rate_hz"] <= 50.0 * 1.05
+    assert live["command_period_ms"]["p50"] >= 0.75 * 20.0, live["command_period_ms"]
 
 
 def test_recording_holds_what_the_node_published(demo):
