@@ -75,6 +75,24 @@ def replay_ms(graph) -> float:
     return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
+def phase_table(t, names: list[str]) -> tuple[dict, float]:
+    """Per phase, from timestamps t [programs, segments, (start, end)] (us) of segments `names`:
+    the span from the last arrival before it to the last arrival after it, split into the
+    barrier's release (last arrival -> a program starts, median over programs) and the slowest
+    program's work (start -> arrival); medians over the phase's occurrences, and its share."""
+    import numpy as np
+    last_end = t[:, :, 1].max(0)
+    rows = {}
+    for s in range(1, len(names)):
+        r = rows.setdefault(names[s], {"span": [], "release": [], "work": []})
+        r["span"].append(last_end[s] - last_end[s - 1])
+        r["release"].append(float(np.median(t[:, s, 0])) - last_end[s - 1])
+        r["work"].append(float((t[:, s, 1] - t[:, s, 0]).max()))
+    total = float(last_end[-1] - t[:, 0, 0].min())
+    return {k: dict(count=len(v["span"]), share=float(np.sum(v["span"]) / total),
+                    **{m: float(np.median(x)) for m, x in v.items()}) for k, v in rows.items()}, total
+
+
 def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -258,21 +276,11 @@ class Bench:
                 t = buf.trace.cpu().numpy().astype(np.float64) / 1e3  # us; [programs, segments, (start, end)]
                 names = ["in"] + [n for _ in range(len(self.expert.blocks))
                                   for n in ("qkv", "self", "cross_q", "cross", "cross_out", "fc1", "fc2")] + ["out"]
-                names = names * STEPS
-                last_end = t[:, :, 1].max(0)
-                rows = {}
-                for s in range(1, len(names)):
-                    r = rows.setdefault(names[s], {"span": [], "release": [], "work": []})
-                    r["span"].append(last_end[s] - last_end[s - 1])
-                    r["release"].append(float(np.median(t[:, s, 0])) - last_end[s - 1])
-                    r["work"].append(float((t[:, s, 1] - t[:, s, 0]).max()))
-                total = last_end[-1] - t[:, 0, 0].min()
+                table, total = phase_table(t, names * STEPS)
                 name = f"{name}, B={ctx['entries']}"
                 print(f"  anatomy ({name}): loop {total / 1e3:.2f} ms from the kernel's own clock", flush=True)
-                for phase, r in rows.items():
-                    row = dict(variant=name, phase=phase, count=len(r["span"]),
-                               **{k: float(np.median(v)) for k, v in r.items()},
-                               share=float(np.sum(r["span"]) / total))
+                for phase, r in table.items():
+                    row = dict(variant=name, phase=phase, **r)
                     self.results.setdefault("anatomy", []).append(row)
                     print(f"    {phase:10s} span {row['span']:6.2f} us = release {row['release']:5.2f} + slowest work "
                           f"{row['work']:5.2f} (median of {row['count']}; {100 * row['share']:4.1f} % of the loop)",

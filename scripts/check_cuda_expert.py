@@ -14,6 +14,7 @@ import os
 import time
 
 import torch
+from bench_expert_gpu import phase_table  # scripts/: the same anatomy table as the Triton kernel's
 from triton.testing import do_bench
 
 from vla_node.model import get_preset, init_random_
@@ -36,24 +37,6 @@ def context(cfg, expert, entries: int, tokens: int, times) -> dict:
     with torch.inference_mode():
         return dict(noise=torch.randn(entries, cfg.action.horizon, cfg.action.action_dim, device="cuda", generator=g),
                     kv=expert.context_kv(hidden, state), mods=[expert.modulations(t) for t in times], mask=mask)
-
-
-def phase_table(t, names: list[str]) -> tuple[dict, float]:
-    """Per phase, from timestamps t [programs, segments, (start, end)] (us) of segments `names`:
-    the span from the last arrival before it to the last arrival after it, split into the
-    barrier's release (last arrival -> a program starts, median over programs) and the slowest
-    program's work (start -> arrival); medians over the phase's occurrences, and its share."""
-    import numpy as np
-    last_end = t[:, :, 1].max(0)
-    rows = {}
-    for s in range(1, len(names)):
-        r = rows.setdefault(names[s], {"span": [], "release": [], "work": []})
-        r["span"].append(last_end[s] - last_end[s - 1])
-        r["release"].append(float(np.median(t[:, s, 0])) - last_end[s - 1])
-        r["work"].append(float((t[:, s, 1] - t[:, s, 0]).max()))
-    total = float(last_end[-1] - t[:, 0, 0].min())
-    return {k: dict(count=len(v["span"]), share=float(np.sum(v["span"]) / total),
-                    **{m: float(np.median(x)) for m, x in v.items()}) for k, v in rows.items()}, total
 
 
 def main():
