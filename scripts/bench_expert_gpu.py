@@ -97,6 +97,18 @@ def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def random_expert(cfg, device: str = DEVICE) -> tuple[ActionExpert, ActionExpert]:
+    """A random bf16 expert of config cfg (projections fused) and its fp32 twin, the same weights."""
+    with torch.device(device):
+        expert = ActionExpert(cfg).eval().requires_grad_(False)
+    init_random_(expert, seed=0)
+    expert = expert.to(BF16)
+    truth = copy.deepcopy(expert).float()
+    fuse_projections(expert)
+    fuse_projections(truth)
+    return expert, truth
+
+
 class Bench:
     def __init__(self, args):
         self.args, self.t0 = args, time.perf_counter()
@@ -105,13 +117,7 @@ class Bench:
         self.results = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
                         "loops": [], "phases": [], "skipped": [], "errors": {}}
         cfg = get_preset(args.preset)
-        with torch.device(DEVICE):
-            expert = ActionExpert(cfg).eval().requires_grad_(False)
-        init_random_(expert, seed=0)
-        self.expert = expert.to(BF16)
-        self.truth = copy.deepcopy(self.expert).float()  # the same (bf16-valued) weights in fp32
-        fuse_projections(self.expert)
-        fuse_projections(self.truth)
+        self.expert, self.truth = random_expert(cfg)  # the truth: the same (bf16-valued) weights in fp32
         self.cfg, a = cfg, cfg.action
         self.kv_bytes_per_key = 2 * a.width * 2 * cfg.expert_depth  # K and V, bf16, all blocks
         self.fused = FusedExpert(self.expert)

@@ -8,35 +8,36 @@ observations; action caching, per-entry masks and known actions (inpainting) on 
 Prints one table last. Random bf16 weights (molmobot-4b), 10 flow steps, horizon 16.
 """
 import argparse
-import copy
 import json
 import os
 import time
 
 import torch
-from bench_expert_gpu import phase_table  # scripts/: the same anatomy table as the Triton kernel's
+from bench_expert_gpu import phase_table, random_expert, rel  # scripts/: shared with the Triton bench
 from triton.testing import do_bench
 
-from vla_node.model import get_preset, init_random_
-from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow_times
+from vla_node.model import get_preset
+from vla_node.model.action_expert import KnownActions, euler, flow_times
 from vla_node.runtime.fused_expert import FusedExpert
 from vla_node.runtime.fused_expert_cuda import CudaTiling
-from vla_node.runtime.fusion import fuse_projections
 from vla_node.runtime.graphs import capture
 
 
-def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def context(cfg, expert, entries: int, tokens: int, times) -> dict:
+def context(cfg, expert, entries: int, tokens: int, times, padded: bool = False) -> dict:
+    """One query's inputs for `entries` observations: LLM hidden states and state (fp32), noise, the
+    bf16 expert's context K/V and modulations, and the key mask (padded: a different number of
+    padding keys per entry, else none)."""
     g = torch.Generator(device="cuda").manual_seed(entries)
-    hidden = [torch.randn(entries, tokens, cfg.llm.dim, device="cuda", generator=g).bfloat16() for _ in expert.blocks]
-    state = (torch.rand(entries, cfg.action.state_dim, device="cuda", generator=g) * 2 - 1).bfloat16()
+    hidden = [torch.randn(entries, tokens, cfg.llm.dim, device="cuda", generator=g) for _ in expert.blocks]
+    state = torch.rand(entries, cfg.action.state_dim, device="cuda", generator=g) * 2 - 1
     mask = torch.ones(entries, 1, 1, tokens + 1, dtype=torch.bool, device="cuda")
+    for b in range(entries if padded else 0):
+        mask[b, ..., tokens - tokens // (10 + b):tokens] = False
     with torch.inference_mode():
-        return dict(noise=torch.randn(entries, cfg.action.horizon, cfg.action.action_dim, device="cuda", generator=g),
-                    kv=expert.context_kv(hidden, state), mods=[expert.modulations(t) for t in times], mask=mask)
+        return dict(hidden=hidden, state=state, mask=mask,
+                    noise=torch.randn(entries, cfg.action.horizon, cfg.action.action_dim, device="cuda", generator=g),
+                    kv=expert.context_kv([h.bfloat16() for h in hidden], state.bfloat16()),
+                    mods=[expert.modulations(t) for t in times])
 
 
 def main():
@@ -54,31 +55,19 @@ def main():
                     "timestamps give, e.g. 1,4")
     args = ap.parse_args()
     cfg = get_preset(args.preset)
-    with torch.device("cuda"):
-        expert = ActionExpert(cfg).eval().requires_grad_(False)
-    init_random_(expert, seed=0)
-    expert = expert.to(torch.bfloat16)
-    truth = copy.deepcopy(expert).float()
-    fuse_projections(expert)
-    fuse_projections(truth)
+    expert, truth = random_expert(cfg, "cuda")
     t0 = time.perf_counter()
     fused = {b: FusedExpert(expert, backend=b) for b in args.backends.split(",")}
     print(f"built {list(fused)} in {time.perf_counter() - t0:.1f} s", flush=True)
     times = [torch.full((1,), t, device="cuda") for t in flow_times(args.steps)]
     rows = []
     for entries in (int(e) for e in args.entries.split(",")):
-        g = torch.Generator(device="cuda").manual_seed(entries)
-        hidden = [torch.randn(entries, args.tokens, cfg.llm.dim, device="cuda", generator=g) for _ in expert.blocks]
-        state = torch.rand(entries, cfg.action.state_dim, device="cuda", generator=g) * 2 - 1
-        mask = torch.ones(entries, 1, 1, args.tokens + 1, dtype=torch.bool, device="cuda")
-        for b in range(entries):   # a different number of padded keys per entry
-            mask[b, ..., args.tokens - args.tokens // (10 + b):args.tokens] = False
-        noise = torch.randn(entries, cfg.action.horizon, cfg.action.action_dim, device="cuda", generator=g)
-        kv = expert.context_kv([h.bfloat16() for h in hidden], state.bfloat16())
-        mods = [expert.modulations(t) for t in times]
+        ctx = context(cfg, expert, entries, args.tokens, times, padded=True)
+        noise, kv, mods, mask = ctx["noise"], ctx["kv"], ctx["mods"], ctx["mask"]
         reuse = {3: 2, 5: 4, 7: 6}
         with torch.inference_mode():
-            truth_kv, truth_mods = truth.context_kv(hidden, state), [truth.modulations(t) for t in times]
+            truth_kv = truth.context_kv(ctx["hidden"], ctx["state"])
+            truth_mods = [truth.modulations(t) for t in times]
             vel = lambda x, i: truth.velocity(x, truth_mods[i], truth_kv, mask)   # noqa: E731
             want = euler(vel, noise, args.steps)
             want_reuse = euler(vel, noise, args.steps, reuse=reuse)

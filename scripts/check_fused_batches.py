@@ -9,15 +9,14 @@ out of bounds (the persistent loop spins at barriers, which the sanitizer slows 
 compute-sanitizer (with wrong numbers, but the same addresses).
 """
 import argparse
-import copy
 
 import torch
+from bench_expert_gpu import random_expert, rel  # scripts/
 
-from vla_node.model import get_preset, init_random_
-from vla_node.model.action_expert import ActionExpert, euler, flow_times
+from vla_node.model import get_preset
+from vla_node.model.action_expert import euler, flow_times
 from vla_node.runtime import fused_expert
 from vla_node.runtime.fused_expert import FusedExpert, Tiling
-from vla_node.runtime.fusion import fuse_projections
 
 
 def main():
@@ -32,13 +31,7 @@ def main():
     if args.spin_limit:
         fused_expert.SPIN_LIMIT = args.spin_limit
     cfg = get_preset("molmobot-4b")
-    with torch.device("cuda"):
-        expert = ActionExpert(cfg).eval().requires_grad_(False)
-    init_random_(expert, seed=0)
-    expert = expert.to(torch.bfloat16)
-    truth = copy.deepcopy(expert).float()
-    fuse_projections(expert)
-    fuse_projections(truth)
+    expert, truth = random_expert(cfg, "cuda")
     fused = FusedExpert(expert, tiling=Tiling(persistent=not args.per_phase, hoist=not args.no_hoist))
     times = [torch.full((1,), t, device="cuda") for t in flow_times(args.steps)]
     for entries in (int(e) for e in args.entries.split(",")):
@@ -59,7 +52,7 @@ def main():
             except Exception as e:  # an illegal access poisons the context: report and stop
                 print(f"B={entries}: FAILED {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
                 return
-        err = float((got.double() - want.double()).norm() / want.double().norm())
+        err = rel(got, want)
         print(f"B={entries}: rel err {err:.2e} against the fp32 expert, barrier timed out: "
               f"{fused.barrier_timed_out()}", flush=True)
 
