@@ -1,6 +1,6 @@
 """Ctrl-C to exit, timed, beside busy loops: how long a running node takes to end after SIGINT
-(or SIGTERM), whether it exits 0 and whether its engine process is gone then (issue 18; README,
-"Stopping": within 5 s on a busy machine).
+(or SIGTERM), whether it exits 0 and whether its engine process is gone then (issue 18; the README's
+"Stopping" figures; a try counts as on time within BOUND_S).
 
     python scripts/shutdown_under_load.py --tries 20 --load 3            # BENCHMARKS.md, "CI under load"
     python scripts/shutdown_under_load.py --tries 5 --signal SIGTERM --stop-engine
@@ -27,7 +27,7 @@ os.environ.setdefault("ROS_LOG_DIR", str(ROOT / "out" / "ros_log"))
 from ros_helpers import Harness, NodeProcess, Robot, busy_loops, pid_alive  # noqa: E402
 from vla_node.ros.diagnostics import Key  # noqa: E402
 
-BOUND_S = 5.0   # README, "Stopping"
+BOUND_S = 5.0   # a try on time: the ends measured so far took 1.0-2.4 s (README, "Stopping")
 
 
 def one_try(signum: int, stop_engine: bool) -> tuple[float, int, bool]:

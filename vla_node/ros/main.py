@@ -13,11 +13,11 @@ from . import params
 from .executor import TransitionsApartExecutor
 from .node import VLANode
 
-# Ctrl-C and SIGTERM end the node, its engine process and its threads within 5 s on a busy
+# Ctrl-C and SIGTERM end the node, its engine process and its threads in seconds on a busy
 # machine (1.0-1.9 s beside three busy loops, 2.3 s when the engine's STOP_GRACE_S runs out;
-# BENCHMARKS.md, "CI under load"). Whatever hangs beyond this (a DDS participant's teardown), the
-# process ends then with every thread's stack on stderr and exit code 1, rather than never (main
-# is the entry point: this covers the interpreter's exit too).
+# BENCHMARKS.md, "CI under load"). Whatever hangs until this timeout (a DDS participant's
+# teardown), the process ends then with every thread's stack on stderr and exit code 1, rather
+# than never (main is the entry point: this covers the interpreter's exit too).
 SHUTDOWN_TIMEOUT_S = 10.0
 
 

@@ -48,6 +48,7 @@ from .outputs import DiagnosticsPublisher, Outputs, node_status
 # configure's last stage, after the engine's (engine_protocol.STARTING, ...)
 SUBSCRIBING = "subscribing to the inputs"
 
+SHUTTING_DOWN = "the node is shutting down"
 NO_CHECKPOINT = ("no checkpoint: set checkpoint to a MolmoBot checkpoint folder (an official one with config.yaml "
                  "+ model.pt is converted on first use, or convert it with `vla-convert OFFICIAL_DIR OUT_DIR "
                  "[--tokenizer DIR]`), or random_weights: true for untrained weights (benchmarks and tests only: "
@@ -124,6 +125,13 @@ class VLANode(LifecycleNode):
             self._inputs = Inputs(self._ctx, self._engine.process, offset_s)
         except (EngineError, ValueError, OSError) as error:
             return self._fail_configure(str(error), getattr(error, "trace", ""))
+        except Exception:
+            # Ctrl-C and SIGTERM shut the context down from the signal handler, also between
+            # _while_configuring's look at it and the next publish, which then fails: that is the
+            # shutdown the wait stops on, and configure releases the engine process itself.
+            if self.context.ok():
+                raise
+            return self._fail_configure(SHUTTING_DOWN)
         self._outputs = Outputs(self._ctx)
         self._loop = ControlLoop(self._control, self._engine, self._inputs, self._outputs, self.faults, self.telemetry,
                                  lambda: self.settings, self.get_logger())
@@ -146,7 +154,7 @@ class VLANode(LifecycleNode):
         default callback group, where the diagnostics timer runs), and an end to the wait when the
         node shuts down (ending the node waits for this callback)."""
         if not self.context.ok():
-            raise EngineError("the node is shutting down")
+            raise EngineError(SHUTTING_DOWN)
         self._diagnostics.after_tick()
 
     def _fail_configure(self, reason: str, trace: str = "") -> TransitionCallbackReturn:
