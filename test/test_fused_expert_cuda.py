@@ -1,8 +1,10 @@
 """The fused expert's CUDA backend (runtime/fused_expert_cuda.py, kernels/expert_flow.cu). On the
 CPU: the layouts the host packs for the kernel (its mma fragment orders, element by element) and
 the kernel compiled by NVRTC for sm_90 at the full-size shapes (no GPU needed to compile). On the
-GPU (marked cuda): the loop against the model's own loop at a small size (batches, padded keys,
-action caching, inpainting) and bit-identical graph replays."""
+CPU and the GPU (marked cuda): the loop against the model's own loop at a small size (batches,
+padded keys, action caching, inpainting), bit-identical repeats (graph replays on the GPU), and on
+the CPU every tiling knob. On the CPU the kernel runs as its host build (kernels/cuda_on_cpu.h:
+the same source, every thread a fiber)."""
 import copy
 import dataclasses
 import itertools
@@ -81,12 +83,15 @@ def test_the_kernel_compiles_for_hopper(entries, tiling):
     assert spilled <= (64 if entries == 1 else 512), log
 
 
-# -- GPU only -------------------------------------------------------------------------------------
-def small_expert():
+# -- the kernel run: on the CPU (its host build, kernels/cuda_on_cpu.h) and on the GPU ------------
+ON_BOTH = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")]
+
+
+def small_expert(device: str, heads: int = 2):
     """A random bf16 expert the CUDA kernel takes (width and MLP multiples of 256), its fp32 twin."""
     tiny = get_preset("tiny")
-    cfg = dataclasses.replace(tiny, action=dataclasses.replace(tiny.action, width=256, heads=2, mlp=512))
-    with torch.device("cuda"):
+    cfg = dataclasses.replace(tiny, action=dataclasses.replace(tiny.action, width=256, heads=heads, mlp=512))
+    with torch.device(device):
         e = init_random_(ActionExpert(cfg).eval().requires_grad_(False), seed=0)
     e = e.to(torch.bfloat16)
     truth = copy.deepcopy(e).float()
@@ -95,41 +100,95 @@ def small_expert():
     return cfg, e, truth
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("entries", [1, 3])
-def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(entries):
-    from vla_node.runtime.graphs import capture
-    cfg, e, truth = small_expert()
-    fused = FusedExpert(e, backend="cuda")
-    steps, context = 10, 37
-    g = torch.Generator(device="cuda").manual_seed(entries)
-    hidden = [torch.randn(entries, context, cfg.llm.dim, device="cuda", generator=g) for _ in e.blocks]
-    state = torch.rand(entries, cfg.action.state_dim, device="cuda", generator=g) * 2 - 1
-    mask = torch.rand(entries, 1, 1, context + 1, device="cuda", generator=g) > 0.3
+def flow_case(cfg, e, truth, entries: int, steps: int, device: str):
+    """Random context and noise for `entries` observations (some keys masked), the modulations
+    of every step, and a function (schedule, known) -> (kernel's actions, fp32 truth's, bf16
+    eager's) for a FusedExpert on the CUDA kernel."""
+    context = 37
+    g = torch.Generator(device=device).manual_seed(entries)
+    hidden = [torch.randn(entries, context, cfg.llm.dim, device=device, generator=g) for _ in e.blocks]
+    state = torch.rand(entries, cfg.action.state_dim, device=device, generator=g) * 2 - 1
+    mask = torch.rand(entries, 1, 1, context + 1, device=device, generator=g) > 0.3
     mask[..., -1] = True
-    noise = torch.randn(entries, cfg.action.horizon, cfg.action.action_dim, device="cuda", generator=g)
-    times = [torch.full((1,), t, device="cuda") for t in flow_times(steps)]
-    reuse = {3: 2, 7: 6}
-    known = KnownActions(torch.randn_like(noise) * 0.5,
-                         (torch.arange(noise.shape[1], device="cuda") < 5)[None, :, None].expand(entries, -1, 1))
+    noise = torch.randn(entries, cfg.action.horizon, cfg.action.action_dim, device=device, generator=g)
+    times = [torch.full((1,), t, device=device) for t in flow_times(steps)]
     with torch.inference_mode():
         kv, mods = e.context_kv([x.bfloat16() for x in hidden], state.bfloat16()), [e.modulations(t) for t in times]
         t_kv, t_mods = truth.context_kv(hidden, state), [truth.modulations(t) for t in times]
 
-        def velocity_of(model, m, k):
-            return lambda x, i: model.velocity(x.to(m[0][1].dtype), m[i], k, mask).float()
-        for sched, kn in ((None, None), (reuse, None), (None, known)):
-            want = euler(velocity_of(truth, t_mods, t_kv), noise, steps, reuse=sched, known=kn)
-            eager = euler(velocity_of(e, mods, kv), noise, steps, reuse=sched, known=kn)
-            got = fused.flow(noise, fused.schedule(mods, sched), kv, mask, known=kn).clone()
-            bound = 2 * float((eager - want).norm() / want.norm()) + 1e-3
-            assert float((got - want).norm() / want.norm()) < bound
-            if kn is not None:
-                assert torch.equal(got[:, :5], known.values[:, :5])
-        inputs = fused.schedule(mods)
-        graph, out = capture(lambda: fused.flow(noise, inputs, kv, mask))
-        first = out.clone()
-        for _ in range(50):
-            graph.replay()
+    def velocity_of(model, m, k):
+        return lambda x, i: model.velocity(x.to(m[0][1].dtype), m[i], k, mask).float()
+
+    def run(fused, reuse=None, known=None):
+        with torch.inference_mode():
+            want = euler(velocity_of(truth, t_mods, t_kv), noise, steps, reuse=reuse, known=known)
+            eager = euler(velocity_of(e, mods, kv), noise, steps, reuse=reuse, known=known)
+            got = fused.flow(noise, fused.schedule(mods, reuse), kv, mask, known=known).clone()
+        return got, want, eager
+    run.noise, run.launch = noise, lambda fused: fused.flow(noise, fused.schedule(mods), kv, mask)
+    return run
+
+
+def assert_near_truth(got, want, eager):
+    """Within twice the bf16 eager loop's distance from the fp32 truth (plus 1e-3)."""
+    bound = 2 * float((eager - want).norm() / want.norm()) + 1e-3
+    assert float((got - want).norm() / want.norm()) < bound
+
+
+@pytest.mark.parametrize("device", ON_BOTH)
+@pytest.mark.parametrize("entries", [1, 3])
+def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device, entries):
+    cfg, e, truth = small_expert(device)
+    fused = FusedExpert(e, backend="cuda")
+    run = flow_case(cfg, e, truth, entries, steps=10, device=device)
+    noise = run.noise
+    reuse = {3: 2, 7: 6}
+    known = KnownActions(torch.randn_like(noise) * 0.5,
+                         (torch.arange(noise.shape[1], device=device) < 5)[None, :, None].expand(entries, -1, 1))
+    for sched, kn in ((None, None), (reuse, None), (None, known)):
+        got, want, eager = run(fused, sched, kn)
+        assert_near_truth(got, want, eager)
+        if kn is not None:
+            assert torch.equal(got[:, :5], known.values[:, :5])
+    with torch.inference_mode():
+        first = run.launch(fused).clone()
+        if device == "cuda":
+            from vla_node.runtime.graphs import capture
+            graph, out = capture(lambda: run.launch(fused))
+            replays = 50
+        else:
+            replays, graph, out = 3, None, None
+        for _ in range(replays):
+            if graph is not None:
+                graph.replay()
+            else:
+                out = run.launch(fused)
             assert torch.equal(out, first)
     assert not fused.barrier_timed_out()
+
+
+# Each knob of CudaTiling changes how the kernel runs, never its result (beyond the order of sums):
+# its CPU build, three flow steps with action caching, against the truth.
+@pytest.mark.parametrize("tiling", [
+    CudaTiling(poll=1), CudaTiling(poll=2), CudaTiling(poll=3),
+    CudaTiling(qkv_tpc=16, cq_tpc=8, fc1_tpc=8),
+    CudaTiling(cross_programs=2), CudaTiling(kv_smem=True), CudaTiling(kv_smem=True, cross_programs=3),
+], ids=lambda t: ",".join(f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
+                          if getattr(t, f.name) != getattr(CudaTiling(), f.name)))
+def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):
+    cfg, e, truth = small_expert("cpu")
+    run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
+    got, want, eager = run(FusedExpert(e, backend="cuda", cuda_tiling=tiling), {2: 1})
+    assert_near_truth(got, want, eager)
+
+
+def test_self_attention_fused_into_self_out_and_the_trace_on_the_cpu_build():
+    cfg, e, truth = small_expert("cpu", heads=8)    # fuse_self: a head a warp
+    fused = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fuse_self=True, trace=True))
+    run = flow_case(cfg, e, truth, entries=1, steps=2, device="cpu")
+    assert_near_truth(*run(fused))
+    trace = next(iter(fused.cuda._scratch.values())).trace     # [programs, segments, (start, end)] ns
+    names = fused.cuda.segment_names((-1, -1))
+    assert trace.shape[1] == len(names) and "self" not in names
+    assert (trace > 0).all() and (trace[:, :, 1] >= trace[:, :, 0]).all()
+    assert (trace[:, 1:, 0] >= trace[:, :-1, 1]).all()      # each segment starts after the one before ends

@@ -5,7 +5,8 @@
     cuda.run(buf, inputs, euler, steps)             # the steps in one launch
 
 What it takes (else `unsupported` says why and FusedExpert keeps the Triton kernel): a bf16
-expert on a CUDA GPU, width and MLP multiples of 256 (each of 8 warps takes an even number of
+expert on a CUDA GPU (or on the CPU, where the same kernel source runs as a host build, slowly:
+the suite's check of it), width and MLP multiples of 256 (each of 8 warps takes an even number of
 k-steps), a head dim multiple of 16, horizons up to 32 (padded to tiles of 16 rows), at most 128
 padded rows (8 observations of 16 actions), no e4m3 weights.
 """
@@ -19,12 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from ..model.action_expert import LN_EPS
-from .kernels.expert_flow_cuda import THREADS, FlowKernel, Params, available
+from .kernels.expert_flow_cuda import THREADS, FlowKernel, HostKernel, Params, available
 
 MAX_ROWS = 128
 SMEM_LIMIT = 227 * 1024   # shared memory a program may have on sm_90 (opt-in maximum)
 SPIN_LIMIT = 1 << 22   # polls of a grid barrier before it gives up (programs not all resident)
 BLOCK_PHASES = ("qkv", "self", "self_out", "cross_q", "cross", "cross_out", "fc1", "fc2")
+HOST_PROGRAMS = 8   # programs of the CPU build (fibers: 256 a program); at least the (entry, head) pairs
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def unsupported(fused) -> Optional[str]:
                 f"{fused.width}, {fused.mlp}, {fused.head_dim}")
     if fused.action_dim > 32:
         return f"the CUDA expert kernel takes at most 32 action dims, got {fused.action_dim}"
-    return available()
+    return available(fused.qkv.weight.device.type)
 
 
 def fragments_b(weight: torch.Tensor) -> torch.Tensor:
@@ -140,6 +142,9 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     while tpr < 32 and tpr * 2 * rows <= THREADS:
         tpr *= 2
     pairs = entries * dims.heads
+    if pairs > programs:
+        raise ValueError(f"the CUDA expert kernel needs a program per (entry, head) pair: {entries} x {dims.heads} "
+                         f"on {programs} programs")
     key_tiles = math.ceil(n_keys / 16)
     t = tiling
 
@@ -200,8 +205,10 @@ class CudaFlow:
         key = (entries, tokens, n_keys, steps, torch.device(device))
         if key not in self._scratch:
             f = self.fused
-            plan = plan_of(f, entries, tokens, n_keys, torch.cuda.get_device_properties(device).multi_processor_count,
-                           self.tiling)
+            device = torch.device(device)
+            programs = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+                        else HOST_PROGRAMS)
+            plan = plan_of(f, entries, tokens, n_keys, programs, self.tiling)
             rows = entries * dict(plan.constants)["TOK16"]
             w, tok16, pairs = f.width, rows // entries, entries * f.heads
             with torch.device(device):
@@ -248,7 +255,6 @@ class CudaFlow:
     def run(self, buf: Scratch, inputs, euler: bool, steps: range) -> None:
         """Flow steps `steps` of inputs (FusedExpert's FlowInputs) in one launch."""
         plan = buf.plan
-        kernel = FlowKernel.get(plan.constants, buf.x.device.index or 0, plan.smem)
         buf.barrier.zero_()
         segments = 1
         if self.tiling.trace:
@@ -268,5 +274,9 @@ class CudaFlow:
                    cpp=plan.cpp, tiles_per_cta=plan.tiles_per_cta, mask_stride=buf.mask_stride,
                    has_mask=int(buf.mask is not None), step_lo=steps.start, step_hi=steps.stop, euler=int(euler),
                    dt=1.0 / inputs.steps, eps=LN_EPS, scale=1.0 / math.sqrt(self.fused.head_dim))
+        if buf.x.device.type == "cpu":
+            HostKernel.get(plan.constants).launch(p, plan.programs, plan.smem)
+            return
+        kernel = FlowKernel.get(plan.constants, buf.x.device.index or 0, plan.smem)
         kernel.launch(p, plan.programs, plan.smem, torch.cuda.current_stream(buf.x.device).cuda_stream,
                       cooperative=self.fused.tiling.cooperative)

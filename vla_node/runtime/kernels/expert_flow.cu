@@ -68,7 +68,11 @@ struct Params {
     float dt, eps, scale;
 };
 
-// -- memory ------------------------------------------------------------------------------------
+// -- primitives ----------------------------------------------------------------------------------
+// Everything written in PTX, by name. VLA_CPU: kernels/cuda_on_cpu.h defines the same functions
+// (and CUDA's built-ins) for the host build, which runs every program's threads as fibers on one
+// CPU thread: the suite's CPU check of this kernel (kernels/expert_flow_cuda.py, host_library).
+#ifndef VLA_CPU
 // Inputs that never change within a launch: the read-only path. `volatile` keeps a prefetch
 // where it is written (before a barrier wait), not sunk to its first use.
 __device__ __forceinline__ uint4 ld_in16(const void* p) {
@@ -140,16 +144,23 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
                  "@!done bra WAIT_%=; }" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 
-// -- numbers -----------------------------------------------------------------------------------
-__device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The program's dynamic shared memory.
+__device__ __forceinline__ float* dynamic_smem() {
+    extern __shared__ float4 smem4[];
+    return (float*)smem4;
+}
+
+// Round to nearest even, two floats into one bf16 pair (lo in the low half).
 __device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-__device__ __forceinline__ u16 to_bf(float v) { return (u16)(pack_bf2(v, 0.0f) & 0xffffu); }
-__device__ __forceinline__ float round_bf(float v) { return bf_lo(pack_bf2(v, 0.0f)); }
 
 // d += a b: one m16n8k16 bf16 tensor-core product (fp32 accumulators).
 __device__ __forceinline__ void mma(float* d, uint4 a, u32 b0, u32 b1) {
@@ -158,6 +169,48 @@ __device__ __forceinline__ void mma(float* d, uint4 a, u32 b0, u32 b1) {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
+
+__device__ __forceinline__ long long clock_ns() {
+    long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+// The grid barrier's memory operations (gpu scope).
+__device__ __forceinline__ void st_release(u32* p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void red_release_add(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 atom_acq_rel_add(u32* p, u32 v) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 atom_acquire_read(u32* p) {   // an atomic add of 0
+    u32 v;
+    asm volatile("atom.acquire.gpu.global.add.u32 %0, [%1], 0;" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_relaxed(const u32* p) {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+#endif   // VLA_CPU
+
+// -- numbers -----------------------------------------------------------------------------------
+__device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ u16 to_bf(float v) { return (u16)(pack_bf2(v, 0.0f) & 0xffffu); }
+__device__ __forceinline__ float round_bf(float v) { return bf_lo(pack_bf2(v, 0.0f)); }
 
 // Offset (bf16 elements) of element (r, c) of a [MP, cols] matrix stored in A-fragment order:
 // [row tile][k-step][lane][4 registers][2]. Register 0: (row g, cols 2q, 2q+1), 1: (row g + 8,
@@ -176,12 +229,6 @@ struct Sync {
     u32 kv_parity;  // KV_SMEM: the phase of the K/V copy's mbarrier that the next wait waits for
 };
 
-__device__ __forceinline__ long long clock_ns() {
-    long long t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
-
 // TRACE: the start (its wait's end) and end (its arrival) of each segment, per program.
 __device__ __forceinline__ void trace_mark(const Params& p, const Sync& s, int end) {
     if (TRACE && threadIdx.x == 0 && (int)s.arrivals < p.segments)
@@ -193,21 +240,17 @@ __device__ __forceinline__ void grid_arrive(const Params& p, Sync& s) {
     trace_mark(p, s, 1);
     s.arrivals++;
     if (threadIdx.x == 0) {
-        if (POLL == 3)   // this program's own flag: its arrivals so far
-            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p.bar + 1 + blockIdx.x), "r"(s.arrivals) : "memory");
-        else
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p.bar) : "memory");
+        if (POLL == 3) st_release(p.bar + 1 + blockIdx.x, s.arrivals);   // this program's own flag: its arrivals so far
+        else red_release_add(p.bar, 1u);
     }
 }
 
 // POLL 0: acquire loads of one counter; 1: atomic adds of 0 with acquire; 2: relaxed loads, one
 // fence after; 3: a flag per program (no atomics), read by warp 0's lanes.
 __device__ __forceinline__ u32 poll(const Params& p) {
-    u32 seen;
-    if (POLL == 0) asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.bar) : "memory");
-    else if (POLL == 1) asm volatile("atom.acquire.gpu.global.add.u32 %0, [%1], 0;" : "=r"(seen) : "l"(p.bar) : "memory");
-    else asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.bar) : "memory");
-    return seen;
+    if (POLL == 0) return ld_acquire(p.bar);
+    if (POLL == 1) return atom_acquire_read(p.bar);
+    return ld_relaxed(p.bar);
 }
 
 __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
@@ -216,11 +259,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
             int spins = 0;
             while (true) {
                 bool here = true;
-                for (int c = threadIdx.x; c < NPROG; c += 32) {
-                    u32 seen;
-                    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.bar + 1 + c) : "memory");
-                    here &= seen >= s.arrivals;
-                }
+                for (int c = threadIdx.x; c < NPROG; c += 32) here &= ld_relaxed(p.bar + 1 + c) >= s.arrivals;
                 if (__all_sync(0xffffffffu, here)) break;
                 if (++spins > SPIN_LIMIT) {
                     if (threadIdx.x == 0) atomicExch(p.err, 1);
@@ -228,7 +267,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
                     break;
                 }
             }
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            fence_acq_rel();
         }
         __syncthreads();
         trace_mark(p, s, 0);
@@ -244,7 +283,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
                 break;
             }
         }
-        if (POLL == 2) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        if (POLL == 2) fence_acq_rel();
     }
     __syncthreads();
     trace_mark(p, s, 0);
@@ -747,11 +786,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
         }
         if (p.cpp > 1) {
             __syncthreads();
-            if (threadIdx.x == 0) {   // releases this program's partial, acquires the others'
-                u32 old;
-                asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p.counter + pair) : "memory");
-                *flag = old == (u32)(p.cpp - 1);
-            }
+            if (threadIdx.x == 0)   // releases this program's partial, acquires the others'
+                *flag = atom_acq_rel_add(p.counter + pair, 1u) == (u32)(p.cpp - 1);
             __syncthreads();
             if (*flag) {   // the last program of the pair: every program's partial, in order
                 // All of them copied in at once (one round trip; smem is free after the merge above).
@@ -868,14 +904,10 @@ __device__ void boundary(const Params& p, float* smem, int done, int first_reuse
 
 // -- the loop --------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Params p) {
-    extern __shared__ float4 smem4[];
-    float* smem = (float*)smem4;
+    float* smem = dynamic_smem();
     Sync s = {0u, 0, 0u};
     trace_mark(p, s, 0);
-    if (KV_SMEM && threadIdx.x == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(smem + KV_OFF)) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (KV_SMEM && threadIdx.x == 0) mbar_init((unsigned long long*)(smem + KV_OFF));
     __syncthreads();
     // Steps step_lo .. step_hi - 1; a reused step (reuse[i] >= 0) only updates the actions.
     int done = -1, i = p.step_lo;
@@ -920,3 +952,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
         ++i;
     }
 }
+
+#ifdef VLA_CPU
+// The host build's entry: `programs` programs of NTHREADS threads, run as fibers (cuda_on_cpu.h).
+extern "C" int expert_flow_host(const Params* p, int programs, int smem_bytes) {
+    return cpu::launch(programs, NTHREADS, smem_bytes, [p] { expert_flow(*p); });
+}
+#endif

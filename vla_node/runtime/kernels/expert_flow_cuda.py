@@ -1,10 +1,14 @@
 """Build and launch expert_flow.cu (the flow loop as one persistent CUDA kernel) at run time:
 NVRTC compiles it for the GPU in hand (no nvcc, no build step), the CUDA driver loads and
 launches it (cuda-python: `cuda.bindings`). runtime/fused_expert.py (backend "cuda") packs the
-weights and the context K/V in the layouts the kernel reads and calls `FlowKernel.launch`.
+weights and the context K/V in the layouts the kernel reads and calls `launch`.
 
-    kernel = FlowKernel.get(constants, device)     # compiled once per shape and GPU, cached
-    kernel.launch(params, smem_bytes, stream)      # params: a Params (the .cu's struct)
+    kernel = FlowKernel.get(constants, device, smem)   # compiled once per shape and GPU, cached
+    kernel.launch(params, programs, smem, stream)      # params: a Params (the .cu's struct)
+
+Where no GPU is, `HostKernel` runs the same source on the CPU: a host C++ compiler builds it
+with kernels/cuda_on_cpu.h (CUDA's built-ins and the kernel's primitives for the host, every
+thread a fiber). Slow; it is the suite's check of the kernel's arithmetic and synchronisation.
 """
 from __future__ import annotations
 
@@ -12,13 +16,17 @@ import ctypes
 import functools
 import hashlib
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Optional
 
 SOURCE = Path(__file__).with_name("expert_flow.cu")
+HOST_HEADER = Path(__file__).with_name("cuda_on_cpu.h")
 THREADS = 256
 # Options that change the machine code the kernel compiles to (and so the cache key).
 NVRTC_OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization")
+HOST_OPTIONS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-DVLA_CPU")
 
 
 class Params(ctypes.Structure):
@@ -80,27 +88,65 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("VLA_NODE_KERNEL_CACHE", Path.home() / ".cache" / "vla_node" / "kernels"))
 
 
+def _cache_path(what: bytes, suffix: str) -> Path:
+    """Where the build of `what` (the sources, options and constants) is cached."""
+    return _cache_dir() / f"expert_flow_{hashlib.sha256(what).hexdigest()[:24]}{suffix}"
+
+
+def _store(path: Path, data: bytes) -> bool:
+    """Write `data` to the cache atomically; False where the cache is not writable."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        return True
+    except OSError:
+        return False
+
+
 def cubin_for(constants: dict, arch: str) -> bytes:
     """The compiled kernel, from the on-disk cache when the same source, options and constants
     were compiled before (a start of the engine then costs no compile)."""
     _, nvrtc = _bindings()
     version = ".".join(str(v) for v in _ok(nvrtc.nvrtcVersion(), "nvrtcVersion"))
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((sorted(constants.items()), arch, NVRTC_OPTIONS, version))
-                         .encode()).hexdigest()[:24]
-    path = _cache_dir() / f"expert_flow_{key}.cubin"
+    path = _cache_path(SOURCE.read_bytes() + repr((sorted(constants.items()), arch, NVRTC_OPTIONS, version))
+                       .encode(), ".cubin")
     try:
         return path.read_bytes()
     except OSError:
         pass
     cubin, _ = nvrtc_compile(constants, arch)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(cubin)
-        tmp.replace(path)
-    except OSError:   # a read-only home: compile again next time
-        pass
+    _store(path, cubin)   # a read-only home: compile again next time
     return cubin
+
+
+def host_compiler() -> Optional[str]:
+    """The host C++ compiler (CXX, else g++ or c++ on PATH), or None."""
+    return next((path for name in (os.environ.get("CXX"), "g++", "c++") if name and (path := shutil.which(name))),
+                None)
+
+
+def host_library(constants: dict) -> Path:
+    """expert_flow.cu built for the CPU (a shared library with `expert_flow_host`), cached as the
+    cubins are."""
+    cxx = host_compiler()
+    if cxx is None:
+        raise RuntimeError("the CUDA expert kernel's CPU build needs a C++ compiler (g++; or set CXX)")
+    defines = [f"-D{k}={v}" for k, v in sorted(constants.items())]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    path = _cache_path(SOURCE.read_bytes() + HOST_HEADER.read_bytes()
+                       + repr((defines, HOST_OPTIONS, version)).encode(), ".so")
+    if path.exists():
+        return path
+    out = path.with_suffix(f".{os.getpid()}.build.so")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([cxx, *HOST_OPTIONS, *defines, "-include", str(HOST_HEADER), "-x", "c++", str(SOURCE),
+                           "-o", str(out)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"expert_flow.cu did not build for the CPU:\n{done.stderr[-4000:]}")
+    out.replace(path)
+    return path
 
 
 class FlowKernel:
@@ -147,8 +193,32 @@ class FlowKernel:
         _ok(d.cuLaunchKernelEx(config, self.function, ctypes.addressof(args), 0), "cuLaunchKernelEx")
 
 
-def available() -> Optional[str]:
-    """None when the CUDA backend can run here, else why not (one line)."""
+class HostKernel:
+    """The kernel of one shape built for the CPU: FlowKernel's launch, on host memory."""
+
+    def __init__(self, library: Path):
+        self.library = ctypes.CDLL(str(library))
+        self.function = self.library.expert_flow_host
+        self.function.argtypes = (ctypes.POINTER(Params), ctypes.c_int, ctypes.c_int)
+        self.function.restype = ctypes.c_int
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def get(cls, constants: tuple) -> "HostKernel":
+        return cls(host_library(dict(constants)))
+
+    def launch(self, params: Params, programs: int, smem: int) -> None:
+        status = self.function(ctypes.byref(params), programs, smem)
+        if status == -1:
+            raise RuntimeError("the CUDA expert kernel's CPU build could not allocate its threads' stacks")
+        if status == -2:   # a barrier that some thread never reaches: a bug of the kernel
+            raise RuntimeError("the CUDA expert kernel's CPU build deadlocked: every thread waited at a barrier")
+
+
+def available(device_type: str = "cuda") -> Optional[str]:
+    """None when the CUDA backend can run on this device type here, else why not (one line)."""
+    if device_type == "cpu":
+        return None if host_compiler() else "the CUDA expert kernel's CPU build needs a C++ compiler (g++; or set CXX)"
     try:
         import torch
         if not torch.cuda.is_available():
