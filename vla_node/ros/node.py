@@ -123,15 +123,10 @@ class VLANode(LifecycleNode):
             self._configuring(SUBSCRIBING)
             offset_s = history_offset(s.history_offset_s, info.history_offset_s)
             self._inputs = Inputs(self._ctx, self._engine.process, offset_s)
-        except (EngineError, ValueError, OSError) as error:
-            return self._fail_configure(str(error), getattr(error, "trace", ""))
-        except Exception:
-            # Ctrl-C and SIGTERM shut the context down from the signal handler, also between
-            # _while_configuring's look at it and the next publish, which then fails: that is the
-            # shutdown the wait stops on, and configure releases the engine process itself.
-            if self.context.ok():
+        except Exception as error:   # once Ctrl-C or SIGTERM shut the context down, a publish fails too
+            if self.context.ok() and not isinstance(error, (EngineError, ValueError, OSError)):
                 raise
-            return self._fail_configure(SHUTTING_DOWN)
+            return self._fail_configure(str(error) if self.context.ok() else SHUTTING_DOWN, getattr(error, "trace", ""))
         self._outputs = Outputs(self._ctx)
         self._loop = ControlLoop(self._control, self._engine, self._inputs, self._outputs, self.faults, self.telemetry,
                                  lambda: self.settings, self.get_logger())
