@@ -52,6 +52,9 @@ class CudaTiling:
     # is bound by its merges and mma chain, not its loads; BENCHMARKS.md)
     kv_smem: bool = False
     cross_programs: int = 0
+    # the LayerNorm phases read the residual stream's bf16 copy in A-fragment order (one 16-byte
+    # load a k-step) instead of its fp32 values: half the bytes every program of those phases reads
+    x_frags: bool = False
 
 
 def unsupported(fused) -> Optional[str]:
@@ -112,6 +115,7 @@ class Scratch:
     xa: torch.Tensor        # [B T, A] fp32 the actions being integrated
     vel: torch.Tensor       # [steps, B T, A] each computed step's velocity (bf16)
     x: torch.Tensor         # [rows, W] fp32 the residual stream (rows: B x horizon padded to 16s)
+    xf: torch.Tensor        # its bf16 copy in A-fragment order (CudaTiling.x_frags; else unused)
     stats: torch.Tensor     # [rows, W / 8, 2] each 8-column tile's row mean and M2
     qkv: torch.Tensor       # q, k in A-fragment order, then v in P V's B-fragment order (bf16)
     q: torch.Tensor         # cross-attention queries, A-fragment order
@@ -178,7 +182,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
                      TOK=tokens, TOK16=tok16, ENTRIES=entries, DEPTH=dims.depth, NPROG=programs, TPR=tpr,
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
-                     CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem), KV_OFF=gen)
+                     CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem), KV_OFF=gen,
+                     X_FRAGS=int(t.x_frags))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
@@ -216,7 +221,7 @@ class CudaFlow:
                 self._scratch[key] = Scratch(
                     plan=plan, n_keys=n_keys, xa=torch.empty((entries * tokens, f.action_dim), **f32),
                     vel=torch.empty((steps, entries * tokens, f.action_dim), **bf),
-                    x=torch.empty((rows, w), **f32), stats=torch.empty((2, w // 8, rows), **f32),
+                    x=torch.empty((rows, w), **f32), xf=torch.empty(rows * w, **bf), stats=torch.empty((2, w // 8, rows), **f32),
                     qkv=torch.empty(rows * 3 * w, **bf), q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf),
                     hid=torch.empty(rows * f.mlp, **bf),
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
@@ -266,7 +271,7 @@ class CudaFlow:
                    **{k: ptr(v) for k, v in self.weights.items()}, **{k: ptr(v) for k, v in self.biases.items()},
                    **{k: ptr(v) for k, v in self.io.items()}, mods=ptr(inputs.mods), fmods=ptr(inputs.final_mods),
                    kv=ptr(buf.kv), mask=ptr(buf.mask) if buf.mask is not None else ptr(buf.kv),
-                   x=ptr(buf.x), stats=ptr(buf.stats), qkv=ptr(buf.qkv), q=ptr(buf.q), y=ptr(buf.y),
+                   x=ptr(buf.x), xf=ptr(buf.xf), stats=ptr(buf.stats), qkv=ptr(buf.qkv), q=ptr(buf.q), y=ptr(buf.y),
                    hid=ptr(buf.hid), opart=ptr(buf.opart), mlpart=ptr(buf.mlpart), counter=ptr(buf.counter),
                    bar=ptr(buf.barrier), err=ptr(buf.error),
                    trace=ptr(buf.trace) if buf.trace is not None else ptr(buf.counter), segments=segments,

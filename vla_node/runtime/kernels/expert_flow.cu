@@ -36,7 +36,8 @@
 //
 // Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
 // the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC), KV_SMEM (the cross-attention's
-// key tiles copied into shared memory at KV_OFF floats, ahead of their use) and FUSE_SELF,
+// key tiles copied into shared memory at KV_OFF floats, ahead of their use), FUSE_SELF and X_FRAGS
+// (the LayerNorm phases read the residual stream's bf16 copy in A-fragment order, xf),
 // and the measurement knobs POLL (how a barrier polls), TRACE (per-segment timestamps) and WORK
 // (0: every phase's loads and barriers without its arithmetic and stores: the loop's floor of
 // synchronisation).
@@ -62,7 +63,7 @@ struct Params {
     const uint4* w1; const u16* b1; const uint4* w2; const u16* b2;
     const u16* win; const u16* bin; const u16* pos; const u16* wout; const u16* bout;
     const u16* mods; const u16* fmods; const uint4* kv; const unsigned char* mask;
-    float* x; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* opart; float* mlpart;
+    float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* opart; float* mlpart;
     u32* counter; u32* bar; int* err; long long* trace;
     int n_keys, key_tiles, cpp, tiles_per_cta, mask_stride, has_mask, step_lo, step_hi, euler, segments;
     float dt, eps, scale;
@@ -83,6 +84,11 @@ __device__ __forceinline__ uint4 ld_in16(const void* p) {
 __device__ __forceinline__ u32 ld_in4(const void* p) {
     u32 r;
     asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 ld_in1(const void* p) {
+    unsigned short r;
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(r) : "l"(p));
     return r;
 }
 __device__ __forceinline__ float ld_in_bf(const u16* p) {
@@ -351,6 +357,8 @@ __device__ __forceinline__ void store_x8(const Params& p, int r, int c0, const f
     float m2 = 0.0f;
     for (int k = 0; k < 8; ++k) m2 += (v[k] - mu) * (v[k] - mu);
     *(float2*)(p.stats + (r * NT_W + (c0 >> 3)) * 2) = make_float2(mu, m2);
+    if (X_FRAGS)
+        for (int k = 0; k < 8; k += 2) *(u32*)(p.xf + afrag_offset(r, c0 + k, KS_W)) = pack_bf2(v[k], v[k + 1]);
 }
 
 // -- attention -----------------------------------------------------------------------------------
@@ -434,6 +442,21 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
 }
 
 // -- the GEMV phases -------------------------------------------------------------------------------
+// The residual stream's values of one k-step of a warp's A fragment (a LayerNorm's source): fp32
+// pairs (registers 0-3: rows g, g + 8 x columns 2q, 2q + 8), or with X_FRAGS the stream's bf16
+// copy in A-fragment order, one 16-byte load (half the bytes that every program of a LayerNorm
+// phase reads; the LayerNorm of bf16 values is what the model's bf16 eager loop computes).
+#if X_FRAGS
+typedef uint4 XRaw;
+__device__ __forceinline__ float2 x_pair(const XRaw& raw, int reg) {
+    const u32 v = reg == 0 ? raw.x : reg == 1 ? raw.y : reg == 2 ? raw.z : raw.w;
+    return make_float2(bf_lo(v), bf_hi(v));
+}
+#else
+struct XRaw { float2 v[4]; };
+__device__ __forceinline__ float2 x_pair(const XRaw& raw, int reg) { return raw.v[reg]; }
+#endif
+
 // FROM_SELF (FUSE_SELF): self_out's A fragments are its own warp's head of the self-attention
 // (warp w's k-range is head w's columns), so the self phase and its barrier go.
 enum Source { FROM_X_LN, FROM_FRAGS, FROM_SELF };
@@ -495,30 +518,36 @@ template <int N, int K, int EPI, int TPCX> struct Gemv {
     }
 
     // The residual stream's values of this warp's A fragments of row tile mt (LN sources).
-    __device__ __forceinline__ void load_x(const Params& p, int mt, float2 (&raw)[S::KSW][4]) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-        const int r0 = mt * 16 + g, r1 = r0 + 8;
+    __device__ __forceinline__ void load_x(const Params& p, int mt, XRaw (&raw)[S::KSW]) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#if X_FRAGS
+#pragma unroll
+        for (int ks = 0; ks < S::KSW; ++ks)
+            raw[ks] = ld_cg16((const uint4*)p.xf + ((mt * KS_W + warp * S::KSW + ks) * 32 + lane));
+#else
+        const int g = lane >> 2, q = lane & 3, r0 = mt * 16 + g, r1 = r0 + 8;
 #pragma unroll
         for (int ks = 0; ks < S::KSW; ++ks) {
             const int c = (warp * S::KSW + ks) * 16 + 2 * q;
-            raw[ks][0] = ld_cg_f2(p.x + r0 * WIDTH + c);
-            raw[ks][1] = ld_cg_f2(p.x + r1 * WIDTH + c);
-            raw[ks][2] = ld_cg_f2(p.x + r0 * WIDTH + c + 8);
-            raw[ks][3] = ld_cg_f2(p.x + r1 * WIDTH + c + 8);
+            raw[ks].v[0] = ld_cg_f2(p.x + r0 * WIDTH + c);
+            raw[ks].v[1] = ld_cg_f2(p.x + r1 * WIDTH + c);
+            raw[ks].v[2] = ld_cg_f2(p.x + r0 * WIDTH + c + 8);
+            raw[ks].v[3] = ld_cg_f2(p.x + r1 * WIDTH + c + 8);
         }
+#endif
     }
 
     // The A fragment of k-step ks (of this warp's) of row tile mt: from frags, or LN + modulate
     // of the residual values raw.
     template <int SRC>
     __device__ __forceinline__ uint4 a_frag(const u16* frags, int src_ksteps, int mt, int ks,
-                                            const float2 (&raw)[S::KSW][4], const float* mean, const float* rstd) {
+                                            const XRaw (&raw)[S::KSW], const float* mean, const float* rstd) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
         if (SRC != FROM_X_LN)
             return ld_cg16((const uint4*)frags + ((mt * src_ksteps + warp * S::KSW + ks) * 32 + lane));
         const int r0 = mt * 16 + g, r1 = r0 + 8;
         const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
-        const float2 x00 = raw[ks][0], x10 = raw[ks][1], x01 = raw[ks][2], x11 = raw[ks][3];
+        const float2 x00 = x_pair(raw[ks], 0), x10 = x_pair(raw[ks], 1), x01 = x_pair(raw[ks], 2), x11 = x_pair(raw[ks], 3);
         float sh0 = bf_lo(shift[ks][0]), sh1 = bf_hi(shift[ks][0]), sh2 = bf_lo(shift[ks][1]), sh3 = bf_hi(shift[ks][1]);
         float sc0 = 1.0f + bf_lo(scale[ks][0]), sc1 = 1.0f + bf_hi(scale[ks][0]);
         float sc2 = 1.0f + bf_lo(scale[ks][1]), sc3 = 1.0f + bf_hi(scale[ks][1]);
@@ -533,7 +562,7 @@ template <int N, int K, int EPI, int TPCX> struct Gemv {
     // tile 0's residual values (LN sources), loaded before the statistics.
     template <int SRC>
     __device__ __forceinline__ void partials(const Params& p, const u16* frags, int src_ksteps, float* red,
-                                             const float* mean, const float* rstd, float2 (&raw)[S::KSW][4]) {
+                                             const float* mean, const float* rstd, XRaw (&raw)[S::KSW]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
         constexpr int KC = S::KSW < 6 ? S::KSW : 6;
         for (int mt = 0; mt < MT; ++mt) {
@@ -630,7 +659,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre);
     grid_wait(p, s);
     if (WORK && blockIdx.x * S::TPC < S::NT8) {
-        float2 raw[S::KSW][4];
+        XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
             gemv.load_x(p, 0, raw);
             row_stats(p, mean, rstd);
@@ -699,6 +728,19 @@ __device__ __forceinline__ void kv_prefetch(const Params& p, float* smem, int j)
     bulk_copy(smem + KV_OFF + 4, src, (u32)tiles * 2 * 32 * HK * 16, (unsigned long long*)(smem + KV_OFF));
 }
 
+// Which of key tile `tile`'s keys a lane's scores (nt, e) are valid for entry b (in range, not
+// masked): bit 2 nt + e. Read-only inputs, so loaded before a barrier's wait.
+__device__ __forceinline__ u32 key_bits(const Params& p, int b, int tile) {
+    const int q = threadIdx.x & 3;
+    u32 bits = 0;
+    for (int nt = 0; nt < 2; ++nt)
+        for (int e = 0; e < 2; ++e) {
+            const int key = tile * 16 + nt * 8 + 2 * q + e;
+            if (key < p.n_keys && (!p.has_mask || ld_in1(p.mask + b * p.mask_stride + key))) bits |= 1u << (2 * nt + e);
+        }
+    return bits;
+}
+
 // Cross-attention of block j over the context K/V: (entry, head) pairs, p.cpp programs each,
 // p.tiles_per_cta key tiles a program, warp w its tiles w, w + 8, ...
 __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
@@ -710,6 +752,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
     const int tile_hi = min((part + 1) * p.tiles_per_cta, p.key_tiles);
     uint4 kv[2 * HK];
     if (!KV_SMEM && active && tile_lo < tile_hi) load_kv(p, j, b, h, tile_lo, kv);
+    const u32 first_bits = active && tile_lo < tile_hi ? key_bits(p, b, tile_lo) : 0u;
     grid_wait(p, s);
     const uint4* kvs = (const uint4*)(smem + KV_OFF + 4);   // KV_SMEM: this program's tiles, from kv_prefetch
     if (KV_SMEM && active && part * p.tiles_per_cta < p.key_tiles) {
@@ -741,11 +784,11 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
                     mma(sc[0], qa[ks], kv[ks].x, kv[ks].y);
                     mma(sc[1], qa[ks], kv[ks].z, kv[ks].w);
                 }
+                const u32 bits = tile == tile_lo ? first_bits : key_bits(p, b, tile);
                 bool ok[2][4];
                 for (int nt = 0; nt < 2; ++nt)
                     for (int k = 0; k < 4; ++k) {
-                        const int key = tile * 16 + nt * 8 + 2 * q + (k & 1);
-                        ok[nt][k] = key < p.n_keys && (!p.has_mask || p.mask[b * p.mask_stride + key]);
+                        ok[nt][k] = (bits >> (2 * nt + (k & 1))) & 1u;
                         sc[nt][k] = ok[nt][k] ? sc[nt][k] * scale : NEG;
                     }
                 uint4 pa = softmax_tile(sc, ok, m, l, o);
