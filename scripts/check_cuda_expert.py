@@ -8,6 +8,7 @@ observations; action caching, per-entry masks and known actions (inpainting) on 
 Prints one table last. Random bf16 weights (molmobot-4b), 10 flow steps, horizon 16.
 """
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -40,6 +41,15 @@ def context(cfg, expert, entries: int, tokens: int, times, padded: bool = False)
                     mods=[expert.modulations(t) for t in times])
 
 
+def tilings(spec: str) -> list[tuple[str, CudaTiling]]:
+    """'name:field=v+field=v,name2:...' -> named CudaTilings (fields as integers)."""
+    out = []
+    for item in spec.split(","):
+        name, _, fields = item.partition(":")
+        out.append((name, CudaTiling(**{k: int(v) for k, v in (f.split("=") for f in fields.split("+") if f)})))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entries", default="1,2,4,8")
@@ -53,6 +63,8 @@ def main():
     ap.add_argument("--variant-entries", default="1")
     ap.add_argument("--anatomy", default="", help="batch sizes whose per-phase anatomy the CUDA kernel's own "
                     "timestamps give, e.g. 1,4")
+    ap.add_argument("--anatomy-tilings", default="default:", help="the tilings the anatomy is taken of, as "
+                    "--variants names them")
     args = ap.parse_args()
     cfg = get_preset(args.preset)
     expert, truth = random_expert(cfg, "cuda")
@@ -107,33 +119,38 @@ def main():
     report = dict(rows=rows, variants=[], anatomy=[])
     for entries in (int(e) for e in args.variant_entries.split(",") if args.variants):
         ctx = context(cfg, expert, entries, args.tokens, times)
+        with torch.inference_mode():
+            truth_kv = truth.context_kv(ctx["hidden"], ctx["state"])
+            truth_mods = [truth.modulations(t) for t in times]
+            want = euler(lambda x, i: truth.velocity(x, truth_mods[i], truth_kv, ctx["mask"]), ctx["noise"], args.steps)
         reference = None
-        for spec in args.variants.split(","):
-            name, _, fields = spec.partition(":")
-            tiling = CudaTiling(**{k: int(v) for k, v in (f.split("=") for f in fields.split("+") if f)})
+        for name, tiling in tilings(args.variants):
             f = FusedExpert(expert, backend="cuda", cuda_tiling=tiling)
             inputs = f.schedule(ctx["mods"])
             graph, out = capture(lambda: f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"]))
             ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
             reference = reference if name != "default" else out.clone()   # the first variant named default
-            diff = rel(out, reference)
-            report["variants"].append(dict(variant=name, entries=entries, loop_ms=ms, diff_vs_default=diff))
-            print(f"variant {name:10s} B={entries}: loop {ms:.3f} ms, rel diff to the default {diff:.1e}", flush=True)
+            diff, err = rel(out, reference), rel(out, want)
+            report["variants"].append(dict(variant=name, entries=entries, loop_ms=ms, diff_vs_default=diff, err=err,
+                                           barrier_timed_out=f.barrier_timed_out()))
+            print(f"variant {name:10s} B={entries}: loop {ms:.3f} ms, rel err {err:.1e}, rel diff to the default "
+                  f"{diff:.1e}, barrier timed out {f.barrier_timed_out()}", flush=True)
     for entries in (int(e) for e in args.anatomy.split(",") if e):
         ctx = context(cfg, expert, entries, args.tokens, times)
-        f = FusedExpert(expert, backend="cuda", cuda_tiling=CudaTiling(trace=True))
-        inputs = f.schedule(ctx["mods"])
-        for _ in range(3):   # the last of three
-            f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
-        torch.cuda.synchronize()
-        buf = next(iter(f.cuda._scratch.values()))
-        names = f.cuda.segment_names(inputs.reuse_host)
-        table, total = phase_table(buf.trace.cpu().double().numpy() / 1e3, names)
-        print(f"anatomy B={entries}: loop {total / 1e3:.2f} ms on the kernel's own clock", flush=True)
-        for phase, r in table.items():
-            report["anatomy"].append(dict(entries=entries, phase=phase, **r))
-            print(f"  {phase:10s} span {r['span']:6.2f} us = release {r['release']:5.2f} + slowest work "
-                  f"{r['work']:5.2f} (median of {r['count']}; {100 * r['share']:4.1f} % of the loop)", flush=True)
+        for name, tiling in tilings(args.anatomy_tilings):
+            f = FusedExpert(expert, backend="cuda", cuda_tiling=dataclasses.replace(tiling, trace=True))
+            inputs = f.schedule(ctx["mods"])
+            for _ in range(3):   # the last of three
+                f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
+            torch.cuda.synchronize()
+            buf = next(iter(f.cuda._scratch.values()))
+            names = f.cuda.segment_names(inputs.reuse_host)
+            table, total = phase_table(buf.trace.cpu().double().numpy() / 1e3, names)
+            print(f"anatomy {name} B={entries}: loop {total / 1e3:.2f} ms on the kernel's own clock", flush=True)
+            for phase, r in table.items():
+                report["anatomy"].append(dict(tiling=name, entries=entries, phase=phase, **r))
+                print(f"  {phase:10s} span {r['span']:6.2f} us = release {r['release']:5.2f} + slowest work "
+                      f"{r['work']:5.2f} (median of {r['count']}; {100 * r['share']:4.1f} % of the loop)", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "check_cuda_expert.json"), "w") as fh:
         json.dump(report, fh, indent=1)

@@ -121,11 +121,14 @@ class Stack:
 class FlowInputs:
     """What one flow schedule gives the kernel: modulations of every step and block [steps,
     depth, 9w] and of the final layer [steps, 2w] (model dtype), and per step the step whose
-    velocity it reuses or -1 (int32 on the device, and on the host for the per-phase loop)."""
+    velocity it reuses or -1 (int32 on the device, and on the host for the per-phase loop).
+    cuda_fold: what the CUDA kernel's folded cross-attention queries need of the schedule
+    (fused_expert_cuda.CudaFlow.fold; None: the kernel runs the cross_q phase)."""
     mods: torch.Tensor
     final_mods: torch.Tensor
     reuse: torch.Tensor
     reuse_host: tuple[int, ...]
+    cuda_fold: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def steps(self) -> int:
@@ -214,9 +217,10 @@ class FusedExpert:
         reuse = reuse or {}
         host = tuple(reuse.get(i, -1) for i in range(len(mod_table)))
         device = mod_table[0][1].device
-        return FlowInputs(torch.stack([torch.cat(blocks) for blocks, _ in mod_table]).contiguous(),
-                          torch.cat([final for _, final in mod_table]).contiguous(),
-                          torch.tensor(host, dtype=torch.int32, device=device), host)
+        mods = torch.stack([torch.cat(blocks) for blocks, _ in mod_table]).contiguous()
+        return FlowInputs(mods, torch.cat([final for _, final in mod_table]).contiguous(),
+                          torch.tensor(host, dtype=torch.int32, device=device), host,
+                          self.cuda.fold(mods) if self.cuda is not None else None)
 
     def _compute_dtype(self) -> torch.dtype:
         """Of the intermediates the dots read: the dots' operand type (fp32 under the interpreter)."""

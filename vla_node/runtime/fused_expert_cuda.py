@@ -12,6 +12,7 @@ padded rows (8 observations of 16 actions), no e4m3 weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -55,6 +56,10 @@ class CudaTiling:
     # the LayerNorm phases read the residual stream's bf16 copy in A-fragment order (one 16-byte
     # load a k-step) instead of its fp32 values: half the bytes every program of those phases reads
     x_frags: bool = False
+    # the cross-attention's queries folded into the qkv and self_out phases (expert_flow.cu, Part2):
+    # no cross_q phase and its barrier; per schedule the host makes an M = Wq diag((1 + c2) g1) Wso
+    # for every step and block (steps x depth x width^2 bf16: 425 MB at 10 steps of molmobot-4b)
+    fold_cross_q: bool = False
 
 
 def unsupported(fused) -> Optional[str]:
@@ -111,6 +116,7 @@ class Plan:
 class Scratch:
     """Everything one shape's launches write (kernels/expert_flow.cu names the layouts)."""
     plan: Plan
+    unfolded: Plan          # the plan for inputs without fold constants (one flow step's velocity)
     n_keys: int
     xa: torch.Tensor        # [B T, A] fp32 the actions being integrated
     vel: torch.Tensor       # [steps, B T, A] each computed step's velocity (bf16)
@@ -121,6 +127,8 @@ class Scratch:
     q: torch.Tensor         # cross-attention queries, A-fragment order
     y: torch.Tensor         # attention outputs, A-fragment order
     hid: torch.Tensor       # the MLP hidden, A-fragment order
+    f0: torch.Tensor        # [rows, W] fp32 x0 (1 + c2) Wq^T (fold_cross_q)
+    sq: torch.Tensor        # x1 (1 + c2) Wq^T in A-fragment order, fp32 (fold_cross_q)
     opart: torch.Tensor     # cross-attention partials of each (entry, head)'s programs
     mlpart: torch.Tensor    # their maxima and sums
     counter: torch.Tensor   # int32 per (entry, head): its programs' arrivals, left at zero
@@ -152,15 +160,22 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     key_tiles = math.ceil(n_keys / 16)
     t = tiling
 
-    def tpc(n: int, asked: int) -> int:
-        return max(asked, math.ceil(n / 8 / programs))
-    qkv, cq, fc1 = tpc(3 * dims.width, t.qkv_tpc), tpc(dims.width, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc)
+    def tpc(n: int, asked: int, first_part: int = 0) -> int:
+        """Output tiles of 8 a program for n outputs: as asked, at least as many as cover them, and
+        a divisor of the first part's tiles (fold_cross_q: a program's tiles are all in one part)."""
+        c = max(asked, math.ceil(n / 8 / programs))
+        while first_part and (first_part // 8) % c:
+            c += 1
+        return c
+    w, fold = dims.width, int(t.fold_cross_q)
+    qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, 0, fold * w)
+    cq, fc1, rest = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, 0)
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
-    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, cq, fc1))
+    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest))
 
-    def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, the
-        # warps' partials, or the last program's copy of every program's), a multiple of 4
-        cross = 4 + max(8 * tok16 * (dims.head_dim + 2), cpp * tok16 * (dims.head_dim + 2))
+    def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, x1's
+        # row statistics, the warps' partials, or the last program's copy of every program's), a multiple of 4
+        cross = 4 + 2 * tok16 + max(8 * tok16 * (dims.head_dim + 2), cpp * tok16 * (dims.head_dim + 2))
         return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
     # The cross-attention's programs per (entry, head): with kv_smem, as few as hold their key tiles
     # in shared memory (an mbarrier, then the tiles) at most 4 tiles a warp; else enough that a warp
@@ -183,7 +198,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      TOK=tokens, TOK16=tok16, ENTRIES=entries, DEPTH=dims.depth, NPROG=programs, TPR=tpr,
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem), KV_OFF=gen,
-                     X_FRAGS=int(t.x_frags))
+                     X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
@@ -214,16 +229,20 @@ class CudaFlow:
             programs = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
                         else HOST_PROGRAMS)
             plan = plan_of(f, entries, tokens, n_keys, programs, self.tiling)
+            unfolded = plan_of(f, entries, tokens, n_keys, programs,
+                               dataclasses.replace(self.tiling, fold_cross_q=False))
             rows = entries * dict(plan.constants)["TOK16"]
             w, tok16, pairs = f.width, rows // entries, entries * f.heads
             with torch.device(device):
                 bf, f32 = dict(dtype=torch.bfloat16), dict(dtype=torch.float32)
                 self._scratch[key] = Scratch(
-                    plan=plan, n_keys=n_keys, xa=torch.empty((entries * tokens, f.action_dim), **f32),
+                    plan=plan, unfolded=unfolded, n_keys=n_keys,
+                    xa=torch.empty((entries * tokens, f.action_dim), **f32),
                     vel=torch.empty((steps, entries * tokens, f.action_dim), **bf),
-                    x=torch.empty((rows, w), **f32), xf=torch.empty(rows * w, **bf), stats=torch.empty((2, w // 8, rows), **f32),
-                    qkv=torch.empty(rows * 3 * w, **bf), q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf),
-                    hid=torch.empty(rows * f.mlp, **bf),
+                    x=torch.empty((rows, w), **f32), xf=torch.empty(rows * w, **bf),
+                    stats=torch.empty((2, w // 8, rows), **f32), qkv=torch.empty(rows * 3 * w, **bf),
+                    q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf), hid=torch.empty(rows * f.mlp, **bf),
+                    f0=torch.empty((rows, w), **f32), sq=torch.empty(rows * w, **f32),
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
                     mlpart=torch.empty(pairs * plan.cpp * tok16 * 2, **f32),
                     counter=torch.zeros(pairs, dtype=torch.int32),
@@ -248,9 +267,32 @@ class CudaFlow:
             buf.mask_stride = n_keys if buf.mask.shape[0] > 1 else 0
         return buf
 
-    def segment_names(self, reuse: tuple) -> list[str]:
-        """What each segment between two grid barriers of a launch over all steps runs."""
-        phases = [p for p in BLOCK_PHASES if not (self.tiling.fuse_self and p == "self")]
+    def fold(self, mods: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """fold_cross_q's inputs of a schedule (None without it), for block modulations mods [steps,
+        depth, 9w]: M = Wq diag((1 + c2) g1) Wso of every step and block in B-fragment order (model
+        dtype), and eps = M's bias (Wq diag((1 + c2) g1) bso), rho = (1 + c2) Wq^T and delta = s2 Wq^T
+        + bq as [steps, depth, 3, w] fp32 (expert_flow.cu, Part2). Computed in float64, once a schedule."""
+        if not self.tiling.fold_cross_q:
+            return None
+        f, w = self.fused, self.fused.width
+        m = mods.double()
+        gate1, shift2, scale2 = m[..., 2 * w:3 * w], m[..., 3 * w:4 * w], 1 + m[..., 4 * w:5 * w]
+        wq, bq = f.cross_q.weight.double(), f.cross_q.bias.double()
+        wso, bso = f.self_out.weight.double(), f.self_out.bias.double()
+        gain = scale2 * gate1                                     # [steps, depth, w]
+
+        def by_wq(v: torch.Tensor) -> torch.Tensor:             # v Wq^T of every step and block
+            return torch.einsum("sdm,dnm->sdn", v, wq)
+        consts = torch.stack([by_wq(gain * bso), by_wq(scale2), by_wq(shift2) + bq], dim=2)
+        folded = torch.stack([fragments_b(((wq * g[:, None, :]) @ wso).to(f.dtype)) for g in gain])
+        return folded, consts.float().contiguous()
+
+    def segment_names(self, reuse: tuple, folded: Optional[bool] = None) -> list[str]:
+        """What each segment between two grid barriers of a launch over all steps runs (folded:
+        whether the launch's inputs carry fold constants; default: the tiling's fold_cross_q)."""
+        folded = self.tiling.fold_cross_q if folded is None else folded
+        phases = [p for p in BLOCK_PHASES if not (self.tiling.fuse_self and p == "self")
+                  and not (folded and p == "cross_q")]
         names = []
         for r in reuse:
             if r < 0:
@@ -259,11 +301,12 @@ class CudaFlow:
 
     def run(self, buf: Scratch, inputs, euler: bool, steps: range) -> None:
         """Flow steps `steps` of inputs (FusedExpert's FlowInputs) in one launch."""
-        plan = buf.plan
+        folded = inputs.cuda_fold is not None
+        plan = buf.plan if folded == self.tiling.fold_cross_q else buf.unfolded
         buf.barrier.zero_()
         segments = 1
         if self.tiling.trace:
-            segments = len(self.segment_names(inputs.reuse_host[steps.start:steps.stop]))
+            segments = len(self.segment_names(inputs.reuse_host[steps.start:steps.stop], folded))
             if buf.trace is None or buf.trace.shape[1] != segments:
                 buf.trace = torch.zeros((plan.programs, segments, 2), dtype=torch.int64, device=buf.x.device)
         ptr = lambda t: t.data_ptr()   # noqa: E731
@@ -271,9 +314,11 @@ class CudaFlow:
                    **{k: ptr(v) for k, v in self.weights.items()}, **{k: ptr(v) for k, v in self.biases.items()},
                    **{k: ptr(v) for k, v in self.io.items()}, mods=ptr(inputs.mods), fmods=ptr(inputs.final_mods),
                    kv=ptr(buf.kv), mask=ptr(buf.mask) if buf.mask is not None else ptr(buf.kv),
+                   fold_m=ptr(inputs.cuda_fold[0]) if folded else ptr(buf.kv),
+                   fold_c=ptr(inputs.cuda_fold[1]) if folded else ptr(buf.kv),
                    x=ptr(buf.x), xf=ptr(buf.xf), stats=ptr(buf.stats), qkv=ptr(buf.qkv), q=ptr(buf.q), y=ptr(buf.y),
-                   hid=ptr(buf.hid), opart=ptr(buf.opart), mlpart=ptr(buf.mlpart), counter=ptr(buf.counter),
-                   bar=ptr(buf.barrier), err=ptr(buf.error),
+                   hid=ptr(buf.hid), f0=ptr(buf.f0), sq=ptr(buf.sq), opart=ptr(buf.opart), mlpart=ptr(buf.mlpart),
+                   counter=ptr(buf.counter), bar=ptr(buf.barrier), err=ptr(buf.error),
                    trace=ptr(buf.trace) if buf.trace is not None else ptr(buf.counter), segments=segments,
                    n_keys=buf.n_keys, key_tiles=plan.key_tiles,
                    cpp=plan.cpp, tiles_per_cta=plan.tiles_per_cta, mask_stride=buf.mask_stride,

@@ -286,6 +286,8 @@ inline int atomicExch(int* p, int v) { const int old = *p; *p = v; return old; }
 inline uint4 ld_in16(const void* p) { return *(const uint4*)p; }
 inline u32 ld_in4(const void* p) { return *(const u32*)p; }
 inline u32 ld_in1(const void* p) { return *(const unsigned char*)p; }
+inline float4 ld_in_f4(const float* p) { return *(const float4*)p; }
+inline float2 ld_in_f2(const float* p) { return *(const float2*)p; }
 inline float ld_in_bf(const u16* p) { return cpu::bf16_to_float(*p); }
 inline uint4 ld_cg16(const void* p) { return *(const uint4*)p; }
 inline float2 ld_cg_f2(const float* p) { return *(const float2*)p; }

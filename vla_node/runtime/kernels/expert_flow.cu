@@ -23,7 +23,8 @@
 //   qkv       LN1 + modulate(x) @ Wqkv^T + b  -> q, k (A-fragment order), v (PV B-fragments)
 //   self      per (entry, head, query tile) one warp: softmax(q k^T) v -> y (A-fragment order)
 //   self_out  x += g1 (y @ Wso^T + b), and each 8-column tile's row mean and M2
-//   cross_q   LN2 + modulate(x) @ Wq^T + b    -> q (A-fragment order)
+//   cross_q   LN2 + modulate(x) @ Wq^T + b    -> q (A-fragment order); with FOLD_CQ no such phase:
+//             qkv and self_out compute what the cross-attention's programs make q from (Part2)
 //   cross     per (entry, head) CPP programs over its key tiles, one warp a tile at a time;
 //             warps merged in the program, programs by the last to arrive -> y
 //   cross_out x += g2 (y @ Wco^T + b)
@@ -35,7 +36,8 @@
 // and each of its 8 warps an eighth of K; the warps' partial sums meet in shared memory.
 //
 // Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
-// the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC), KV_SMEM (the cross-attention's
+// the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC) and self_out's (SO_TPC), FOLD_CQ
+// (the cross-attention's queries folded into qkv and self_out: no cross_q phase; see Part2), KV_SMEM (the cross-attention's
 // key tiles copied into shared memory at KV_OFF floats, ahead of their use), FUSE_SELF and X_FRAGS
 // (the LayerNorm phases read the residual stream's bf16 copy in A-fragment order, xf),
 // and the measurement knobs POLL (how a barrier polls), TRACE (per-segment timestamps) and WORK
@@ -63,7 +65,8 @@ struct Params {
     const uint4* w1; const u16* b1; const uint4* w2; const u16* b2;
     const u16* win; const u16* bin; const u16* pos; const u16* wout; const u16* bout;
     const u16* mods; const u16* fmods; const uint4* kv; const unsigned char* mask;
-    float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* opart; float* mlpart;
+    const uint4* fold_m; const float* fold_c;
+    float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* f0; float* sq; float* opart; float* mlpart;
     u32* counter; u32* bar; int* err; long long* trace;
     int n_keys, key_tiles, cpp, tiles_per_cta, mask_stride, has_mask, step_lo, step_hi, euler, segments;
     float dt, eps, scale;
@@ -79,6 +82,16 @@ struct Params {
 __device__ __forceinline__ uint4 ld_in16(const void* p) {
     uint4 r;
     asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float4 ld_in_f4(const float* p) {
+    float4 r;
+    asm volatile("ld.global.nc.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float2 ld_in_f2(const float* p) {
+    float2 r;
+    asm volatile("ld.global.nc.v2.f32 {%0,%1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
     return r;
 }
 __device__ __forceinline__ u32 ld_in4(const void* p) {
@@ -312,14 +325,15 @@ __device__ float block_sum(float v, float* scratch) {
     return s;
 }
 
-// LayerNorm mean and 1/std of every row from its 8-column tiles' (mean, M2) (stats [MP][NT_W][2];
-// Chan's formula, equal counts): into mean[MP], rstd[MP] in shared memory. TPR threads a row.
-__device__ void row_stats(const Params& p, float* mean, float* rstd) {
+// LayerNorm mean and 1/std of rows row0 .. row0 + rows - 1 from their 8-column tiles' (mean, M2)
+// (stats [MP][NT_W][2]; Chan's formula, equal counts): into mean[rows], rstd[rows] in shared
+// memory. TPR threads a row.
+__device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP) {
     constexpr int PER = (NT_W + TPR - 1) / TPR;
     const int lane_in_row = threadIdx.x % TPR;
-    for (int base = 0; base < MP; base += NTHREADS / TPR) {
-        const int r = base + threadIdx.x / TPR;
-        const bool ok = r < MP;
+    for (int base = 0; base < rows; base += NTHREADS / TPR) {
+        const int rr = base + threadIdx.x / TPR, r = row0 + rr;
+        const bool ok = rr < rows;
         float tm[PER], t2[PER];
 #pragma unroll
         for (int u = 0; u < PER; ++u) {
@@ -340,8 +354,8 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd) {
             if (lane_in_row + u * TPR < NT_W) m2 += t2[u] + 8.0f * (tm[u] - mu) * (tm[u] - mu);
         for (int o = TPR / 2; o > 0; o >>= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
         if (ok && lane_in_row == 0) {
-            mean[r] = mu;
-            rstd[r] = rsqrtf(m2 / WIDTH + p.eps);
+            mean[rr] = mu;
+            rstd[rr] = rsqrtf(m2 / WIDTH + p.eps);
         }
     }
 }
@@ -471,23 +485,60 @@ template <int N, int K, int TPCX> struct Shape {
     static constexpr int TPC = TPCX ? TPCX : (NT8 + NPROG - 1) / NPROG;
 };
 
+// FOLD_CQ: the cross-attention's queries folded into the phases before it. With x1 = x0 + g1
+// (y Wso^T + bso) and q = (LN(x1) (1 + c2) + s2) Wq^T + bq (c2, s2: the step's scale and shift),
+//   q = rstd1 (x1 (1 + c2) Wq^T - mean1 rho) + delta,   rho = (1 + c2) Wq^T, delta = s2 Wq^T + bq,
+//   x1 (1 + c2) Wq^T = F0 + y M + eps,                  M = Wq diag((1 + c2) g1) Wso, eps = M's bias,
+//   F0 = x0 (1 + c2) Wq^T = (LN(x0) (1 + c2) Wq^T) / rstd0 + mean0 rho,
+// so the qkv phase computes F0 as its second part (the tiles after q, k, v: LN(x0) scaled by 1 + c2,
+// no shift, the weights Wq), the self_out phase S = F0 + y M + eps as its second part (the tiles
+// after Wso's, the weights M of the step and block), and the cross-attention's programs q from S
+// and x1's statistics: the cross_q phase and its barrier go. M, eps, rho, delta depend on the
+// flow step's modulations only: the host makes them once per schedule (fold_m [steps][depth] in
+// B-fragment order, fold_c [steps][depth][eps, rho, delta][WIDTH] fp32).
+// A phase's second part: its weights (indexed from the part's first tile), the step and block's
+// fold constants, and (LayerNorm sources) the offset of the scale it modulates with (no shift).
+struct Part2 {
+    const uint4* w;
+    const float* fc;
+    int scale_off;
+};
+
 // y = src @ Wf^T (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
-// A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait.
-template <int N, int K, int EPI, int TPCX> struct Gemv {
+// A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait. Output
+// columns from NA on are the second part (FOLD_CQ; a program's tiles are all in one part).
+template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
     typedef Shape<N, K, TPCX> S;
+    static constexpr int NA8 = NA / 8;
+    static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
     uint4 wr[S::TPC][S::KP];
     u32 shift[S::KSW][2], scale[S::KSW][2];
     // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
     // (tile, row): bias, gate and the residual's old values (written two or more barriers before
-    // this phase, so copied in before its wait).
+    // this phase, so copied in before its wait); in the second part rho (qkv) or eps and F0 (self_out).
     __device__ __forceinline__ void load(const Params& p, const uint4* wf, const u16* bias, const u16* mod,
-                                         int shift_off, int scale_off, int gate_off, bool modulated, float* pre) {
+                                         int shift_off, int scale_off, int gate_off, bool modulated, float* pre,
+                                         const Part2& p2) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         const int t0 = blockIdx.x * S::TPC;
+        const bool second = NA < N && t0 >= NA8;
         {
             const int tt = threadIdx.x / MP, r = threadIdx.x % MP, c0 = (t0 + tt) * 8;
-            if (tt < S::TPC && t0 + tt < S::NT8) {
+            if (tt < S::TPC && t0 + tt < S::NT8 && second) {
+                const int c = c0 - NA;
+                if (EPI == TO_QKV) {
+                    cp_async16(pre, p2.fc + WIDTH + c);
+                    cp_async16(pre + 4, p2.fc + WIDTH + c + 4);
+                } else {
+                    cp_async16(pre, p2.fc + c);
+                    cp_async16(pre + 4, p2.fc + c + 4);
+                    if (!FUSE_SELF) {   // F0 is the qkv phase's: one barrier back with FUSE_SELF, read after the wait
+                        cp_async16(pre + 8, p.f0 + r * WIDTH + c);
+                        cp_async16(pre + 12, p.f0 + r * WIDTH + c + 4);
+                    }
+                }
+            } else if (tt < S::TPC && t0 + tt < S::NT8) {
                 cp_async16(pre, bias + c0);
                 if (EPI == TO_RESIDUAL) {
                     cp_async16(pre + 4, mod + gate_off + c0);
@@ -496,23 +547,26 @@ template <int N, int K, int EPI, int TPCX> struct Gemv {
                 }
             }
         }
+        const uint4* w = second ? p2.w : wf;
+        const int w0 = second ? t0 - NA8 : t0;
 #pragma unroll
         for (int tt = 0; tt < S::TPC; ++tt) {
-            int tile = t0 + tt;
+            const int tile = t0 + tt;
 #pragma unroll
             for (int kp = 0; kp < S::KP; ++kp)
-                wr[tt][kp] = tile < S::NT8 ? ld_in16(wf + ((tile * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
+                wr[tt][kp] = tile < S::NT8 ? ld_in16(w + (((w0 + tt) * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
                                            : make_uint4(0, 0, 0, 0);
         }
         if (modulated && t0 < S::NT8) {
             const int q = lane & 3;
+            const int so = second ? p2.scale_off : scale_off;
 #pragma unroll
             for (int ks = 0; ks < S::KSW; ++ks) {
                 int c = (warp * S::KSW + ks) * 16 + 2 * q;
-                shift[ks][0] = ld_in4(mod + shift_off + c);
-                shift[ks][1] = ld_in4(mod + shift_off + c + 8);
-                scale[ks][0] = ld_in4(mod + scale_off + c);
-                scale[ks][1] = ld_in4(mod + scale_off + c + 8);
+                shift[ks][0] = second ? 0u : ld_in4(mod + shift_off + c);
+                shift[ks][1] = second ? 0u : ld_in4(mod + shift_off + c + 8);
+                scale[ks][0] = ld_in4(mod + so + c);
+                scale[ks][1] = ld_in4(mod + so + c + 8);
             }
         }
     }
@@ -600,7 +654,8 @@ template <int N, int K, int EPI, int TPCX> struct Gemv {
 
     // The epilogue: each thread one (tile, row) of 8 columns, the warps summed in order.
     __device__ __forceinline__ void epilogue(const Params& p, const float* red, const u16* bias, u16* out,
-                                             const u16* mod, int gate_off, const float* pre) {
+                                             const u16* mod, int gate_off, const float* pre, const float* mean,
+                                             const float* rstd, const Part2& p2) {
         const int t0 = blockIdx.x * S::TPC;
         cp_async_wait();
         for (int idx = threadIdx.x; idx < S::TPC * MP; idx += NTHREADS) {
@@ -614,6 +669,29 @@ template <int N, int K, int EPI, int TPCX> struct Gemv {
                 float4 lo = *(const float4*)src, hi = *(const float4*)(src + 4);
                 v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
                 v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+            }
+            if (NA < N && tile >= NA8) {   // the second part (FOLD_CQ)
+                const int c = c0 - NA;
+                if (EPI == TO_QKV) {   // F0 = LN(x0) (1 + c2) Wq^T / rstd0 + mean0 rho
+                    const float4 lo = first ? *(const float4*)pre : ld_in_f4(p2.fc + WIDTH + c);
+                    const float4 hi = first ? *(const float4*)(pre + 4) : ld_in_f4(p2.fc + WIDTH + c + 4);
+                    const float rho[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                    for (int k = 0; k < 8; ++k) v[k] = v[k] / rstd[r] + mean[r] * rho[k];
+                    float* dst = p.f0 + r * WIDTH + c;
+                    *(float4*)dst = make_float4(v[0], v[1], v[2], v[3]);
+                    *(float4*)(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
+                } else {               // S = F0 + y M + eps, in A-fragment order
+                    const float4 e0 = first ? *(const float4*)pre : ld_in_f4(p2.fc + c);
+                    const float4 e1 = first ? *(const float4*)(pre + 4) : ld_in_f4(p2.fc + c + 4);
+                    const bool pre_f0 = first && !FUSE_SELF;
+                    const float4 f0 = pre_f0 ? *(const float4*)(pre + 8) : ld_cg_f4(p.f0 + r * WIDTH + c);
+                    const float4 f1 = pre_f0 ? *(const float4*)(pre + 12) : ld_cg_f4(p.f0 + r * WIDTH + c + 4);
+                    const float add[8] = {e0.x + f0.x, e0.y + f0.y, e0.z + f0.z, e0.w + f0.w,
+                                          e1.x + f1.x, e1.y + f1.y, e1.z + f1.z, e1.w + f1.w};
+                    for (int k = 0; k < 8; k += 2)
+                        *(float2*)(p.sq + afrag_offset(r, c + k, KS_W)) = make_float2(v[k] + add[k], v[k + 1] + add[k + 1]);
+                }
+                continue;
             }
             const uint4 b8 = first ? *(const uint4*)pre : ld_in16(bias + c0);
             const u32 bw[4] = {b8.x, b8.y, b8.z, b8.w};
@@ -646,17 +724,17 @@ template <int N, int K, int EPI, int TPCX> struct Gemv {
 };
 
 // One GEMV phase of block j: weights (and the epilogue's inputs) before the wait, then the dot.
-template <int N, int K, int SRC, int EPI, int TPCX = 0>
+template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N>
 __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
-                                           const u16* frags, int src_ksteps, u16* out) {
+                                           const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{}) {
     typedef Shape<N, K, TPCX> S;
-    Gemv<N, K, EPI, TPCX> gemv;
+    Gemv<N, K, EPI, TPCX, NA> gemv;
     float* mean = smem;
     float* rstd = smem + MP;
     float* red = smem + 2 * MP;
     float* pre = red + NWARPS * S::TPC * MP * 8 + threadIdx.x * 16;
-    gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre);
+    gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
     if (WORK && blockIdx.x * S::TPC < S::NT8) {
         XRaw raw[S::KSW];
@@ -667,7 +745,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         }
         gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
         __syncthreads();
-        gemv.epilogue(p, red, bias, out, mod, gate_off, pre);
+        gemv.epilogue(p, red, bias, out, mod, gate_off, pre, mean, rstd, p2);
     }
     cp_async_wait();
     grid_arrive(p, s);
@@ -741,9 +819,32 @@ __device__ __forceinline__ u32 key_bits(const Params& p, int b, int tile) {
     return bits;
 }
 
+// FOLD_CQ: the A fragments of the cross-attention's queries of (entry b, head h, query tile qm),
+// q = rstd1 (S - mean1 rho) + delta (see Part2), S in A-fragment order (fp32), the rows'
+// statistics mean[TOK16], rstd[TOK16] of x1 in shared memory.
+__device__ __forceinline__ void folded_queries(const Params& p, const float* fc, int b, int h, int qm,
+                                               const float* mean, const float* rstd, uint4 (&qa)[HK]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, mt = b * (TOK16 / 16) + qm;
+    const int r0 = qm * 16 + g, r1 = r0 + 8;
+    const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
+#pragma unroll
+    for (int ks = 0; ks < HK; ++ks) {
+        const float* src = p.sq + ((mt * KS_W + h * HK + ks) * 32 + lane) * 8;
+        const float4 lo = ld_cg_f4(src), hi = ld_cg_f4(src + 4);   // (r0, c), (r1, c), (r0, c + 8), (r1, c + 8)
+        const int c = h * HDIM + ks * 16 + 2 * q;
+        const float2 rho0 = ld_in_f2(fc + WIDTH + c), rho1 = ld_in_f2(fc + WIDTH + c + 8);
+        const float2 d0 = ld_in_f2(fc + 2 * WIDTH + c), d1 = ld_in_f2(fc + 2 * WIDTH + c + 8);
+        qa[ks] = make_uint4(pack_bf2((lo.x - m0 * rho0.x) * s0 + d0.x, (lo.y - m0 * rho0.y) * s0 + d0.y),
+                            pack_bf2((lo.z - m1 * rho0.x) * s1 + d0.x, (lo.w - m1 * rho0.y) * s1 + d0.y),
+                            pack_bf2((hi.x - m0 * rho1.x) * s0 + d1.x, (hi.y - m0 * rho1.y) * s0 + d1.y),
+                            pack_bf2((hi.z - m1 * rho1.x) * s1 + d1.x, (hi.w - m1 * rho1.y) * s1 + d1.y));
+    }
+}
+
 // Cross-attention of block j over the context K/V: (entry, head) pairs, p.cpp programs each,
-// p.tiles_per_cta key tiles a program, warp w its tiles w, w + 8, ...
-__device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
+// p.tiles_per_cta key tiles a program, warp w its tiles w, w + 8, ... fc: the step and block's
+// fold constants (FOLD_CQ).
+__device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const float* fc) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int pair = blockIdx.x / p.cpp, part = blockIdx.x % p.cpp;
     const bool active = pair < ENTRIES * HEADS;
@@ -761,14 +862,22 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j) {
     }
     if (WORK && active) {
         int* flag = (int*)smem;
-        float* so = smem + 4;                               // [NWARPS][TOK16][HDIM] warp partials
+        float* qmean = smem + 4;                            // FOLD_CQ: x1's row statistics of entry b
+        float* qrstd = qmean + TOK16;
+        float* so = qrstd + TOK16;                          // [NWARPS][TOK16][HDIM] warp partials
         float* sm = so + NWARPS * TOK16 * HDIM;             // [NWARPS][TOK16] max, then sum
         float* sl = sm + NWARPS * TOK16;
         const float scale = p.scale * LOG2E;
+        if (FOLD_CQ) {
+            row_stats(p, qmean, qrstd, b * TOK16, TOK16);
+            __syncthreads();
+        }
         for (int qm = 0; qm < TOK16 / 16; ++qm) {
             const int mt = b * (TOK16 / 16) + qm;
             uint4 qa[HK];
-            for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.q + ((mt * KS_W + h * HK + ks) * 32 + lane));
+            if (FOLD_CQ) folded_queries(p, fc, b, h, qm, qmean, qrstd, qa);
+            else
+                for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.q + ((mt * KS_W + h * HK + ks) * 32 + lane));
             float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
             for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
             for (int tile = tile_lo; tile < tile_hi; tile += NWARPS) {
@@ -968,21 +1077,31 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
         const u16* mods = p.mods + (size_t)next * DEPTH * 9 * WIDTH;
         for (int j = 0; j < DEPTH; ++j) {
             const u16* mod = mods + j * 9 * WIDTH;
+            // FOLD_CQ: the step and block's M and fold constants; qkv and self_out gain a second part
+            const size_t sj = (size_t)next * DEPTH + j;
+            const float* fc = FOLD_CQ ? p.fold_c + sj * 3 * WIDTH : nullptr;
+            const Part2 f0_part = {p.wq + (size_t)j * WIDTH * WIDTH / 8, fc, 4 * WIDTH};
+            const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WIDTH * WIDTH / 8 : nullptr, fc, 0};
+            constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
             kv_prefetch(p, smem, j);
-            gemv_phase<3 * WIDTH, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC>(p, s, smem, p.wqkv + (size_t)j * 3 * WIDTH * WIDTH / 8, p.bqkv + j * 3 * WIDTH,
-                                                    mod, 0, WIDTH, 0, nullptr, 0, p.qkv);
+            gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
+                p, s, smem, p.wqkv + (size_t)j * 3 * WIDTH * WIDTH / 8, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0,
+                p.qkv, f0_part);
 #if FUSE_SELF
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
-            gemv_phase<WIDTH, WIDTH, FROM_SELF, TO_RESIDUAL>(p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8,
-                                                            p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr);
+            gemv_phase<SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
+                p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0,
+                nullptr, s_part);
 #else
             self_phase(p, s);
-            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8, p.bso + j * WIDTH, mod,
-                                                      0, 0, 2 * WIDTH, p.y, KS_W, nullptr);
+            gemv_phase<SO_N, WIDTH, FROM_FRAGS, TO_RESIDUAL, SO_TPC, WIDTH>(
+                p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W,
+                nullptr, s_part);
 #endif
-            gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(p, s, smem, p.wq + (size_t)j * WIDTH * WIDTH / 8, p.bq + j * WIDTH, mod, 3 * WIDTH,
-                                                  4 * WIDTH, 0, nullptr, 0, p.q);
-            cross_phase(p, s, smem, j);
+            if (!FOLD_CQ)
+                gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(p, s, smem, p.wq + (size_t)j * WIDTH * WIDTH / 8, p.bq + j * WIDTH, mod, 3 * WIDTH,
+                                                      4 * WIDTH, 0, nullptr, 0, p.q);
+            cross_phase(p, s, smem, j, fc);
             gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.wco + (size_t)j * WIDTH * WIDTH / 8, p.bco + j * WIDTH, mod,
                                                       0, 0, 5 * WIDTH, p.y, KS_W, nullptr);
             gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(p, s, smem, p.w1 + (size_t)j * MLPD * WIDTH / 8, p.b1 + j * MLPD,

@@ -33,8 +33,9 @@ class Params(ctypes.Structure):
     """expert_flow.cu's `struct Params`, field for field."""
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "xa", "vel", "reuse", "wqkv", "bqkv", "wso", "bso", "wq", "bq", "wco", "bco", "w1", "b1", "w2", "b2",
-        "win", "bin", "pos", "wout", "bout", "mods", "fmods", "kv", "mask",
-        "x", "xf", "stats", "qkv", "q", "y", "hid", "opart", "mlpart", "counter", "bar", "err", "trace")] + [
+        "win", "bin", "pos", "wout", "bout", "mods", "fmods", "kv", "mask", "fold_m", "fold_c",
+        "x", "xf", "stats", "qkv", "q", "y", "hid", "f0", "sq", "opart", "mlpart", "counter", "bar", "err",
+        "trace")] + [
         (name, ctypes.c_int) for name in (
             "n_keys", "key_tiles", "cpp", "tiles_per_cta", "mask_stride", "has_mask", "step_lo", "step_hi", "euler",
             "segments")] + [
