@@ -174,8 +174,10 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest))
 
     def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, x1's
-        # row statistics, the warps' partials, or the last program's copy of every program's), a multiple of 4
-        cross = 4 + 2 * tok16 + max(8 * tok16 * (dims.head_dim + 2), cpp * tok16 * (dims.head_dim + 2))
+        # row statistics, the warps' partials or the last program's copy of every program's, and with
+        # fold_cross_q its stage of S, rho and delta), a multiple of 4
+        stage = fold * (tok16 + 2) * dims.head_dim
+        cross = 4 + 2 * tok16 + max(8, cpp) * tok16 * (dims.head_dim + 2) + stage
         return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
     # The cross-attention's programs per (entry, head): with kv_smem, as few as hold their key tiles
     # in shared memory (an mbarrier, then the tiles) at most 4 tiles a warp; else enough that a warp

@@ -819,21 +819,39 @@ __device__ __forceinline__ u32 key_bits(const Params& p, int b, int tile) {
     return bits;
 }
 
+// FOLD_CQ: what the queries of (entry b, head h) are made from, copied into shared memory
+// (cp.async: no registers held): rho and delta of the head's columns (constants: issued before the
+// phase's wait), and S of its rows in A-fragment order [query tile][k-step][lane][8] (after it).
+// stage: [TOK16 / 16][HK][32][8] S, then [HDIM] rho, [HDIM] delta.
+__device__ __forceinline__ void stage_fold_constants(const float* fc, int h, float* stage) {
+    float* dst = stage + (TOK16 / 16) * HK * 256;
+    for (int k = threadIdx.x; k < HDIM / 2; k += NTHREADS)   // 16-byte chunks: HDIM / 4 of rho, then of delta
+        cp_async16(dst + 4 * k, fc + (k < HDIM / 4 ? WIDTH + 4 * k : 2 * WIDTH + 4 * (k - HDIM / 4)) + h * HDIM);
+}
+__device__ __forceinline__ void stage_fold_s(const Params& p, int b, int h, float* stage) {
+    for (int k = threadIdx.x; k < (TOK16 / 16) * HK * 64; k += NTHREADS) {
+        const int qm = k / (HK * 64), ks = (k / 64) % HK, chunk = k % 64, mt = b * (TOK16 / 16) + qm;
+        cp_async16(stage + 4 * k, p.sq + ((mt * KS_W + h * HK + ks) * 32) * 8 + 4 * chunk);
+    }
+}
+
 // FOLD_CQ: the A fragments of the cross-attention's queries of (entry b, head h, query tile qm),
-// q = rstd1 (S - mean1 rho) + delta (see Part2), S in A-fragment order (fp32), the rows'
-// statistics mean[TOK16], rstd[TOK16] of x1 in shared memory.
-__device__ __forceinline__ void folded_queries(const Params& p, const float* fc, int b, int h, int qm,
-                                               const float* mean, const float* rstd, uint4 (&qa)[HK]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, mt = b * (TOK16 / 16) + qm;
+// q = rstd1 (S - mean1 rho) + delta (see Part2), from the stage (stage_fold_*) and x1's row
+// statistics mean[TOK16], rstd[TOK16], all in shared memory.
+__device__ __forceinline__ void folded_queries(const float* stage, int qm, const float* mean, const float* rstd,
+                                               uint4 (&qa)[HK]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int r0 = qm * 16 + g, r1 = r0 + 8;
     const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
+    const float* rho = stage + (TOK16 / 16) * HK * 256;
+    const float* delta = rho + HDIM;
 #pragma unroll
     for (int ks = 0; ks < HK; ++ks) {
-        const float* src = p.sq + ((mt * KS_W + h * HK + ks) * 32 + lane) * 8;
-        const float4 lo = ld_cg_f4(src), hi = ld_cg_f4(src + 4);   // (r0, c), (r1, c), (r0, c + 8), (r1, c + 8)
-        const int c = h * HDIM + ks * 16 + 2 * q;
-        const float2 rho0 = ld_in_f2(fc + WIDTH + c), rho1 = ld_in_f2(fc + WIDTH + c + 8);
-        const float2 d0 = ld_in_f2(fc + 2 * WIDTH + c), d1 = ld_in_f2(fc + 2 * WIDTH + c + 8);
+        const float* src = stage + ((qm * HK + ks) * 32 + lane) * 8;
+        const float4 lo = *(const float4*)src, hi = *(const float4*)(src + 4);   // (r0, c), (r1, c), (r0, c + 8), (r1, c + 8)
+        const int c = ks * 16 + 2 * q;
+        const float2 rho0 = *(const float2*)(rho + c), rho1 = *(const float2*)(rho + c + 8);
+        const float2 d0 = *(const float2*)(delta + c), d1 = *(const float2*)(delta + c + 8);
         qa[ks] = make_uint4(pack_bf2((lo.x - m0 * rho0.x) * s0 + d0.x, (lo.y - m0 * rho0.y) * s0 + d0.y),
                             pack_bf2((lo.z - m1 * rho0.x) * s1 + d0.x, (lo.w - m1 * rho0.y) * s1 + d0.y),
                             pack_bf2((hi.x - m0 * rho1.x) * s0 + d1.x, (hi.y - m0 * rho1.y) * s0 + d1.y),
@@ -854,6 +872,9 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
     uint4 kv[2 * HK];
     if (!KV_SMEM && active && tile_lo < tile_hi) load_kv(p, j, b, h, tile_lo, kv);
     const u32 first_bits = active && tile_lo < tile_hi ? key_bits(p, b, tile_lo) : 0u;
+    // FOLD_CQ's stage: after the region the last program's merge may use (cpp partials)
+    float* stage = smem + 4 + 2 * TOK16 + (NWARPS > p.cpp ? NWARPS : p.cpp) * TOK16 * (HDIM + 2);
+    if (FOLD_CQ && WORK && active) stage_fold_constants(fc, h, stage);
     grid_wait(p, s);
     const uint4* kvs = (const uint4*)(smem + KV_OFF + 4);   // KV_SMEM: this program's tiles, from kv_prefetch
     if (KV_SMEM && active && part * p.tiles_per_cta < p.key_tiles) {
@@ -868,14 +889,16 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
         float* sm = so + NWARPS * TOK16 * HDIM;             // [NWARPS][TOK16] max, then sum
         float* sl = sm + NWARPS * TOK16;
         const float scale = p.scale * LOG2E;
-        if (FOLD_CQ) {
+        if (FOLD_CQ) {   // S copied in while the statistics load
+            stage_fold_s(p, b, h, stage);
             row_stats(p, qmean, qrstd, b * TOK16, TOK16);
+            cp_async_wait();
             __syncthreads();
         }
         for (int qm = 0; qm < TOK16 / 16; ++qm) {
             const int mt = b * (TOK16 / 16) + qm;
             uint4 qa[HK];
-            if (FOLD_CQ) folded_queries(p, fc, b, h, qm, qmean, qrstd, qa);
+            if (FOLD_CQ) folded_queries(stage, qm, qmean, qrstd, qa);
             else
                 for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.q + ((mt * KS_W + h * HK + ks) * 32 + lane));
             float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
