@@ -14,7 +14,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-check tests soak bench}
 # part "variants": the loop under CudaTiling variants at B = 1, 2, 4 (error against the fp32 expert,
 # time, difference to the default) and the anatomy of two of them at B = 1
-VARIANTS=${VARIANTS:-"default:,xf:x_frags=1,fold:fold_cross_q=1,foldxf:fold_cross_q=1+x_frags=1,foldxfself:fold_cross_q=1+x_frags=1+fuse_self=1,foldxfq4:fold_cross_q=1+x_frags=1+qkv_tpc=4,foldxfq6:fold_cross_q=1+x_frags=1+qkv_tpc=6"}
+VARIANTS=${VARIANTS:-"default:,xf:x_frags=1,fold:fold_cross_q=1,foldxf:fold_cross_q=1+x_frags=1,foldxfself:fold_cross_q=1+x_frags=1+fuse_self=1,foldxfq4:fold_cross_q=1+x_frags=1+qkv_tpc=4,foldxfq6:fold_cross_q=1+x_frags=1+qkv_tpc=6,foldxff6:fold_cross_q=1+x_frags=1+fc1_tpc=6"}
 ANATOMY=${ANATOMY:-"default:,foldxf:fold_cross_q=1+x_frags=1"}
 t0=$(date +%s)
 say() { echo "== $* ($(( $(date +%s) - t0 )) s)"; }
