@@ -73,6 +73,8 @@ def main():
     ap.add_argument("--variant-entries", default="1")
     ap.add_argument("--anatomy", default="", help="batch sizes whose per-phase anatomy the CUDA kernel's own "
                     "timestamps give, e.g. 1,4")
+    ap.add_argument("--aba", default="", help="a second context length: the loops of --tokens (A) and of this (B) "
+                    "captured, replayed A, B, A: A's output bit for bit the same both times")
     ap.add_argument("--anatomy-tilings", default="default:", help="the tilings the anatomy is taken of, as "
                     "--variants names them")
     args = ap.parse_args()
@@ -127,6 +129,21 @@ def main():
                 continue
             break
     report = dict(rows=rows, variants=[], anatomy=[])
+    if args.aba:
+        f = FusedExpert(expert, backend="cuda")
+        graphs = []
+        for tokens in (args.tokens, int(args.aba)):
+            ctx = context(cfg, expert, 1, tokens, times, padded=True)
+            inputs = f.schedule(ctx["mods"])
+            graphs.append(capture(lambda ctx=ctx, inputs=inputs: f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])))
+        (graph_a, out_a), (graph_b, out_b) = graphs
+        graph_a.replay()
+        first = out_a.clone()
+        graph_b.replay()
+        graph_a.replay()
+        report["aba_identical"] = bool(torch.equal(out_a, first)) and bool(out_b.isfinite().all())
+        print(f"A-B-A ({args.tokens}, {args.aba}, {args.tokens} context tokens): A bit-identical "
+              f"{report['aba_identical']}", flush=True)
     for entries in (int(e) for e in args.variant_entries.split(",") if args.variants):
         ctx = context(cfg, expert, entries, args.tokens, times)
         with torch.inference_mode():

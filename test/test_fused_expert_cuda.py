@@ -116,7 +116,7 @@ def test_the_kernel_compiles_for_hopper(entries, tiling):
     cubin, log = nvrtc_compile(constants, "sm_90", verbose=True)
     assert cubin[:4] == b"\x7fELF", log
     # The kernel holds each phase's weights in registers: a change that pushes them out shows here
-    # (the tiling shipped spills 24 bytes at one observation, 308 at four: BENCHMARKS.md).
+    # (the tiling shipped spills 0 bytes at one observation, 96 at four: BENCHMARKS.md).
     spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
     assert spilled <= (64 if entries == 1 else 512), log
 
@@ -163,7 +163,10 @@ def flow_case(cfg, e, truth, entries: int, steps: int, device: str):
             eager = euler(velocity_of(e, mods, kv), noise, steps, reuse=reuse, known=known)
             got = fused.flow(noise, fused.schedule(mods, reuse), kv, mask, known=known).clone()
         return got, want, eager
-    run.noise, run.launch = noise, lambda fused: fused.flow(noise, fused.schedule(mods), kv, mask)
+    def launcher(fused):   # the plain loop as one call, its schedule made outside any graph capture
+        inputs = fused.schedule(mods)
+        return lambda: fused.flow(noise, inputs, kv, mask)
+    run.noise, run.launcher = noise, launcher
     return run
 
 
@@ -175,8 +178,8 @@ def assert_near_truth(got, want, eager):
 
 @pytest.mark.parametrize("device", ON_BOTH)
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (3, CudaTiling()),
-                                             (3, CudaTiling(fold_cross_q=True, x_frags=True))],
-                         ids=["1", "3", "3-fold_cross_q-x_frags"])
+                                             (3, CudaTiling(fold_cross_q=False, x_frags=False))],
+                         ids=["1", "3", "3-unfolded-fp32_ln_sources"])
 def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device, entries, tiling):
     cfg, e, truth = small_expert(device)
     fused = FusedExpert(e, backend="cuda", cuda_tiling=tiling)
@@ -191,10 +194,11 @@ def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device
         if kn is not None:
             assert torch.equal(got[:, :5], known.values[:, :5])
     with torch.inference_mode():
-        first = run.launch(fused).clone()
+        launch = run.launcher(fused)
+        first = launch().clone()
         if device == "cuda":
             from vla_node.runtime.graphs import capture
-            graph, out = capture(lambda: run.launch(fused))
+            graph, out = capture(launch)
             replays = 50
         else:
             replays, graph, out = 3, None, None
@@ -202,7 +206,7 @@ def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device
             if graph is not None:
                 graph.replay()
             else:
-                out = run.launch(fused)
+                out = launch()
             assert torch.equal(out, first)
     assert not fused.barrier_timed_out()
 
@@ -213,8 +217,8 @@ def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device
     CudaTiling(poll=1), CudaTiling(poll=2), CudaTiling(poll=3),
     CudaTiling(qkv_tpc=16, cq_tpc=8, fc1_tpc=8),
     CudaTiling(cross_programs=2), CudaTiling(kv_smem=True), CudaTiling(kv_smem=True, cross_programs=3),
-    CudaTiling(x_frags=True), CudaTiling(fold_cross_q=True), CudaTiling(fold_cross_q=True, qkv_tpc=5),
-    CudaTiling(fold_cross_q=True, x_frags=True, kv_smem=True, poll=3),
+    CudaTiling(x_frags=False), CudaTiling(fold_cross_q=False), CudaTiling(fold_cross_q=False, x_frags=False),
+    CudaTiling(qkv_tpc=5), CudaTiling(kv_smem=True, poll=3),
 ], ids=lambda t: ",".join(f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
                           if getattr(t, f.name) != getattr(CudaTiling(), f.name)))
 def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):
@@ -232,7 +236,8 @@ def test_folded_queries_keep_the_unfolded_kernels_result_on_the_cpu_build(fuse_s
     reading F0 before the barrier that publishes it 1.2 times)."""
     cfg, e, truth = small_expert("cpu", heads=8 if fuse_self else 2)   # fuse_self: a head a warp
     run = flow_case(cfg, e, truth, entries=1 if fuse_self else 2, steps=4, device="cpu")
-    unfolded, want, eager = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fuse_self=fuse_self)))
+    unfolded, want, eager = run(FusedExpert(e, backend="cuda",
+                                            cuda_tiling=CudaTiling(fuse_self=fuse_self, fold_cross_q=False)))
     folded, _, _ = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fuse_self=fuse_self, fold_cross_q=True)))
     assert float((folded - unfolded).norm()) < 0.5 * float((eager - want).norm())
 

@@ -54,12 +54,14 @@ class CudaTiling:
     kv_smem: bool = False
     cross_programs: int = 0
     # the LayerNorm phases read the residual stream's bf16 copy in A-fragment order (one 16-byte
-    # load a k-step) instead of its fp32 values: half the bytes every program of those phases reads
-    x_frags: bool = False
+    # load a k-step) instead of its fp32 values: half the bytes every program of those phases reads.
+    # On the H200 the LayerNorm phases 1.75-2 us shorter each (BENCHMARKS.md, eighth session)
+    x_frags: bool = True
     # the cross-attention's queries folded into the qkv and self_out phases (expert_flow.cu, Part2):
     # no cross_q phase and its barrier; per schedule the host makes an M = Wq diag((1 + c2) g1) Wso
-    # for every step and block (steps x depth x width^2 bf16: 425 MB at 10 steps of molmobot-4b)
-    fold_cross_q: bool = False
+    # for every step and block (steps x depth x width^2 bf16: 425 MB at 10 steps of molmobot-4b).
+    # With x_frags on the H200: the loop 12.5 -> 10.7 ms at B = 1, 24.2 -> 19.3 at B = 4
+    fold_cross_q: bool = True
 
 
 def unsupported(fused) -> Optional[str]:
