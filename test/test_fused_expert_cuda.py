@@ -138,6 +138,19 @@ def small_expert(device: str, heads: int = 2):
     return cfg, e, truth
 
 
+@pytest.mark.parametrize("device", ON_BOTH)
+def test_the_auto_backend_takes_the_cuda_kernel_on_a_gpu_where_it_fits(device):
+    """EngineConfig.expert_kernel's default: the CUDA kernel on a GPU for an expert it takes, Triton's
+    elsewhere (the CPU build is the suite's check of the kernel, never a default) and for an
+    expert it does not take (width 64: not a multiple of 256)."""
+    _, e, _ = small_expert(device)
+    fits = FusedExpert(e, backend="auto")
+    assert (fits.backend, fits.cuda is not None) == (("cuda", True) if device == "cuda" else ("triton", False))
+    with torch.device(device):
+        narrow = init_random_(ActionExpert(get_preset("tiny")).eval().requires_grad_(False), seed=0)
+    assert FusedExpert(narrow.to(torch.bfloat16), backend="auto").backend == "triton"
+
+
 def flow_case(cfg, e, truth, entries: int, steps: int, device: str):
     """Random context and noise for `entries` observations (some keys masked), the modulations
     of every step, and a function (schedule, known) -> (kernel's actions, fp32 truth's, bf16

@@ -56,7 +56,7 @@ SPIN_LIMIT = 1 << 22    # polls of a grid barrier before it gives up (~seconds):
 # (memcheck, the self-attention's p @ v; fine with DISABLE_MMA_V3=1 and in per-phase launches,
 # BENCHMARKS.md, issue 22): horizons above this run one launch per phase.
 PERSISTENT_MAX_TOKENS = 32
-BACKENDS = ("triton", "cuda")
+BACKENDS = ("auto", "triton", "cuda")
 
 
 @dataclass(frozen=True)
@@ -187,8 +187,14 @@ class FusedExpert:
         self.fc1 = Stack.of([(b.fc1.weight, b.fc1.bias) for b in blocks], fp8)
         self.fc2 = Stack.of([(b.fc2.weight, b.fc2.bias) for b in blocks], fp8)
         self._buffers: dict[tuple, Buffers] = {}
-        # backend "cuda": the loop on kernels/expert_flow.cu (fused_expert_cuda.py), else Triton's.
+        # backend "cuda": the loop on kernels/expert_flow.cu (fused_expert_cuda.py), "triton": Triton's,
+        # "auto": the CUDA kernel on a CUDA device where it takes this expert, else Triton's.
         self.cuda = None
+        if backend == "auto":
+            from .fused_expert_cuda import unsupported
+            on_gpu = self.qkv.weight.device.type == "cuda"
+            backend = "cuda" if on_gpu and unsupported(self) is None else "triton"
+        self.backend = backend
         if backend == "cuda":
             from .fused_expert_cuda import CudaFlow, CudaTiling
             self.cuda = CudaFlow(self, cuda_tiling or CudaTiling())

@@ -158,8 +158,9 @@ class EngineConfig:
     split_attention: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     fused_expert: bool = False            # the whole flow loop in one persistent Triton kernel (runtime/fused_expert)
-    # Which kernel runs the fused loop: triton (kernels/expert_flow.py) or cuda (kernels/expert_flow.cu,
-    # compiled at start by NVRTC; bf16 weights, no expert_fp8; runtime/fused_expert_cuda.py).
+    # Which kernel runs the fused loop: triton (kernels/expert_flow.py), cuda (kernels/expert_flow.cu,
+    # compiled at start by NVRTC; bf16 weights, no expert_fp8; runtime/fused_expert_cuda.py) or auto
+    # (cuda where it takes the expert on a CUDA device, else triton).
     expert_kernel: str = "triton"
     vision_cache: bool = False
     vision_cache_frames: int = 64         # frames kept by the vision cache
@@ -210,8 +211,8 @@ class EngineConfig:
             raise ValueError("fused_expert needs ctx_kv_once (it takes the expert's context K/V once per query)")
         if self.expert_fp8 and not self.fused_expert:
             raise ValueError("expert_fp8 needs fused_expert (its kernels read the e4m3 weights)")
-        if self.expert_kernel not in ("triton", "cuda"):
-            raise ValueError(f"expert_kernel must be triton or cuda, got {self.expert_kernel!r}")
+        if self.expert_kernel not in ("auto", "triton", "cuda"):
+            raise ValueError(f"expert_kernel must be auto, triton or cuda, got {self.expert_kernel!r}")
         if self.expert_kernel == "cuda" and self.expert_fp8:
             raise ValueError("expert_kernel cuda runs bf16 expert weights (no expert_fp8): use expert_kernel triton")
 
