@@ -131,10 +131,11 @@ def main():
     report = dict(rows=rows, variants=[], anatomy=[])
     if args.aba:
         f = FusedExpert(expert, backend="cuda")
-        graphs = []
+        graphs, held = [], []   # held: what the graphs read (inputs, schedules) lives as long as they do
         for tokens in (args.tokens, int(args.aba)):
             ctx = context(cfg, expert, 1, tokens, times, padded=True)
             inputs = f.schedule(ctx["mods"])
+            held.append((ctx, inputs))
             graphs.append(capture(lambda ctx=ctx, inputs=inputs: f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])))
         (graph_a, out_a), (graph_b, out_b) = graphs
         graph_a.replay()

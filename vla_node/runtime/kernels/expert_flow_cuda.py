@@ -170,7 +170,7 @@ class FlowKernel:
         import torch
         major, minor = torch.cuda.get_device_capability(device_index)
         with torch.cuda.device(device_index):
-            torch.cuda.init()
+            torch.zeros(1, device=f"cuda:{device_index}")   # the device's primary context, current here
             return cls(cubin_for(dict(constants), f"sm_{major}{minor}"), smem_limit)
 
     def launch(self, params: Params, programs: int, smem: int, stream: int, cooperative: bool = True) -> None:
