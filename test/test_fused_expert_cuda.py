@@ -103,18 +103,24 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     assert smem.smem <= 227 * 1024
     p8 = plan_of(MOLMOBOT_4B, entries=8, tokens=16, n_keys=892, programs=H200_SMS)
     assert p8.cpp * 8 * MOLMOBOT_4B.heads <= H200_SMS and p8.smem <= 227 * 1024
+    # weight buffers: two of 48 KB at one observation; at eight the phases' scratch leaves no room
+    w1, w8 = (plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, CudaTiling(weights_smem=True)) for e in (1, 8))
+    assert (dict(w1.constants)["W_SMEM"], dict(w8.constants)["W_SMEM"]) == (1, 0)
+    assert w1.smem <= 227 * 1024 and w8.smem <= 227 * 1024
     with pytest.raises(ValueError, match="at most 128 padded rows"):
         plan_of(MOLMOBOT_4B, entries=9, tokens=16, n_keys=892, programs=H200_SMS)
 
 
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
-                                             (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True))])
+                                             (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True)),
+                                             (4, CudaTiling(weights_smem=True))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
     constants = dict(plan_of(MOLMOBOT_4B, entries, tokens=16, n_keys=892, programs=H200_SMS, tiling=tiling).constants)
     cubin, log = nvrtc_compile(constants, "sm_90", verbose=True)
     assert cubin[:4] == b"\x7fELF", log
+    assert constants["W_SMEM"] == int(tiling.weights_smem)    # both weight buffers fit on the H200 at B = 4
     # The kernel holds each phase's weights in registers: a change that pushes them out shows here
     # (the tiling shipped spills 0 bytes at one observation, 96 at four: BENCHMARKS.md).
     spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
@@ -231,7 +237,8 @@ def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device
     CudaTiling(qkv_tpc=16, cq_tpc=8, fc1_tpc=8),
     CudaTiling(cross_programs=2), CudaTiling(kv_smem=True), CudaTiling(kv_smem=True, cross_programs=3),
     CudaTiling(x_frags=False), CudaTiling(fold_cross_q=False), CudaTiling(fold_cross_q=False, x_frags=False),
-    CudaTiling(qkv_tpc=5), CudaTiling(kv_smem=True, poll=3),
+    CudaTiling(qkv_tpc=5), CudaTiling(kv_smem=True, poll=3), CudaTiling(weights_smem=True),
+    CudaTiling(weights_smem=True, kv_smem=True, fold_cross_q=False),
 ], ids=lambda t: ",".join(f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
                           if getattr(t, f.name) != getattr(CudaTiling(), f.name)))
 def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):

@@ -28,6 +28,7 @@ SMEM_LIMIT = 227 * 1024   # shared memory a program may have on sm_90 (opt-in ma
 SPIN_LIMIT = 1 << 22   # polls of a grid barrier before it gives up (programs not all resident)
 BLOCK_PHASES = ("qkv", "self", "self_out", "cross_q", "cross", "cross_out", "fc1", "fc2")
 HOST_PROGRAMS = 8   # programs of the CPU build (fibers: 256 a program); at least the (entry, head) pairs
+HOST_SMEM_LIMIT = 1 << 20   # the CPU build's shared memory is a host allocation: no sm_90 limit to fit
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class CudaTiling:
     # for every step and block (steps x depth x width^2 bf16: 425 MB at 10 steps of molmobot-4b).
     # With x_frags on the H200: the loop 12.5 -> 10.7 ms at B = 1, 24.2 -> 19.3 at B = 4
     fold_cross_q: bool = True
+    # each GEMV phase's weights copied into shared memory by the copy engine (cp.async.bulk, two
+    # buffers) while the phase before it runs, instead of loaded into registers by every thread
+    # between its arrival and its wait (off where two buffers do not fit; not yet timed on a GPU)
+    weights_smem: bool = False
 
 
 def unsupported(fused) -> Optional[str]:
@@ -181,6 +186,10 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         stage = fold * (tok16 + 2) * dims.head_dim
         cross = 4 + 2 * tok16 + max(8, cpp) * tok16 * (dims.head_dim + 2) + stage
         return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
+    # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
+    # tile), after two mbarriers (16 bytes); off where they do not fit beside the rest
+    w_buf = 16 * max([n * w for n in (qkv, so, cq, rest, fc1)] + [rest * dims.mlp])
+    w_bytes = 16 + 2 * w_buf if t.weights_smem else 0
     # The cross-attention's programs per (entry, head): with kv_smem, as few as hold their key tiles
     # in shared memory (an mbarrier, then the tiles) at most 4 tiles a warp; else enough that a warp
     # takes one tile, each loaded into registers before the phase's wait.
@@ -190,19 +199,23 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         for c in range(max(1, math.ceil(key_tiles / 32)), programs // pairs + 1):
             if t.cross_programs and c != t.cross_programs:
                 continue
-            if 4 * general(c) + 16 + math.ceil(key_tiles / c) * tile_bytes <= smem_limit:
+            if 4 * general(c) + w_bytes + 16 + math.ceil(key_tiles / c) * tile_bytes <= smem_limit:
                 kv_smem, cpp = True, c
                 break
     elif t.cross_programs:
         cpp = t.cross_programs
     tiles_per_cta = math.ceil(key_tiles / cpp)
     gen = general(cpp)
-    smem = 4 * gen + (16 + tiles_per_cta * tile_bytes if kv_smem else 0)
+    kv_bytes = 16 + tiles_per_cta * tile_bytes if kv_smem else 0
+    if 4 * gen + w_bytes + kv_bytes > smem_limit:
+        w_bytes = 0
+    smem = 4 * gen + w_bytes + kv_bytes
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
                      TOK=tokens, TOK16=tok16, ENTRIES=entries, DEPTH=dims.depth, NPROG=programs, TPR=tpr,
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
-                     CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem), KV_OFF=gen,
-                     X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold)
+                     CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
+                     KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
+                     W_SMEM=int(w_bytes > 0), W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
@@ -230,11 +243,12 @@ class CudaFlow:
         if key not in self._scratch:
             f = self.fused
             device = torch.device(device)
-            programs = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-                        else HOST_PROGRAMS)
-            plan = plan_of(f, entries, tokens, n_keys, programs, self.tiling)
+            on_gpu = device.type == "cuda"
+            programs = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOST_PROGRAMS
+            limit = SMEM_LIMIT if on_gpu else HOST_SMEM_LIMIT
+            plan = plan_of(f, entries, tokens, n_keys, programs, self.tiling, limit)
             unfolded = plan_of(f, entries, tokens, n_keys, programs,
-                               dataclasses.replace(self.tiling, fold_cross_q=False))
+                               dataclasses.replace(self.tiling, fold_cross_q=False), limit)
             rows = entries * dict(plan.constants)["TOK16"]
             w, tok16, pairs = f.width, rows // entries, entries * f.heads
             with torch.device(device):

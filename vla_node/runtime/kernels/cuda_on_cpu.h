@@ -135,6 +135,7 @@ struct Launch {      // the launch under way (one at a time on a CPU thread)
     unsigned current = 0;
     size_t live = 0;
     bool deadlocked = false;       // every unfinished fiber waits: the kernel cannot go on
+    bool stuck = false;            // an mbarrier wait gave up: its copy was never issued
     Context caller;
     std::function<void()> body;
 
@@ -194,7 +195,8 @@ inline Warp& warp() { return me().program->warps[me().thread.x / 32]; }
 inline unsigned lane() { return me().thread.x % 32; }
 
 // Run `body` as `programs` x `threads` CUDA threads with `smem_bytes` of shared memory each:
-// 0 when done, -1 when the stacks could not be had, -2 when every thread waited for another.
+// 0 when done, -1 when the stacks could not be had, -2 when every thread waited for another, -3
+// when an mbarrier wait gave up (the copy it waits for was never issued).
 inline int launch(int programs, int threads, int smem_bytes, std::function<void()> body) {
     constexpr size_t STACK = 256 * 1024;
     Launch l;
@@ -227,6 +229,7 @@ inline int launch(int programs, int threads, int smem_bytes, std::function<void(
         switch_to(l.caller, l.fibers[0].context);
         launch_now = outer;
         if (l.deadlocked) status = -2;
+        else if (l.stuck) status = -3;
     }
     for (Fiber& f : l.fibers) std::free(f.stack);
     return status;
@@ -304,10 +307,19 @@ inline void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long*
     std::memcpy(dst, src, bytes);
     ++*bar;
 }
+// Every other fiber runs between two looks; a phase that does not complete after as many looks as
+// any kernel could need (the copy it waits for was never issued) gives up: the launch fails (-3).
 inline void mbar_wait(unsigned long long* bar, u32 parity) {
-    while ((*bar & 1u) == parity) cpu::yield();
+    for (long looks = 0; (*bar & 1u) == parity; ++looks) {
+        if (looks > (1L << 16)) {
+            cpu::launch_now->stuck = true;
+            return;
+        }
+        cpu::yield();
+    }
 }
 inline void mbar_init(unsigned long long* bar) { *bar = 0; }
+inline void fence_proxy_async() {}
 
 inline float* dynamic_smem() { return (float*)cpu::me().program->smem.data(); }
 

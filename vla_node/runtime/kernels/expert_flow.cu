@@ -40,6 +40,8 @@
 // (the cross-attention's queries folded into qkv and self_out: no cross_q phase; see Part2), KV_SMEM (the cross-attention's
 // key tiles copied into shared memory at KV_OFF floats, ahead of their use), FUSE_SELF and X_FRAGS
 // (the LayerNorm phases read the residual stream's bf16 copy in A-fragment order, xf),
+// W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
+// copy engine while the phase before it runs, instead of loaded into registers before its wait),
 // and the measurement knobs POLL (how a barrier polls), TRACE (per-segment timestamps) and WORK
 // (0: every phase's loads and barriers without its arithmetic and stores: the loop's floor of
 // synchronisation).
@@ -163,6 +165,9 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
                  "@!done bra WAIT_%=; }" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 
+// Shared memory that generic loads read before, written next by the copy engine (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 __device__ __forceinline__ void mbar_init(unsigned long long* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -246,6 +251,8 @@ struct Sync {
     u32 arrivals;   // this program's arrivals so far (every program arrives at every barrier)
     int failed;     // thread 0: a wait gave up (programs not all resident): stop waiting
     u32 kv_parity;  // KV_SMEM: the phase of the K/V copy's mbarrier that the next wait waits for
+    u32 w_phase;    // W_SMEM: GEMV phases so far (phase n reads weight buffer n & 1)
+    u32 w_parity;   // W_SMEM: bit b, the phase of buffer b's mbarrier that its next wait waits for
 };
 
 // TRACE: the start (its wait's end) and end (its arrival) of each segment, per program.
@@ -485,6 +492,44 @@ template <int N, int K, int TPCX> struct Shape {
     static constexpr int TPC = TPCX ? TPCX : (NT8 + NPROG - 1) / NPROG;
 };
 
+// W_SMEM: a program's weights of one GEMV phase (its tiles, contiguous in B-fragment order; the
+// second part's from w2), streamed by the copy engine into one of two shared-memory buffers while
+// the phase before it runs, so the weight loads hold no thread and no load queue at a barrier.
+struct WRef {
+    const uint4* p;
+    u32 bytes;      // 0: the program has no tiles in the phase
+};
+template <int N, int K, int TPCX, int NA = N>
+__device__ __forceinline__ WRef wref(const uint4* wf, const uint4* w2) {
+    typedef Shape<N, K, TPCX> S;
+    const int t0 = blockIdx.x * S::TPC;
+    if (t0 >= S::NT8) return {nullptr, 0u};
+    const bool second = NA < N && t0 >= NA / 8;
+    const int tiles = min(S::TPC, S::NT8 - t0);
+    return {second ? w2 + (size_t)(t0 - NA / 8) * K : wf + (size_t)t0 * K, (u32)tiles * K * 16u};
+}
+
+// The weight buffers at W_OFF floats: two mbarriers (padded to 16 bytes), then two of W_BUF bytes.
+__device__ __forceinline__ unsigned long long* w_bar(float* smem, int b) { return (unsigned long long*)(smem + W_OFF) + b; }
+__device__ __forceinline__ uint4* w_buf(float* smem, int b) { return (uint4*)(smem + W_OFF + 4 + b * (W_BUF / 4)); }
+
+// Thread 0 starts the copy of r into the buffer of GEMV phase w_phase + ahead (free: its last
+// reader, phase w_phase + ahead - 2, has ended).
+__device__ __forceinline__ void w_issue(Sync& s, float* smem, const WRef& r, int ahead) {
+    if (!W_SMEM || threadIdx.x != 0 || r.bytes == 0) return;
+    const int b = (s.w_phase + ahead) & 1;
+    fence_proxy_async();
+    bulk_copy(w_buf(smem, b), r.p, r.bytes, w_bar(smem, b));
+}
+
+// This GEMV phase's buffer once its copy has landed.
+__device__ __forceinline__ const uint4* w_take(Sync& s, float* smem) {
+    const int b = s.w_phase & 1;
+    mbar_wait(w_bar(smem, b), (s.w_parity >> b) & 1u);
+    s.w_parity ^= 1u << b;
+    return w_buf(smem, b);
+}
+
 // FOLD_CQ: the cross-attention's queries folded into the phases before it. With x1 = x0 + g1
 // (y Wso^T + bso) and q = (LN(x1) (1 + c2) + s2) Wq^T + bq (c2, s2: the step's scale and shift),
 //   q = rstd1 (x1 (1 + c2) Wq^T - mean1 rho) + delta,   rho = (1 + c2) Wq^T, delta = s2 Wq^T + bq,
@@ -550,7 +595,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
         const uint4* w = second ? p2.w : wf;
         const int w0 = second ? t0 - NA8 : t0;
 #pragma unroll
-        for (int tt = 0; tt < S::TPC; ++tt) {
+        for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt) {
             const int tile = t0 + tt;
 #pragma unroll
             for (int kp = 0; kp < S::KP; ++kp)
@@ -569,6 +614,16 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
                 scale[ks][1] = ld_in4(mod + so + c + 8);
             }
         }
+    }
+
+    // W_SMEM: this program's weights from its buffer (the same order as in memory, from its first tile).
+    __device__ __forceinline__ void load_smem(const uint4* buf) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t0 = blockIdx.x * S::TPC;
+#pragma unroll
+        for (int tt = 0; tt < S::TPC; ++tt)
+#pragma unroll
+            for (int kp = 0; kp < S::KP; ++kp)
+                wr[tt][kp] = t0 + tt < S::NT8 ? buf[(tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane] : make_uint4(0, 0, 0, 0);
     }
 
     // The residual stream's values of this warp's A fragments of row tile mt (LN sources).
@@ -727,15 +782,18 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
 template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N>
 __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
-                                           const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{}) {
+                                           const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{},
+                                           const WRef& next_w = WRef{nullptr, 0u}) {
     typedef Shape<N, K, TPCX> S;
     Gemv<N, K, EPI, TPCX, NA> gemv;
+    w_issue(s, smem, next_w, 1);   // W_SMEM: the next GEMV phase's weights stream in while this one runs
     float* mean = smem;
     float* rstd = smem + MP;
     float* red = smem + 2 * MP;
     float* pre = red + NWARPS * S::TPC * MP * 8 + threadIdx.x * 16;
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
+    if (W_SMEM && blockIdx.x * S::TPC < S::NT8) gemv.load_smem(w_take(s, smem));
     if (WORK && blockIdx.x * S::TPC < S::NT8) {
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
@@ -748,6 +806,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         gemv.epilogue(p, red, bias, out, mod, gate_off, pre, mean, rstd, p2);
     }
     cp_async_wait();
+    s.w_phase++;
     grid_arrive(p, s);
 }
 
@@ -1080,16 +1139,32 @@ __device__ void boundary(const Params& p, float* smem, int done, int first_reuse
 // -- the loop --------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Params p) {
     float* smem = dynamic_smem();
-    Sync s = {0u, 0, 0u};
+    Sync s = {0u, 0, 0u, 0u, 0u};
     trace_mark(p, s, 0);
     if (KV_SMEM && threadIdx.x == 0) mbar_init((unsigned long long*)(smem + KV_OFF));
+    if (W_SMEM && threadIdx.x == 0) {
+        mbar_init(w_bar(smem, 0));
+        mbar_init(w_bar(smem, 1));
+    }
     __syncthreads();
+    // The weights of each GEMV phase of block j at step i (W_SMEM streams each in during the phase before it)
+    constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
+    constexpr size_t WW = (size_t)WIDTH * WIDTH / 8, WM = (size_t)WIDTH * MLPD / 8;   // uint4s of a block's matrix
+    auto qkv_w = [&](int i, int j) { return wref<QKV_N, WIDTH, QKV_TPC, 3 * WIDTH>(p.wqkv + j * 3 * WW, p.wq + j * WW); };
+    auto so_w = [&](int i, int j) {
+        return wref<SO_N, WIDTH, SO_TPC, WIDTH>(p.wso + j * WW, FOLD_CQ ? p.fold_m + ((size_t)i * DEPTH + j) * WW : nullptr);
+    };
+    auto cq_w = [&](int j) { return wref<WIDTH, WIDTH, CQ_TPC>(p.wq + j * WW, nullptr); };
+    auto co_w = [&](int j) { return wref<WIDTH, WIDTH, 0>(p.wco + j * WW, nullptr); };
+    auto fc1_w = [&](int j) { return wref<MLPD, WIDTH, FC1_TPC>(p.w1 + j * WM, nullptr); };
+    auto fc2_w = [&](int j) { return wref<WIDTH, MLPD, 0>(p.w2 + j * WM, nullptr); };
     // Steps step_lo .. step_hi - 1; a reused step (reuse[i] >= 0) only updates the actions.
     int done = -1, i = p.step_lo;
     while (true) {
         const int first_reuse = i;
         while (i < p.step_hi && p.reuse[i] >= 0) ++i;
         const int next = i < p.step_hi ? i : -1;
+        if (next >= 0) w_issue(s, smem, qkv_w(next, 0), 0);   // W_SMEM: the step's first weights
         boundary(p, smem, done, first_reuse, next, i);
         if (next < 0) {
             __syncthreads();
@@ -1104,33 +1179,36 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             const size_t sj = (size_t)next * DEPTH + j;
             const float* fc = FOLD_CQ ? p.fold_c + sj * 3 * WIDTH : nullptr;
             const Part2 f0_part = {p.wq + (size_t)j * WIDTH * WIDTH / 8, fc, 4 * WIDTH};
-            const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WIDTH * WIDTH / 8 : nullptr, fc, 0};
-            constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
+            const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WW : nullptr, fc, 0};
+            const WRef none = {nullptr, 0u};
             kv_prefetch(p, smem, j);
             gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
-                p, s, smem, p.wqkv + (size_t)j * 3 * WIDTH * WIDTH / 8, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0,
-                p.qkv, f0_part);
+                p, s, smem, p.wqkv + j * 3 * WW, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
+                so_w(next, j));
 #if FUSE_SELF
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
             gemv_phase<SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0,
-                nullptr, s_part);
+                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr, s_part,
+                FOLD_CQ ? co_w(j) : cq_w(j));
 #else
             self_phase(p, s);
             gemv_phase<SO_N, WIDTH, FROM_FRAGS, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + (size_t)j * WIDTH * WIDTH / 8, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W,
-                nullptr, s_part);
+                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
+                FOLD_CQ ? co_w(j) : cq_w(j));
 #endif
             if (!FOLD_CQ)
-                gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(p, s, smem, p.wq + (size_t)j * WIDTH * WIDTH / 8, p.bq + j * WIDTH, mod, 3 * WIDTH,
-                                                      4 * WIDTH, 0, nullptr, 0, p.q);
+                gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
+                    p, s, smem, p.wq + j * WW, p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
+                    co_w(j));
             cross_phase(p, s, smem, j, fc);
-            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.wco + (size_t)j * WIDTH * WIDTH / 8, p.bco + j * WIDTH, mod,
-                                                      0, 0, 5 * WIDTH, p.y, KS_W, nullptr);
-            gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(p, s, smem, p.w1 + (size_t)j * MLPD * WIDTH / 8, p.b1 + j * MLPD,
-                                                         mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid);
-            gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL>(p, s, smem, p.w2 + (size_t)j * WIDTH * MLPD / 8, p.b2 + j * WIDTH, mod,
-                                                        0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr);
+            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(
+                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{}, fc1_w(j));
+            gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
+                p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
+                fc2_w(j));
+            gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL>(
+                p, s, smem, p.w2 + j * WM, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
+                j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
         }
         grid_wait(p, s);
         done = next;

@@ -214,6 +214,8 @@ class HostKernel:
             raise RuntimeError("the CUDA expert kernel's CPU build could not allocate its threads' stacks")
         if status == -2:   # a barrier that some thread never reaches: a bug of the kernel
             raise RuntimeError("the CUDA expert kernel's CPU build deadlocked: every thread waited at a barrier")
+        if status == -3:   # likewise: an mbarrier waited for a copy that no thread issued
+            raise RuntimeError("the CUDA expert kernel's CPU build gave up an mbarrier wait: its copy was never issued")
 
 
 def available(device_type: str = "cuda") -> Optional[str]:
