@@ -37,8 +37,11 @@ def test_two_namespaced_nodes_serve_two_robots_side_by_side():
             # Its commands start where its own robot stands.
             first = np.array(h.messages("command")[0].data)
             np.testing.assert_allclose(first, home)
-            d = h.wait_diagnostics(lambda d: True, 30, f"a report from {h.target}", since=since)
-            assert d[Key.FAULTS] == "none" and int(d[Key.CHUNKS]) >= 3
+            # A report with no fault: on a loaded machine this test's own camera publishers can stall
+            # past input_timeout_s (0.5 s wall clock), and the node then rightly reports them stale
+            # for a while (a CI run on the busy 2-core VM saw one such report first).
+            h.wait_diagnostics(lambda d: d[Key.FAULTS] == "none" and int(d[Key.CHUNKS]) >= 3, 60,
+                               f"a report without faults from {h.target}", since=since)
     finally:
         for h in harnesses:
             h.close()
