@@ -302,7 +302,9 @@ class CudaFlow:
         def by_wq(v: torch.Tensor) -> torch.Tensor:             # v Wq^T of every step and block
             return torch.einsum("sdm,dnm->sdn", v, wq)
         consts = torch.stack([by_wq(gain * bso), by_wq(scale2), by_wq(shift2) + bq], dim=2)
-        folded = torch.stack([fragments_b(((wq * g[:, None, :]) @ wso).to(f.dtype)) for g in gain])
+        folded = torch.empty((len(gain), *self.weights["wq"].shape), dtype=f.dtype, device=mods.device)
+        for step, g in enumerate(gain):   # one step's M at a time: float64 of one step only
+            folded[step] = fragments_b(((wq * g[:, None, :]) @ wso).to(f.dtype))
         return folded, consts.float().contiguous()
 
     def segment_names(self, reuse: tuple, folded: Optional[bool] = None) -> list[str]:

@@ -37,9 +37,10 @@
 //
 // Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
 // the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC) and self_out's (SO_TPC), FOLD_CQ
-// (the cross-attention's queries folded into qkv and self_out: no cross_q phase; see Part2), KV_SMEM (the cross-attention's
-// key tiles copied into shared memory at KV_OFF floats, ahead of their use), FUSE_SELF and X_FRAGS
-// (the LayerNorm phases read the residual stream's bf16 copy in A-fragment order, xf),
+// (the cross-attention's queries folded into qkv and self_out: no cross_q phase; see Part2),
+// KV_SMEM (the cross-attention's key tiles copied into shared memory at KV_OFF floats, ahead of
+// their use), FUSE_SELF and X_FRAGS (the LayerNorm phases read the residual stream's bf16 copy
+// in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
 // and the measurement knobs POLL (how a barrier polls), TRACE (per-segment timestamps) and WORK
@@ -68,7 +69,8 @@ struct Params {
     const u16* win; const u16* bin; const u16* pos; const u16* wout; const u16* bout;
     const u16* mods; const u16* fmods; const uint4* kv; const unsigned char* mask;
     const uint4* fold_m; const float* fold_c;
-    float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* f0; float* sq; float* opart; float* mlpart;
+    float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* f0; float* sq;
+    float* opart; float* mlpart;
     u32* counter; u32* bar; int* err; long long* trace;
     int n_keys, key_tiles, cpp, tiles_per_cta, mask_stride, has_mask, step_lo, step_hi, euler, segments;
     float dt, eps, scale;
