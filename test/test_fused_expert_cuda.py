@@ -146,12 +146,13 @@ def small_expert(device: str, heads: int = 2):
 
 @pytest.mark.parametrize("device", ON_BOTH)
 def test_the_auto_backend_takes_the_cuda_kernel_on_a_gpu_where_it_fits(device):
-    """EngineConfig.expert_kernel's default: the CUDA kernel on a GPU for an expert it takes, Triton's
-    elsewhere (the CPU build is the suite's check of the kernel, never a default) and for an
-    expert it does not take (width 64: not a multiple of 256)."""
+    """EngineConfig.expert_kernel's default: the CUDA kernel on a Hopper GPU for an expert it takes,
+    Triton's elsewhere (the CPU build is the suite's check of the kernel, never a default) and for
+    an expert it does not take (width 64: not a multiple of 256)."""
     _, e, _ = small_expert(device)
     fits = FusedExpert(e, backend="auto")
-    assert (fits.backend, fits.cuda is not None) == (("cuda", True) if device == "cuda" else ("triton", False))
+    hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    assert (fits.backend, fits.cuda is not None) == (("cuda", True) if hopper else ("triton", False))
     with torch.device(device):
         narrow = init_random_(ActionExpert(get_preset("tiny")).eval().requires_grad_(False), seed=0)
     assert FusedExpert(narrow.to(torch.bfloat16), backend="auto").backend == "triton"

@@ -188,12 +188,14 @@ class FusedExpert:
         self.fc2 = Stack.of([(b.fc2.weight, b.fc2.bias) for b in blocks], fp8)
         self._buffers: dict[tuple, Buffers] = {}
         # backend "cuda": the loop on kernels/expert_flow.cu (fused_expert_cuda.py), "triton": Triton's,
-        # "auto": the CUDA kernel on a CUDA device where it takes this expert, else Triton's.
+        # "auto": the CUDA kernel on a Hopper GPU (where it is measured and tested) for an expert it
+        # takes, else Triton's.
         self.cuda = None
         if backend == "auto":
             from .fused_expert_cuda import unsupported
-            on_gpu = self.qkv.weight.device.type == "cuda"
-            backend = "cuda" if on_gpu and unsupported(self) is None else "triton"
+            device = self.qkv.weight.device
+            hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            backend = "cuda" if hopper and unsupported(self) is None else "triton"
         self.backend = backend
         if backend == "cuda":
             from .fused_expert_cuda import CudaFlow, CudaTiling

@@ -160,8 +160,8 @@ class EngineConfig:
     fused_expert: bool = False            # the whole flow loop in one persistent Triton kernel (runtime/fused_expert)
     # Which kernel runs the fused loop: triton (kernels/expert_flow.py), cuda (kernels/expert_flow.cu,
     # compiled at start by NVRTC; bf16 weights, no expert_fp8; runtime/fused_expert_cuda.py) or auto
-    # (cuda where it takes the expert on a CUDA device, else triton).
-    expert_kernel: str = "triton"
+    # (cuda on a Hopper GPU where it takes the expert, else triton).
+    expert_kernel: str = "auto"
     vision_cache: bool = False
     vision_cache_frames: int = 64         # frames kept by the vision cache
     # Opt-in options that change the numbers (each reported with its deviation).
