@@ -41,6 +41,13 @@ def context(cfg, expert, entries: int, tokens: int, times, padded: bool = False)
                     mods=[expert.modulations(t) for t in times])
 
 
+def truth_velocity(truth, ctx: dict, times):
+    """The fp32 expert's velocity (x, step) -> v on a context's inputs (for euler)."""
+    kv = truth.context_kv(ctx["hidden"], ctx["state"])
+    mods = [truth.modulations(t) for t in times]
+    return lambda x, i: truth.velocity(x, mods[i], kv, ctx["mask"])
+
+
 def phase_floor_us(cfg, phase: str, entries: int, keys: int, folded: bool) -> float:
     """The bytes a phase must read once (its weights; the cross-attention its entries' context K/V),
     over the H200's measured 4.3 TB/s, in us."""
@@ -90,9 +97,7 @@ def main():
         noise, kv, mods, mask = ctx["noise"], ctx["kv"], ctx["mods"], ctx["mask"]
         reuse = {3: 2, 5: 4, 7: 6}
         with torch.inference_mode():
-            truth_kv = truth.context_kv(ctx["hidden"], ctx["state"])
-            truth_mods = [truth.modulations(t) for t in times]
-            vel = lambda x, i: truth.velocity(x, truth_mods[i], truth_kv, mask)   # noqa: E731
+            vel = truth_velocity(truth, ctx, times)
             want = euler(vel, noise, args.steps)
             want_reuse = euler(vel, noise, args.steps, reuse=reuse)
             first4 = (torch.arange(noise.shape[1], device="cuda") < 4)[None, :, None].expand(entries, -1, 1)
@@ -148,9 +153,7 @@ def main():
     for entries in (int(e) for e in args.variant_entries.split(",") if args.variants):
         ctx = context(cfg, expert, entries, args.tokens, times)
         with torch.inference_mode():
-            truth_kv = truth.context_kv(ctx["hidden"], ctx["state"])
-            truth_mods = [truth.modulations(t) for t in times]
-            want = euler(lambda x, i: truth.velocity(x, truth_mods[i], truth_kv, ctx["mask"]), ctx["noise"], args.steps)
+            want = euler(truth_velocity(truth, ctx, times), ctx["noise"], args.steps)
         reference = None
         for name, tiling in tilings(args.variants):
             f = FusedExpert(expert, backend="cuda", cuda_tiling=tiling)

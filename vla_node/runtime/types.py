@@ -157,7 +157,7 @@ class EngineConfig:
     # (runtime/kernels/prefill_attention.SplitPattern); streaming steps keep flex.
     split_attention: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
-    fused_expert: bool = False            # the whole flow loop in one persistent Triton kernel (runtime/fused_expert)
+    fused_expert: bool = False            # the whole flow loop in one persistent kernel (runtime/fused_expert)
     # Which kernel runs the fused loop: triton (kernels/expert_flow.py), cuda (kernels/expert_flow.cu,
     # compiled at start by NVRTC; bf16 weights, no expert_fp8; runtime/fused_expert_cuda.py) or auto
     # (cuda on a Hopper GPU where it takes the expert, else triton).
