@@ -594,16 +594,13 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
                 }
             }
         }
-        const uint4* w = second ? p2.w : wf;
-        const int w0 = second ? t0 - NA8 : t0;
+        const uint4* w = wref<N, K, TPCX, NA>(wf, p2.w).p;   // this program's first tile (W_SMEM: its buffer's source)
 #pragma unroll
-        for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt) {
-            const int tile = t0 + tt;
+        for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt)
 #pragma unroll
             for (int kp = 0; kp < S::KP; ++kp)
-                wr[tt][kp] = tile < S::NT8 ? ld_in16(w + (((w0 + tt) * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
-                                           : make_uint4(0, 0, 0, 0);
-        }
+                wr[tt][kp] = t0 + tt < S::NT8 ? ld_in16(w + ((tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
+                                              : make_uint4(0, 0, 0, 0);
         if (modulated && t0 < S::NT8) {
             const int q = lane & 3;
             const int so = second ? p2.scale_off : scale_off;
