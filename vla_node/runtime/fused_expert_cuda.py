@@ -13,15 +13,16 @@ padded rows (8 observations of 16 actions), no e4m3 weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..model.action_expert import LN_EPS
-from .kernels.expert_flow_cuda import THREADS, FlowKernel, HostKernel, Params, available
+from .kernels.expert_flow_cuda import THREADS, FlowKernel, HostKernel, Params, available, programs_held
 
 MAX_ROWS = 128
 SMEM_LIMIT = 227 * 1024   # shared memory a program may have on sm_90 (opt-in maximum)
@@ -39,12 +40,22 @@ class CudaTiling:
     poll: int = 0
     trace: bool = False
     work: bool = True
+    # measurement: the cross-attention's programs merge their own warps' partials but not each
+    # other's (what the merge across programs costs; wrong numbers)
+    cross_cut: bool = False
     # output tiles of 8 columns a program takes in the LayerNorm linears (at least as many as
     # cover them): more a program, fewer programs read the residual stream. fc1 4: on the H200
     # (132 SMs) 96 programs instead of 128, the loop 0.4-0.7 ms faster at B = 1 (BENCHMARKS.md)
     qkv_tpc: int = 0
     cq_tpc: int = 0
     fc1_tpc: int = 4
+    # the cross-attention's programs of an (entry, head) launched as one thread-block cluster of
+    # this many, merging their partials through distributed shared memory instead of global memory
+    # and an atomic; the launch then has as many programs as the GPU holds in such clusters (the
+    # H200: 120 in clusters of 4 or 8, 132 of 2). 0: the largest of 8, 4, 2 that holds every
+    # (entry, head) (on the H200 the loop 10.8 -> 9.9 ms at B = 1, 36.5 -> 33.1 at B = 8:
+    # BENCHMARKS.md, ninth session); 1: no clusters
+    cluster: int = 0
     # self_out computes its own warp's head of the self-attention (no self phase, one barrier less;
     # heads = 8 and head_dim = width / 8 only): every self_out program reads all of q, k, v
     fuse_self: bool = False
@@ -148,24 +159,38 @@ class Scratch:
 
 
 def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling(),
-            smem_limit: int = SMEM_LIMIT) -> Plan:
+            smem_limit: int = SMEM_LIMIT, held: Optional[Callable[[int], int]] = None) -> Plan:
     """The kernel's constants and launch shape for `dims` (a FusedExpert's width, heads, head_dim,
     mlp, action_dim, depth) on a GPU of `programs` SMs with `smem_limit` bytes of shared memory a
-    program."""
+    program; held(c): the programs it holds at once in clusters of c (default: as many of the
+    `programs` as make whole clusters)."""
     tok16 = 16 * math.ceil(tokens / 16)
     rows = entries * tok16
+    t = tiling
+    pairs = entries * dims.heads
+    held = held or (lambda c: programs // c * c)
+    # The cross-attention's clusters (CudaTiling.cluster): as many programs as they leave
+    if t.cluster > 1:
+        if t.kv_smem or t.cross_programs:
+            raise ValueError("cross-attention clusters take neither kv_smem nor cross_programs")
+        if pairs * t.cluster > held(t.cluster):
+            raise ValueError(f"cross-attention clusters of {t.cluster}: {pairs} (entry, head) pairs do not fit in the "
+                             f"{held(t.cluster)} programs the GPU holds in such clusters")
+        cluster = t.cluster
+    else:
+        fits = [c for c in (8, 4, 2) if pairs * c <= held(c)]
+        cluster = fits[0] if t.cluster == 0 and fits and not (t.kv_smem or t.cross_programs) else 1
+    programs = held(cluster) if cluster > 1 else programs
     if tokens > 32 or rows > MAX_ROWS:
         raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
                          f"got {entries} x {tokens}")
     tpr = 1
     while tpr < 32 and tpr * 2 * rows <= THREADS:
         tpr *= 2
-    pairs = entries * dims.heads
     if pairs > programs:
         raise ValueError(f"the CUDA expert kernel needs a program per (entry, head) pair: {entries} x {dims.heads} "
                          f"on {programs} programs")
     key_tiles = math.ceil(n_keys / 16)
-    t = tiling
 
     def tpc(n: int, asked: int, first_part: int = 0) -> int:
         """Output tiles of 8 a program for n outputs: as asked, at least as many as cover them, and
@@ -204,18 +229,24 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                 break
     elif t.cross_programs:
         cpp = t.cross_programs
+    elif cluster > 1:
+        cpp = cluster
     tiles_per_cta = math.ceil(key_tiles / cpp)
     gen = general(cpp)
     kv_bytes = 16 + tiles_per_cta * tile_bytes if kv_smem else 0
     if 4 * gen + w_bytes + kv_bytes > smem_limit:
         w_bytes = 0
-    smem = 4 * gen + w_bytes + kv_bytes
+    c_off = gen + (w_bytes + kv_bytes) // 4   # clusters: each program's merged partial
+    smem = 4 * c_off + (4 * (tok16 * dims.head_dim + 2 * tok16) if cluster > 1 else 0)
+    if smem > smem_limit:
+        raise ValueError(f"the CUDA expert kernel's plan needs {smem} bytes of shared memory, {smem_limit} a program")
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
                      TOK=tokens, TOK16=tok16, ENTRIES=entries, DEPTH=dims.depth, NPROG=programs, TPR=tpr,
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
-                     W_SMEM=int(w_bytes > 0), W_OFF=gen, W_BUF=w_buf)
+                     CROSS_CUT=int(t.cross_cut), CLUSTER=cluster, C_OFF=c_off, W_SMEM=int(w_bytes > 0), W_OFF=gen,
+                     W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
@@ -246,9 +277,10 @@ class CudaFlow:
             on_gpu = device.type == "cuda"
             programs = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOST_PROGRAMS
             limit = SMEM_LIMIT if on_gpu else HOST_SMEM_LIMIT
-            plan = plan_of(f, entries, tokens, n_keys, programs, self.tiling, limit)
+            held = functools.partial(programs_held, device.index or 0) if on_gpu else None
+            plan = plan_of(f, entries, tokens, n_keys, programs, self.tiling, limit, held)
             unfolded = plan_of(f, entries, tokens, n_keys, programs,
-                               dataclasses.replace(self.tiling, fold_cross_q=False), limit)
+                               dataclasses.replace(self.tiling, fold_cross_q=False), limit, held)
             rows = entries * dict(plan.constants)["TOK16"]
             w, tok16, pairs = f.width, rows // entries, entries * f.heads
             with torch.device(device):
@@ -349,4 +381,4 @@ class CudaFlow:
             return
         kernel = FlowKernel.get(plan.constants, buf.x.device.index or 0, plan.smem)
         kernel.launch(p, plan.programs, plan.smem, torch.cuda.current_stream(buf.x.device).cuda_stream,
-                      cooperative=self.fused.tiling.cooperative)
+                      cooperative=self.fused.tiling.cooperative, cluster=dict(plan.constants)["CLUSTER"])

@@ -116,6 +116,7 @@ struct Warp {        // a warp's barrier and exchange slots (two sets: operation
 
 struct Program {     // a CUDA block
     Barrier barrier;
+    Barrier cluster_barrier;   // the first program of a cluster: the cluster's barrier
     std::vector<float4> smem;
     std::vector<Warp> warps;
 };
@@ -134,6 +135,7 @@ struct Launch {      // the launch under way (one at a time on a CPU thread)
     size_t head = 0, tail = 0;
     unsigned current = 0;
     size_t live = 0;
+    unsigned cluster = 1;          // programs of a cluster (consecutive programs)
     bool deadlocked = false;       // every unfinished fiber waits: the kernel cannot go on
     bool stuck = false;            // an mbarrier wait gave up: its copy was never issued
     Context caller;
@@ -194,13 +196,15 @@ template <class F> inline void barrier(Barrier& b, unsigned count, F complete) {
 inline Warp& warp() { return me().program->warps[me().thread.x / 32]; }
 inline unsigned lane() { return me().thread.x % 32; }
 
-// Run `body` as `programs` x `threads` CUDA threads with `smem_bytes` of shared memory each:
+// Run `body` as `programs` x `threads` CUDA threads with `smem_bytes` of shared memory each, in
+// clusters of `cluster` consecutive programs:
 // 0 when done, -1 when the stacks could not be had, -2 when every thread waited for another, -3
 // when an mbarrier wait gave up (the copy it waits for was never issued).
-inline int launch(int programs, int threads, int smem_bytes, std::function<void()> body) {
+inline int launch(int programs, int threads, int smem_bytes, std::function<void()> body, int cluster = 1) {
     constexpr size_t STACK = 256 * 1024;
     Launch l;
     l.body = std::move(body);
+    l.cluster = (unsigned)cluster;
     l.programs.resize(programs);
     for (Program& p : l.programs) {
         p.smem.assign((smem_bytes + 15) / 16, float4{0, 0, 0, 0});
@@ -368,3 +372,16 @@ inline u32 ld_acquire(const u32* p) { cpu::yield(); return *p; }
 inline u32 atom_acquire_read(u32* p) { cpu::yield(); return *p; }
 inline u32 ld_relaxed(const u32* p) { cpu::yield(); return *p; }
 inline void fence_acq_rel() {}
+// The cluster's programs: a barrier of all their threads; a peer's shared memory at p's offset.
+inline cpu::Program& cluster_program(unsigned rank) {
+    cpu::Launch& l = *cpu::launch_now;
+    return l.programs[cpu::me().block.x / l.cluster * l.cluster + rank];
+}
+inline void cluster_sync() {
+    cpu::Launch& l = *cpu::launch_now;
+    cpu::barrier(cluster_program(0).cluster_barrier, l.cluster * (unsigned)(cpu::me().program->warps.size() * 32), [] {});
+}
+inline float ld_peer(const float* p, u32 rank) {
+    const size_t offset = (const char*)p - (const char*)cpu::me().program->smem.data();
+    return *(const float*)((const char*)cluster_program(rank).smem.data() + offset);
+}

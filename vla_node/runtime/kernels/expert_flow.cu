@@ -43,9 +43,12 @@
 // in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
-// and the measurement knobs POLL (how a barrier polls), TRACE (per-segment timestamps) and WORK
-// (0: every phase's loads and barriers without its arithmetic and stores: the loop's floor of
-// synchronisation).
+// CLUSTER (the cross-attention's programs of an (entry, head) are a thread-block cluster of that
+// many and merge their partials through distributed shared memory, each program's at C_OFF floats;
+// 1: through global memory, the last program to arrive merging), and the measurement knobs POLL
+// (how a barrier polls), TRACE (per-segment timestamps), WORK (0: every phase's loads and barriers
+// without its arithmetic and stores: the loop's floor of synchronisation) and CROSS_CUT (1: the
+// cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -230,6 +233,20 @@ __device__ __forceinline__ u32 ld_relaxed(const u32* p) {
     return v;
 }
 __device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// CLUSTER: the programs of a cluster (CLUSTER consecutive programs) at one barrier: what each wrote
+// to its shared memory before is what the others read after.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The float at p's place in the shared memory of the cluster's program `rank` (distributed shared memory).
+__device__ __forceinline__ float ld_peer(const float* p, u32 rank) {
+    u32 a;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
 #endif   // VLA_CPU
 
 // -- numbers -----------------------------------------------------------------------------------
@@ -1008,6 +1025,13 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * HDIM + d];
             if (p.cpp == 1) {
                 p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sl[row]);
+            } else if (CLUSTER > 1) {   // for the cluster's merge: a region no other phase writes
+                float* cpart = smem + C_OFF;
+                cpart[e] = acc;
+                if (d == 0) {
+                    cpart[TOK16 * HDIM + 2 * row] = sl[TOK16 + row];
+                    cpart[TOK16 * HDIM + 2 * row + 1] = sl[row];
+                }
             } else {
                 const int at = (pair * p.cpp + part) * TOK16 + row;
                 p.opart[at * HDIM + d] = acc;
@@ -1017,7 +1041,33 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                 }
             }
         }
-        if (p.cpp > 1) {
+        if (CLUSTER > 1 && !CROSS_CUT) {
+            // The pair's programs are a cluster: after its barrier each merges its share of the
+            // outputs from every program's partial in distributed shared memory (programs in order;
+            // merge_weights' arithmetic a row at a time, so a peer's maxima, sums and outputs are
+            // loaded together).
+            cluster_sync();
+            const float* cpart = smem + C_OFF;
+            constexpr int SHARE = (TOK16 * HDIM + CLUSTER - 1) / CLUSTER;
+            for (int e = part * SHARE + threadIdx.x; e < min((part + 1) * SHARE, TOK16 * HDIM); e += NTHREADS) {
+                const int row = e / HDIM, d = e % HDIM;
+                float m[CLUSTER], o[CLUSTER], l[CLUSTER], mx = NEG;
+#pragma unroll
+                for (int c = 0; c < CLUSTER; ++c) {
+                    m[c] = ld_peer(cpart + TOK16 * HDIM + 2 * row, c);
+                    l[c] = ld_peer(cpart + TOK16 * HDIM + 2 * row + 1, c);
+                    o[c] = ld_peer(cpart + e, c);
+                }
+                for (int c = 0; c < CLUSTER; ++c) mx = fmaxf(mx, m[c]);
+                float sum = 0.0f, acc = 0.0f;
+                for (int c = 0; c < CLUSTER; ++c) {
+                    const float f = exp2f(m[c] - mx);
+                    sum += f * l[c];
+                    acc += f * o[c];
+                }
+                p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sum);
+            }
+        } else if (p.cpp > 1 && !CROSS_CUT) {
             __syncthreads();
             if (threadIdx.x == 0)   // releases this program's partial, acquires the others'
                 *flag = atom_acq_rel_add(p.counter + pair, 1u) == (u32)(p.cpp - 1);
@@ -1218,6 +1268,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
 #ifdef VLA_CPU
 // The host build's entry: `programs` programs of NTHREADS threads, run as fibers (cuda_on_cpu.h).
 extern "C" int expert_flow_host(const Params* p, int programs, int smem_bytes) {
-    return cpu::launch(programs, NTHREADS, smem_bytes, [p] { expert_flow(*p); });
+    return cpu::launch(programs, NTHREADS, smem_bytes, [p] { expert_flow(*p); }, CLUSTER);
 }
 #endif

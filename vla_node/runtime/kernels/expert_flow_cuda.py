@@ -173,9 +173,11 @@ class FlowKernel:
             torch.zeros(1, device=f"cuda:{device_index}")   # the device's primary context, current here
             return cls(cubin_for(dict(constants), f"sm_{major}{minor}"), smem_limit)
 
-    def launch(self, params: Params, programs: int, smem: int, stream: int, cooperative: bool = True) -> None:
-        """One launch of `programs` programs on `stream` (a CUstream handle). Cooperative: CUDA
-        guarantees every program resident (the grid barriers need it) or refuses the launch."""
+    def launch(self, params: Params, programs: int, smem: int, stream: int, cooperative: bool = True,
+               cluster: int = 1) -> None:
+        """One launch of `programs` programs on `stream` (a CUstream handle), in clusters of
+        `cluster` consecutive programs. Cooperative: CUDA guarantees every program resident (the
+        grid barriers need it) or refuses the launch."""
         if smem > self.smem_limit:
             raise ValueError(f"the kernel needs {smem} bytes of shared memory, configured for {self.smem_limit}")
         d = self.driver
@@ -185,13 +187,72 @@ class FlowKernel:
         config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
         config.sharedMemBytes = smem
         config.hStream = d.CUstream(stream)
+        attrs = []
         if cooperative:
             attr = d.CUlaunchAttribute()
             attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
             attr.value.cooperative = 1
-            config.attrs = [attr]
-            config.numAttrs = 1
+            attrs.append(attr)
+        if cluster > 1:
+            attr = d.CUlaunchAttribute()
+            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+            attrs.append(attr)
+        config.attrs, config.numAttrs = attrs, len(attrs)
         _ok(d.cuLaunchKernelEx(config, self.function, ctypes.addressof(args), 0), "cuLaunchKernelEx")
+
+
+def clusters_held(function, smem: int, cluster: int) -> int:
+    """How many clusters of `cluster` programs of `function` (a CUfunction, `smem` bytes of
+    dynamic shared memory a program) the current GPU holds at once (0: none, or it cannot)."""
+    driver, _ = _bindings()
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
+    config.sharedMemBytes = smem
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+    config.attrs, config.numAttrs = [attr], 1
+    err, clusters = driver.cuOccupancyMaxActiveClusters(function, config)
+    return clusters if int(err) == 0 else 0
+
+
+# A stand-in for the kernel in the occupancy query: it takes an SM a program as the kernel does
+# (the kernel by its registers, this by asking for most of the SM's shared memory).
+_STAND_IN = b'extern "C" __global__ void __launch_bounds__(256, 1) stand_in() {}'
+
+
+@functools.lru_cache(maxsize=None)
+def programs_held(device_index: int, cluster: int) -> int:
+    """How many programs of one an SM the GPU holds at once in clusters of `cluster` (the kernel's
+    grid barriers need all of them resident): how its SMs are grouped decides it (the H200: 132
+    in clusters of 2, 120 in clusters of 4 or 8). 0 where the GPU launches no clusters."""
+    import torch
+    driver, nvrtc = _bindings()
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 9:
+        return 0
+    with torch.cuda.device(device_index):
+        torch.zeros(1, device=f"cuda:{device_index}")   # the device's primary context, current here
+        prog = _ok(nvrtc.nvrtcCreateProgram(_STAND_IN, b"stand_in.cu", 0, [], []), "nvrtcCreateProgram")
+        try:
+            options = [f"--gpu-architecture=sm_{major}{minor}".encode()]
+            _ok(nvrtc.nvrtcCompileProgram(prog, len(options), options), "nvrtcCompileProgram")
+            cubin = b" " * _ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            _ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+        module = _ok(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        try:
+            function = _ok(driver.cuModuleGetFunction(module, b"stand_in"), "cuModuleGetFunction")
+            smem = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin * 3 // 4
+            _ok(driver.cuFuncSetAttribute(
+                function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                "cuFuncSetAttribute")
+            return clusters_held(function, smem, cluster) * cluster
+        finally:
+            driver.cuModuleUnload(module)
 
 
 class HostKernel:
