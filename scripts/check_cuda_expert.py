@@ -158,6 +158,14 @@ def main():
         for name, tiling in tilings(args.variants):
             f = FusedExpert(expert, backend="cuda", cuda_tiling=tiling)
             inputs = f.schedule(ctx["mods"])
+            try:   # a plan or launch the GPU refuses (before anything ran): report, go on
+                f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
+                torch.cuda.synchronize()
+            except (RuntimeError, ValueError) as e:
+                why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                print(f"variant {name:10s} B={entries}: failed: {why}", flush=True)
+                report["variants"].append(dict(variant=name, entries=entries, failed=why))
+                continue
             graph, out = capture(lambda: f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"]))
             ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
             reference = reference if name != "default" else out.clone()   # the first variant named default

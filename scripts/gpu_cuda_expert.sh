@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Device calls for issue 22: the CUDA flow-loop kernel (kernels/expert_flow.cu) as the engine
-# would run it, for deciding whether it becomes the engine's default (expert_kernel auto). Logs
+# runs it (the default expert_kernel auto on Hopper), its variants and its anatomy. Logs
 # and JSON under $OUT; each part's table last in its log. Parts, in the order given:
-#   variants  the loop under CudaTiling variants at B = 1, 2, 4 and the anatomy of two of them
+#   variants  the loop under CudaTiling variants ($VARIANTS) at B = $VENTRIES (1,2,4) and the anatomy of
+#             $ANATOMY's tilings at B = $ANAT_ENTRIES (1)
 #   tests     the CUDA tests of the kernel (pytest -m cuda test/test_fused_expert_cuda.py)
 #   check     the default kernel at B = 1, 2, 4, 8 against the fp32 expert (action caching,
 #             inpainting, 50 replays), two context lengths replayed A-B-A, the anatomy at B = 1, 4
 #   probe     clusters of the kernel the GPU holds at once (scripts/probe_clusters.py)
-#   bench     vla-bench DROID: eager, fast (Triton loop), fast+cudaexpert
-#   soak      vla-soak engine, fast+cudaexpert, 1000 queries (recompiles, memory)
-#   bench8    vla-bench 8 images: fast+cudaexpert
+#   bench     vla-bench DROID: eager, fast (on Hopper the CUDA loop: expert_kernel auto)
+#   soak      vla-soak engine, fast, 1000 queries (recompiles, memory)
+#   bench8    vla-bench 8 images: fast
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
 #   first compile of molmobot-4b `fast` on a fresh machine takes ~130-240 s, soak then reuses it)
 set -uo pipefail
@@ -18,13 +19,14 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 PARTS=${PARTS:-tests check probe bench soak}
 VARIANTS=${VARIANTS:-"default:,unfolded:fold_cross_q=0,fp32ln:x_frags=0,fuse_self:fuse_self=1"}
 ANATOMY=${ANATOMY:-"default:,unfolded:fold_cross_q=0+x_frags=0"}
+VENTRIES=${VENTRIES:-1,2,4}; ANAT_ENTRIES=${ANAT_ENTRIES:-1}
 t0=$(date +%s)
 say() { echo "== $* ($(( $(date +%s) - t0 )) s)"; }
 for part in $PARTS; do
   case $part in
-    variants) say "CUDA kernel variants B=1,2,4 + anatomy B=1"
+    variants) say "CUDA kernel variants B=$VENTRIES + anatomy B=$ANAT_ENTRIES"
       timeout 360 python3 scripts/check_cuda_expert.py --entries 1,4 --backends cuda --variants "$VARIANTS" \
-        --variant-entries 1,2,4 --anatomy 1 --anatomy-tilings "$ANATOMY" --out "$OUT" 2>&1 | grep -av Warn \
+        --variant-entries "$VENTRIES" --anatomy "$ANAT_ENTRIES" --anatomy-tilings "$ANATOMY" --out "$OUT" 2>&1 | grep -av Warn \
         > "$OUT/variants.log"; grep -a "^variant\|^anatomy\|^  \|^cuda" "$OUT/variants.log" | tail -60 ;;
     tests) say "CUDA tests"
       timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -m cuda test/test_fused_expert_cuda.py 2>&1 \
@@ -34,16 +36,16 @@ for part in $PARTS; do
         --out "$OUT" 2>&1 | grep -av Warn > "$OUT/check.log"; grep -a "A-B-A\|^anatomy\|^  \|^cuda" "$OUT/check.log" ;;
     probe) say "clusters held at once"
       timeout 30 python3 scripts/probe_clusters.py 2>&1 | tee "$OUT/probe.log" | tail -6 ;;
-    bench) say "vla-bench DROID: eager, fast, fast+cudaexpert"
+    bench) say "vla-bench DROID: eager, fast"
       timeout 300 python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout droid --iters 10 \
-        --dev-windows 3 --modes eager,fast,fast+cudaexpert --json "$OUT/bench_droid.json" 2>&1 \
+        --dev-windows 3 --modes eager,fast --json "$OUT/bench_droid.json" 2>&1 \
         | grep -av Warning > "$OUT/bench_droid.log"; tail -9 "$OUT/bench_droid.log" ;;
-    soak) say "vla-soak engine, fast+cudaexpert, 1000 queries"
-      timeout 200 python3 -m vla_node.tools.soak engine --preset molmobot-4b --device cuda --mode fast+cudaexpert \
-        --queries 1000 --json "$OUT/soak_cudaexpert.json" 2>&1 | grep -av Warning > "$OUT/soak.log"; tail -8 "$OUT/soak.log" ;;
-    bench8) say "vla-bench 8 images: fast+cudaexpert"
+    soak) say "vla-soak engine, fast, 1000 queries"
+      timeout 200 python3 -m vla_node.tools.soak engine --preset molmobot-4b --device cuda --mode fast \
+        --queries 1000 --json "$OUT/soak_fast.json" 2>&1 | grep -av Warning > "$OUT/soak.log"; tail -8 "$OUT/soak.log" ;;
+    bench8) say "vla-bench 8 images: fast"
       timeout 400 python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout 8img --iters 10 \
-        --dev-windows 1 --modes fast+cudaexpert --json "$OUT/bench_8img.json" 2>&1 \
+        --dev-windows 1 --modes fast --json "$OUT/bench_8img.json" 2>&1 \
         | grep -av Warning > "$OUT/bench_8img.log"; tail -6 "$OUT/bench_8img.log" ;;
   esac
 done
