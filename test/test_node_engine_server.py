@@ -48,8 +48,11 @@ def test_two_nodes_share_one_engine_server_and_survive_each_others_faults(tmp_pa
         since = time.monotonic()
         for h in harnesses:
             chunks_after(h, since)
-            d = h.wait_diagnostics(lambda d: Key.ms(Key.ENGINE_QUEUE, "p50") in d, 30, "queue times", since=since)
-            assert d[Key.FAULTS] == "none" and float(d[Key.ms(Key.ENGINE_QUEUE, "max")]) >= 0.0
+            # a report with queue times and no faults (on a busy machine an earlier one may say this
+            # test's own camera publishers stalled past input_timeout_s)
+            d = h.wait_diagnostics(lambda d: Key.ms(Key.ENGINE_QUEUE, "p50") in d and d[Key.FAULTS] == "none", 60,
+                                   "queue times without faults", since=since)
+            assert float(d[Key.ms(Key.ENGINE_QUEUE, "max")]) >= 0.0
         server.wait_for("session 1 attached (2 now)")
         # Their queries met in the batching window: one engine query for both robots.
         d = harnesses[0].wait_diagnostics(lambda d: d.get(Key.ENGINE_BATCH_SIZE_MAX) == "2", 60, "a batch of two",
