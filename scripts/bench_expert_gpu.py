@@ -76,21 +76,30 @@ def replay_ms(graph) -> float:
 
 
 def phase_table(t, names: list[str]) -> tuple[dict, float]:
-    """Per phase, from timestamps t [programs, segments, (start, end)] (us) of segments `names`:
-    the span from the last arrival before it to the last arrival after it, split into the
-    barrier's release (last arrival -> a program starts, median over programs) and the slowest
-    program's work (start -> arrival); medians over the phase's occurrences, and its share."""
+    """Per phase, from timestamps t [programs, segments, (start, end[, mark 2, mark 3])] (us) of
+    segments `names`: the span from the last arrival before it to the last arrival after it, split
+    into the barrier's release (last arrival -> a program starts, median over programs) and the
+    slowest program's work (start -> arrival), and where the CUDA kernel marks its phases inside
+    (the slowest marked program's start -> mark 2 -> mark 3 -> arrival: `parts`); medians over the
+    phase's occurrences, and its share."""
     import numpy as np
     last_end = t[:, :, 1].max(0)
     rows = {}
     for s in range(1, len(names)):
-        r = rows.setdefault(names[s], {"span": [], "release": [], "work": []})
+        r = rows.setdefault(names[s], {"span": [], "release": [], "work": [], "parts": []})
         r["span"].append(last_end[s] - last_end[s - 1])
         r["release"].append(float(np.median(t[:, s, 0])) - last_end[s - 1])
-        r["work"].append(float((t[:, s, 1] - t[:, s, 0]).max()))
+        work = t[:, s, 1] - t[:, s, 0]
+        r["work"].append(float(work.max()))
+        marked = (t[:, s, 2:] > 0).all(1) if t.shape[2] == 4 else np.zeros(len(t), bool)
+        if marked.any():
+            p = int(np.flatnonzero(marked)[work[marked].argmax()])
+            r["parts"].append([t[p, s, 2] - t[p, s, 0], t[p, s, 3] - t[p, s, 2], t[p, s, 1] - t[p, s, 3]])
+    for r in rows.values():
+        r["parts"] = list(np.median(np.array(r["parts"]), 0)) if r["parts"] else []
     total = float(last_end[-1] - t[:, 0, 0].min())
-    return {k: dict(count=len(v["span"]), share=float(np.sum(v["span"]) / total),
-                    **{m: float(np.median(x)) for m, x in v.items()}) for k, v in rows.items()}, total
+    return {k: dict(count=len(v["span"]), share=float(np.sum(v["span"]) / total), parts=[float(x) for x in v["parts"]],
+                    **{m: float(np.median(x)) for m, x in v.items() if m != "parts"}) for k, v in rows.items()}, total
 
 
 def rel(a, b) -> float:

@@ -189,9 +189,10 @@ def main():
             for phase, r in table.items():
                 floor = phase_floor_us(cfg, phase, entries, args.tokens + 1, tiling.fold_cross_q)
                 report["anatomy"].append(dict(tiling=name, entries=entries, phase=phase, floor_us=floor, **r))
+                parts = " (inside: {:.2f} + {:.2f} + {:.2f})".format(*r["parts"]) if r["parts"] else ""
                 print(f"  {phase:10s} span {r['span']:6.2f} us = release {r['release']:5.2f} + slowest work "
                       f"{r['work']:5.2f} (median of {r['count']}; {100 * r['share']:4.1f} % of the loop); floor "
-                      f"{floor:4.2f} us", flush=True)
+                      f"{floor:4.2f} us{parts}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "check_cuda_expert.json"), "w") as fh:
         json.dump(report, fh, indent=1)

@@ -43,6 +43,9 @@ class CudaTiling:
     # measurement: the cross-attention's programs merge their own warps' partials but not each
     # other's (what the merge across programs costs; wrong numbers)
     cross_cut: bool = False
+    # the LayerNorm statistics stored tile-major (expert_flow.cu, stats_at): the statistics' reads
+    # coalesced where 1-2 threads read a row (B >= 4). Not yet timed on a GPU; off until it is
+    stats_t: bool = False
     # output tiles of 8 columns a program takes in the LayerNorm linears (at least as many as
     # cover them): more a program, fewer programs read the residual stream. fc1 4: on the H200
     # (132 SMs) 96 programs instead of 128, the loop 0.4-0.7 ms faster at B = 1 (BENCHMARKS.md)
@@ -140,7 +143,7 @@ class Scratch:
     vel: torch.Tensor       # [steps, B T, A] each computed step's velocity (bf16)
     x: torch.Tensor         # [rows, W] fp32 the residual stream (rows: B x horizon padded to 16s)
     xf: torch.Tensor        # its bf16 copy in A-fragment order (CudaTiling.x_frags; else unused)
-    stats: torch.Tensor     # [rows, W / 8, 2] each 8-column tile's row mean and M2
+    stats: torch.Tensor     # each 8-column tile's row mean and M2: [rows, W / 8, 2] (stats_t: [W / 8, rows, 2])
     qkv: torch.Tensor       # q, k in A-fragment order, then v in P V's B-fragment order (bf16)
     q: torch.Tensor         # cross-attention queries, A-fragment order
     y: torch.Tensor         # attention outputs, A-fragment order
@@ -155,7 +158,21 @@ class Scratch:
     kv: torch.Tensor        # [depth, B, heads, key tiles, 2, 32, hd / 2] the packed context K/V
     mask: Optional[torch.Tensor] = None
     mask_stride: int = 0
-    trace: Optional[torch.Tensor] = None   # int64 [programs, segments, (start, end)] with CudaTiling(trace=True)
+    trace: Optional[torch.Tensor] = None   # int64 [programs, segments, (start, end, 2 marks)] with trace=True
+
+
+def cross_cluster(t: CudaTiling, pairs: int, held: Callable[[int], int]) -> int:
+    """The cross-attention's cluster size for `pairs` (entry, head) pairs (CudaTiling.cluster; 1:
+    none), where held(c) programs fit on the GPU at once in clusters of c."""
+    if t.cluster > 1:
+        if t.kv_smem or t.cross_programs:
+            raise ValueError("cross-attention clusters take neither kv_smem nor cross_programs")
+        if pairs * t.cluster > held(t.cluster):
+            raise ValueError(f"cross-attention clusters of {t.cluster}: {pairs} (entry, head) pairs do not fit in the "
+                             f"{held(t.cluster)} programs the GPU holds in such clusters")
+        return t.cluster
+    fits = [c for c in (8, 4, 2) if pairs * c <= held(c)]
+    return fits[0] if t.cluster == 0 and fits and not (t.kv_smem or t.cross_programs) else 1
 
 
 def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling(),
@@ -169,17 +186,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     t = tiling
     pairs = entries * dims.heads
     held = held or (lambda c: programs // c * c)
-    # The cross-attention's clusters (CudaTiling.cluster): as many programs as they leave
-    if t.cluster > 1:
-        if t.kv_smem or t.cross_programs:
-            raise ValueError("cross-attention clusters take neither kv_smem nor cross_programs")
-        if pairs * t.cluster > held(t.cluster):
-            raise ValueError(f"cross-attention clusters of {t.cluster}: {pairs} (entry, head) pairs do not fit in the "
-                             f"{held(t.cluster)} programs the GPU holds in such clusters")
-        cluster = t.cluster
-    else:
-        fits = [c for c in (8, 4, 2) if pairs * c <= held(c)]
-        cluster = fits[0] if t.cluster == 0 and fits and not (t.kv_smem or t.cross_programs) else 1
+    cluster = cross_cluster(t, pairs, held)
     programs = held(cluster) if cluster > 1 else programs
     if tokens > 32 or rows > MAX_ROWS:
         raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
@@ -245,8 +252,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
-                     CROSS_CUT=int(t.cross_cut), CLUSTER=cluster, C_OFF=c_off, W_SMEM=int(w_bytes > 0), W_OFF=gen,
-                     W_BUF=w_buf)
+                     CROSS_CUT=int(t.cross_cut), STATS_T=int(t.stats_t), CLUSTER=cluster, C_OFF=c_off,
+                     W_SMEM=int(w_bytes > 0), W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
@@ -290,7 +297,7 @@ class CudaFlow:
                     xa=torch.empty((entries * tokens, f.action_dim), **f32),
                     vel=torch.empty((steps, entries * tokens, f.action_dim), **bf),
                     x=torch.empty((rows, w), **f32), xf=torch.empty(rows * w, **bf),
-                    stats=torch.empty((2, w // 8, rows), **f32), qkv=torch.empty(rows * 3 * w, **bf),
+                    stats=torch.empty(rows * w // 4, **f32), qkv=torch.empty(rows * 3 * w, **bf),
                     q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf), hid=torch.empty(rows * f.mlp, **bf),
                     f0=torch.empty((rows, w), **f32), sq=torch.empty(rows * w, **f32),
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
@@ -360,7 +367,7 @@ class CudaFlow:
         if self.tiling.trace:
             segments = len(self.segment_names(inputs.reuse_host[steps.start:steps.stop], folded))
             if buf.trace is None or buf.trace.shape[1] != segments:
-                buf.trace = torch.zeros((plan.programs, segments, 2), dtype=torch.int64, device=buf.x.device)
+                buf.trace = torch.zeros((plan.programs, segments, 4), dtype=torch.int64, device=buf.x.device)
         ptr = lambda t: t.data_ptr()   # noqa: E731
         p = Params(xa=ptr(buf.xa), vel=ptr(buf.vel), reuse=ptr(inputs.reuse),
                    **{k: ptr(v) for k, v in self.weights.items()}, **{k: ptr(v) for k, v in self.biases.items()},

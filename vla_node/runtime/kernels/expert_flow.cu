@@ -43,9 +43,10 @@
 // in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
-// CLUSTER (the cross-attention's programs of an (entry, head) are a thread-block cluster of that
-// many and merge their partials through distributed shared memory, each program's at C_OFF floats;
-// 1: through global memory, the last program to arrive merging), and the measurement knobs POLL
+// STATS_T (the LayerNorm statistics stored tile-major: stats_at), CLUSTER (the cross-attention's
+// programs of an (entry, head) are a thread-block cluster of that many and merge their partials
+// through distributed shared memory, each program's at C_OFF floats; 1: through global memory, the
+// last program to arrive merging), and the measurement knobs POLL
 // (how a barrier polls), TRACE (per-segment timestamps), WORK (0: every phase's loads and barriers
 // without its arithmetic and stores: the loop's floor of synchronisation) and CROSS_CUT (1: the
 // cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers).
@@ -274,10 +275,12 @@ struct Sync {
     u32 w_parity;   // W_SMEM: bit b, the phase of buffer b's mbarrier that its next wait waits for
 };
 
-// TRACE: the start (its wait's end) and end (its arrival) of each segment, per program.
-__device__ __forceinline__ void trace_mark(const Params& p, const Sync& s, int end) {
+// TRACE: per program and segment, its start (0: its wait's end), end (1: its arrival) and two
+// marks inside (2, 3: a GEMV phase's statistics read and its dot products done; the
+// cross-attention's queries made and its program's own merge done).
+__device__ __forceinline__ void trace_mark(const Params& p, const Sync& s, int mark) {
     if (TRACE && threadIdx.x == 0 && (int)s.arrivals < p.segments)
-        p.trace[((size_t)blockIdx.x * p.segments + s.arrivals) * 2 + end] = clock_ns();
+        p.trace[((size_t)blockIdx.x * p.segments + s.arrivals) * 4 + mark] = clock_ns();
 }
 
 __device__ __forceinline__ void grid_arrive(const Params& p, Sync& s) {
@@ -351,9 +354,13 @@ __device__ float block_sum(float v, float* scratch) {
     return s;
 }
 
+// Where row r's (mean, M2) of 8-column tile t is: stats [MP][NT_W][2], or with STATS_T
+// [NT_W][MP][2] (a warp's threads of consecutive rows then read consecutive bytes: at B >= 4, 1-2
+// threads a row, the other order has each lane of a load in another row).
+__device__ __forceinline__ int stats_at(int r, int t) { return (STATS_T ? t * MP + r : r * NT_W + t) * 2; }
+
 // LayerNorm mean and 1/std of rows row0 .. row0 + rows - 1 from their 8-column tiles' (mean, M2)
-// (stats [MP][NT_W][2]; Chan's formula, equal counts): into mean[rows], rstd[rows] in shared
-// memory. TPR threads a row.
+// (Chan's formula, equal counts): into mean[rows], rstd[rows] in shared memory. TPR threads a row.
 __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP) {
     constexpr int PER = (NT_W + TPR - 1) / TPR;
     const int lane_in_row = threadIdx.x % TPR;
@@ -365,7 +372,7 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
         for (int u = 0; u < PER; ++u) {
             const int t = lane_in_row + u * TPR;
             const bool here = ok && t < NT_W;
-            const float2 st = here ? ld_cg_f2(p.stats + (r * NT_W + t) * 2) : make_float2(0.0f, 0.0f);
+            const float2 st = here ? ld_cg_f2(p.stats + stats_at(r, t)) : make_float2(0.0f, 0.0f);
             tm[u] = st.x;
             t2[u] = st.y;
         }
@@ -396,7 +403,7 @@ __device__ __forceinline__ void store_x8(const Params& p, int r, int c0, const f
     mu *= 0.125f;
     float m2 = 0.0f;
     for (int k = 0; k < 8; ++k) m2 += (v[k] - mu) * (v[k] - mu);
-    *(float2*)(p.stats + (r * NT_W + (c0 >> 3)) * 2) = make_float2(mu, m2);
+    *(float2*)(p.stats + stats_at(r, c0 >> 3)) = make_float2(mu, m2);
     if (X_FRAGS)
         for (int k = 0; k < 8; k += 2) *(u32*)(p.xf + afrag_offset(r, c0 + k, KS_W)) = pack_bf2(v[k], v[k + 1]);
 }
@@ -817,8 +824,10 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
             row_stats(p, mean, rstd);
             __syncthreads();
         }
+        trace_mark(p, s, 2);
         gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
         __syncthreads();
+        trace_mark(p, s, 3);
         gemv.epilogue(p, red, bias, out, mod, gate_off, pre, mean, rstd, p2);
     }
     cp_async_wait();
@@ -970,6 +979,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             cp_async_wait();
             __syncthreads();
         }
+        trace_mark(p, s, 2);
         for (int qm = 0; qm < TOK16 / 16; ++qm) {
             const int mt = b * (TOK16 / 16) + qm;
             uint4 qa[HK];
@@ -1041,6 +1051,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                 }
             }
         }
+        trace_mark(p, s, 3);
         if (CLUSTER > 1 && !CROSS_CUT) {
             // The pair's programs are a cluster: after its barrier each merges its share of the
             // outputs from every program's partial in distributed shared memory (programs in order;
