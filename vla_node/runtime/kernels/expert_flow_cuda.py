@@ -59,12 +59,13 @@ def _ok(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
-def nvrtc_compile(constants: dict, arch: str, verbose: bool = False) -> tuple[bytes, str]:
-    """expert_flow.cu compiled for `arch` ("sm_90") with -D constants: (cubin, NVRTC's log;
-    with verbose, ptxas's register and spill report in it). Needs no GPU."""
+def nvrtc_compile(constants: dict, arch: str, verbose: bool = False, source: Optional[bytes] = None,
+                  name: str = SOURCE.name) -> tuple[bytes, str]:
+    """expert_flow.cu (or `source`) compiled for `arch` ("sm_90") with -D constants: (cubin,
+    NVRTC's log; with verbose, ptxas's register and spill report in it). Needs no GPU."""
     _, nvrtc = _bindings()
-    source = SOURCE.read_bytes()
-    prog = _ok(nvrtc.nvrtcCreateProgram(source, b"expert_flow.cu", 0, [], []), "nvrtcCreateProgram")
+    source = SOURCE.read_bytes() if source is None else source
+    prog = _ok(nvrtc.nvrtcCreateProgram(source, name.encode(), 0, [], []), "nvrtcCreateProgram")
     options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS),
                *(f"-D{k}={v}".encode() for k, v in sorted(constants.items()))]
     if verbose:
@@ -76,7 +77,7 @@ def nvrtc_compile(constants: dict, arch: str, verbose: bool = False) -> tuple[by
         nvrtc.nvrtcGetProgramLog(prog, log)
         log = log.decode(errors="replace").rstrip("\x00 \n")
         if int(result[0]) != 0:
-            raise RuntimeError(f"expert_flow.cu did not compile ({result[0]!r}):\n{log}")
+            raise RuntimeError(f"{name} did not compile ({result[0]!r}):\n{log}")
         size = _ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
@@ -194,12 +195,18 @@ class FlowKernel:
             attr.value.cooperative = 1
             attrs.append(attr)
         if cluster > 1:
-            attr = d.CUlaunchAttribute()
-            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
-            attrs.append(attr)
+            attrs.append(_cluster_dimension(cluster))
         config.attrs, config.numAttrs = attrs, len(attrs)
         _ok(d.cuLaunchKernelEx(config, self.function, ctypes.addressof(args), 0), "cuLaunchKernelEx")
+
+
+def _cluster_dimension(cluster: int):
+    """The launch attribute of clusters of `cluster` consecutive programs."""
+    driver, _ = _bindings()
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+    return attr
 
 
 def clusters_held(function, smem: int, cluster: int) -> int:
@@ -210,10 +217,7 @@ def clusters_held(function, smem: int, cluster: int) -> int:
     config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
     config.sharedMemBytes = smem
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
-    config.attrs, config.numAttrs = [attr], 1
+    config.attrs, config.numAttrs = [_cluster_dimension(cluster)], 1
     err, clusters = driver.cuOccupancyMaxActiveClusters(function, config)
     return clusters if int(err) == 0 else 0
 
@@ -229,20 +233,13 @@ def programs_held(device_index: int, cluster: int) -> int:
     grid barriers need all of them resident): how its SMs are grouped decides it (the H200: 132
     in clusters of 2, 120 in clusters of 4 or 8). 0 where the GPU launches no clusters."""
     import torch
-    driver, nvrtc = _bindings()
+    driver, _ = _bindings()
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 9:
         return 0
     with torch.cuda.device(device_index):
         torch.zeros(1, device=f"cuda:{device_index}")   # the device's primary context, current here
-        prog = _ok(nvrtc.nvrtcCreateProgram(_STAND_IN, b"stand_in.cu", 0, [], []), "nvrtcCreateProgram")
-        try:
-            options = [f"--gpu-architecture=sm_{major}{minor}".encode()]
-            _ok(nvrtc.nvrtcCompileProgram(prog, len(options), options), "nvrtcCompileProgram")
-            cubin = b" " * _ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            _ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        finally:
-            nvrtc.nvrtcDestroyProgram(prog)
+        cubin, _ = nvrtc_compile({}, f"sm_{major}{minor}", source=_STAND_IN, name="stand_in.cu")
         module = _ok(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         try:
             function = _ok(driver.cuModuleGetFunction(module, b"stand_in"), "cuModuleGetFunction")
