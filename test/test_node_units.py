@@ -2,6 +2,8 @@
 chunk hand-over, the safety filter and fault reporting (fast; the tests over DDS are in the other
 test_node_*; window choice and joint assembly in test_windows)."""
 import logging
+import threading
+import types
 
 import cv2
 import numpy as np
@@ -12,6 +14,7 @@ from vla_node.ros import messages, params
 from vla_node.ros.control import Plan, Request, SafetyFilter
 from vla_node.ros.diagnostics import LOG_BURST, Faults, Key, NodeTelemetry, duration_in_words
 from vla_node.ros.engine_protocol import Chunk
+from vla_node.ros.executor import transition
 from vla_node.ros.frames import FrameRing, SharedInputs, Window
 from vla_node.runtime import images
 from vla_node.runtime.windows import InputError, Wait, WindowSpec
@@ -481,3 +484,29 @@ def test_diagnostics_report_the_batch_each_chunk_ran_in():
     assert values[Key.ENGINE_BATCH_SIZE] == 1 and values[Key.ENGINE_BATCH_SIZE_MAX] == 2
     assert values[Key.ms(Key.ENGINE_BATCH_WAIT, "max")] == 3.0
     assert Chunk(0, actions, actions, {}).batch_size == 1   # what a node's own engine answers
+
+
+def test_a_transition_holds_the_teardown_and_logs_what_it_raises():
+    """executor.transition: destroy_node (another thread) waits for a transition under way, and an
+    exception, which rclpy turns into errorprocessing without a word, reaches the log with its traceback."""
+    class Node:
+        def __init__(self):
+            self.teardown, self.errors = threading.RLock(), []
+
+        def get_logger(self):
+            return types.SimpleNamespace(error=self.errors.append)
+
+        @transition
+        def on_configure(self, state):
+            elsewhere = []
+            t = threading.Thread(target=lambda: elsewhere.append(self.teardown.acquire(blocking=False)))
+            t.start()
+            t.join()
+            assert elsewhere == [False]
+            raise RuntimeError("no engine")
+
+    node = Node()
+    with pytest.raises(RuntimeError):
+        node.on_configure(None)
+    assert node.errors[0].startswith("on_configure raised:") and "RuntimeError: no engine" in node.errors[0]
+    assert node.teardown.acquire(blocking=False)

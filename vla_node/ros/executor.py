@@ -15,6 +15,8 @@ before.
 """
 from __future__ import annotations
 
+import functools
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
@@ -55,6 +57,22 @@ class TransitionsApartExecutor(Executor):
         done = super().shutdown(timeout_sec)
         self._thread.shutdown(wait=True)
         return done
+
+
+def transition(callback):
+    """A lifecycle callback of `node`: run under `node.teardown` (destroy_node, at main's end on the
+    spinning thread, waits for a transition under way: a release in the middle of configure's spawn
+    of the engine process would leave that process running), its exception logged with the
+    traceback (rclpy turns it into errorprocessing without a word)."""
+    @functools.wraps(callback)
+    def run(node, state):
+        with node.teardown:
+            try:
+                return callback(node, state)
+            except Exception:
+                node.get_logger().error(f"{callback.__name__} raised:\n{traceback.format_exc()}")
+                raise
+    return run
 
 
 # rclpy's services whose callbacks only read: they answer from their own callback group (VLANode).

@@ -6,26 +6,22 @@ command and one joint trajectory per action chunk out.
     deactivate  stop commanding (a forward command controller holds the last command)
     cleanup     end the engine process (its memory, device memory included, goes with it)
 
-Threads: everything that changes the node (transitions, the control loop, subscriptions, timers,
-parameter changes) runs in the node's default callback group, one callback at a time. The
-executor (executor.TransitionsApartExecutor) runs it all on the spinning thread, except the
-transitions, which run on a thread of their own: configure waits there for the engine process to
-load and warm up (20-45 s on a GPU) while the services that only read (ANSWERED_APART: the
-lifecycle state, parameter values and descriptors; a group of their own) keep answering, so
-`ros2 lifecycle get` and a lifecycle manager's state query say `configuring`. /diagnostics says
-which stage, published from configure's wait (the diagnostics timer is in the default group too).
-With autostart the node configures once the executor spins, not in the constructor.
+Threads: everything that changes the node runs in its default callback group, one callback at a time, on
+the spinning thread, except the transitions (executor.TransitionsApartExecutor: configure waits there for
+the engine to load and warm up, 20-45 s on a GPU, while the services that only read answer, so `ros2
+lifecycle get` says `configuring` and /diagnostics which stage; destroy_node waits for a transition under
+way). With autostart, configure starts once the executor spins, not in the constructor.
 
-The control loop runs on the executor at control_rate_hz and never waits for the model: each
-tick (loop.ControlLoop, which the simulator runs too) publishes one command, takes a finished chunk
-if the engine has one, and sends the newest complete observation when the plan runs low, as
-control.ChunkScheduler decides; this class connects them to ROS (inputs.Inputs,
-engine_link.EngineLink, outputs.Outputs, parameters, lifecycle). Everything unsafe makes it hold
-position and say why, once, in the log and on /diagnostics.
+The control loop runs on the executor at control_rate_hz and never waits for the model: each tick
+(loop.ControlLoop, which the simulator runs too) publishes one command, takes a finished chunk if the engine
+has one, and sends the newest complete observation when the plan runs low, as control.ChunkScheduler
+decides; this class connects them to ROS (inputs.Inputs, engine_link.EngineLink, outputs.Outputs,
+parameters, lifecycle). Everything unsafe makes it hold and say why, once, in the log and on /diagnostics.
 """
 from __future__ import annotations
 
 import gc
+import threading
 from typing import Optional
 
 from rclpy.clock import Clock, ClockType, JumpThreshold
@@ -40,7 +36,7 @@ from .control import ChunkScheduler, SafetyFilter
 from .diagnostics import Faults, FaultSource, NodeTelemetry
 from .engine_link import EngineLink
 from .engine_process import EngineError
-from .executor import ANSWERED_APART, answer_apart
+from .executor import ANSWERED_APART, answer_apart, transition
 from .inputs import Inputs
 from .loop import ControlLoop, clock_jumped_back
 from .outputs import DiagnosticsPublisher, Outputs, node_status
@@ -74,6 +70,8 @@ class VLANode(LifecycleNode):
         self._configure_error = ""
         self._autostart_timer = None
         self._exit_timer = None
+        self.teardown = threading.RLock()   # a transition against destroy_node (executor.transition)
+        self._steady_clock = Clock(clock_type=ClockType.STEADY_TIME)   # timers that never follow the system clock
         self._engine: Optional[EngineLink] = None    # configure .. cleanup, across losses of its worker
         self._inputs: Optional[Inputs] = None
         self._outputs: Optional[Outputs] = None
@@ -91,12 +89,10 @@ class VLANode(LifecycleNode):
         # says the lifecycle services are up.
         self.get_logger().info(f"started: unconfigured{', autostart' if self.settings.autostart else ''}")
         if self.settings.autostart:   # once the executor spins, so that the services answer meanwhile
-            self._autostart_timer = self.create_timer(0.0, self._autostart,
-                                                      clock=Clock(clock_type=ClockType.STEADY_TIME))
+            self._autostart_timer = self.create_timer(0.0, self._autostart, clock=self._steady_clock)
 
     def transition_entities(self) -> list:
-        """The entities whose callbacks run lifecycle transitions: the change_state service and,
-        with autostart, its timer (TransitionsApartExecutor runs them on a thread of their own)."""
+        """The change_state service and the autostart timer: TransitionsApartExecutor's `apart`."""
         services = [s for s in self.services if s.srv_name.rsplit("/", 1)[-1] == "change_state"]
         return services + ([self._autostart_timer] if self._autostart_timer is not None else [])
 
@@ -109,6 +105,7 @@ class VLANode(LifecycleNode):
             self.trigger_activate()
 
     # -- lifecycle ------------------------------------------------------------------------------
+    @transition
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         s, e = self.settings, self.settings.engine
         if not e.checkpoint and not s.random_weights:
@@ -160,6 +157,7 @@ class VLANode(LifecycleNode):
         self._diagnostics.now()
         return TransitionCallbackReturn.FAILURE
 
+    @transition
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._reset_control()
         self._engine.reset_stream()
@@ -175,10 +173,9 @@ class VLANode(LifecycleNode):
         return super().on_activate(state)
 
     def _make_control_timer(self):
-        # On the steady clock unless simulated: the loop must not follow steps or slewing of
-        # the system clock (measured on the 2-core VM: p99 period jitter 0.9-2.4 ms on the
-        # steady clock against 2.5-4.2 ms on the system clock, side by side).
-        clock = self.get_clock() if self._sim_time() else Clock(clock_type=ClockType.STEADY_TIME)
+        # On the steady clock unless simulated: the loop must not follow steps or slewing of the system clock
+        # (measured on the 2-core VM: p99 period jitter 0.9-2.4 ms on it against 2.5-4.2 ms on the system clock).
+        clock = self.get_clock() if self._sim_time() else self._steady_clock
         return self.create_timer(self.settings.control_period_s, self._on_tick, clock=clock)
 
     def _sim_time(self) -> bool:
@@ -190,27 +187,28 @@ class VLANode(LifecycleNode):
             return "no /clock: use_sim_time is true and no simulated time has arrived yet"
         return "starting"
 
+    @transition
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop_control()
         self._state = "inactive"
         self.get_logger().info("inactive: commands stopped")
         return super().on_deactivate(state)
 
+    @transition
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._release()
         self._state = "unconfigured"
         self.get_logger().info("cleaned up: engine process ended")
         return super().on_cleanup(state)
 
+    @transition
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
         had_engine = self._engine is not None
         self._release()
         self._state = "finalized"
         self.get_logger().info(f"shut down from {state.label}{': engine process ended' if had_engine else ''}")
-        if self.settings.exit_on_finalize:
-            # A timer, so that the process ends after this transition has answered its caller.
-            self._exit_timer = self.create_timer(0.0, self._exit_finalized,
-                                                 clock=Clock(clock_type=ClockType.STEADY_TIME))
+        if self.settings.exit_on_finalize:   # by a timer: the process ends once this transition has answered
+            self._exit_timer = self.create_timer(0.0, self._exit_finalized, clock=self._steady_clock)
         return super().on_shutdown(state)
 
     def _exit_finalized(self) -> None:
@@ -218,6 +216,7 @@ class VLANode(LifecycleNode):
         self.get_logger().info("finalized: exiting (exit_on_finalize)")
         self.context.try_shutdown()     # spin ends; main releases everything and returns 0
 
+    @transition
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.get_logger().error(f"error in state {state.label}: releasing the engine")
         self._release()
@@ -225,7 +224,8 @@ class VLANode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def destroy_node(self):
-        self._release()
+        with self.teardown:
+            self._release()
         super().destroy_node()
 
     def _stop_control(self) -> None:
