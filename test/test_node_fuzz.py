@@ -24,7 +24,7 @@ from std_msgs.msg import String
 from ros_helpers import CAMERA_TOPICS, JOINTS, Harness, NodeProcess, Robot, assert_commands_safe
 from vla_node.ros.diagnostics import Key
 
-FUZZ_EXAMPLES = int(os.environ.get("VLA_FUZZ_EXAMPLES", "30"))
+FUZZ_EXAMPLES = int(os.environ.get("VLA_FUZZ_EXAMPLES", "20"))
 pytestmark = pytest.mark.timeout(120 + 20 * FUZZ_EXAMPLES)
 
 H, W = 480, 640

@@ -46,6 +46,10 @@ class CudaTiling:
     # the LayerNorm statistics stored tile-major (expert_flow.cu, stats_at): the statistics' reads
     # coalesced where 1-2 threads read a row (B >= 4). Not yet timed on a GPU; off until it is
     stats_t: bool = False
+    # threads of a GEMV epilogue's (tile, row) item of 8 columns (1, 2 or 4): at 4, 4x the threads
+    # sum the warps' partials and apply bias, gate and residual (at B = 1 a phase of one tile a
+    # program has 16 items: 16 threads of 256 did it). Same numbers bit for bit. Not yet timed on a GPU
+    epi_split: int = 1
     # output tiles of 8 columns a program takes in the LayerNorm linears (at least as many as
     # cover them): more a program, fewer programs read the residual stream. fc1 4: on the H200
     # (132 SMs) 96 programs instead of 128, the loop 0.4-0.7 ms faster at B = 1 (BENCHMARKS.md)
@@ -188,6 +192,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     held = held or (lambda c: programs // c * c)
     cluster = cross_cluster(t, pairs, held)
     programs = held(cluster) if cluster > 1 else programs
+    if t.epi_split not in (1, 2, 4):
+        raise ValueError(f"epi_split: 1, 2 or 4 threads a GEMV epilogue's item of 8 columns, got {t.epi_split}")
     if tokens > 32 or rows > MAX_ROWS:
         raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
                          f"got {entries} x {tokens}")
@@ -252,8 +258,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
-                     CROSS_CUT=int(t.cross_cut), STATS_T=int(t.stats_t), CLUSTER=cluster, C_OFF=c_off,
-                     W_SMEM=int(w_bytes > 0), W_OFF=gen, W_BUF=w_buf)
+                     CROSS_CUT=int(t.cross_cut), STATS_T=int(t.stats_t), EPI_SPLIT=t.epi_split, CLUSTER=cluster,
+                     C_OFF=c_off, W_SMEM=int(w_bytes > 0), W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 

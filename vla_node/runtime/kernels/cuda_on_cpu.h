@@ -34,6 +34,7 @@ typedef unsigned short u16;
 
 struct alignas(16) uint4 { u32 x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
+struct alignas(8) uint2 { u32 x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
 inline float2 make_float2(float x, float y) { return {x, y}; }
@@ -278,6 +279,10 @@ inline void __syncthreads() {
 
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
     return cpu::slot_value<float>(cpu::exchange(v), cpu::lane() ^ (unsigned)mask);
+}
+
+inline float __shfl_sync(unsigned, float v, int src) {
+    return cpu::slot_value<float>(cpu::exchange(v), (unsigned)src & 31u);
 }
 
 inline bool __all_sync(unsigned, bool pred) {

@@ -43,7 +43,8 @@
 // in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
-// STATS_T (the LayerNorm statistics stored tile-major: stats_at), CLUSTER (the cross-attention's
+// STATS_T (the LayerNorm statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV
+// epilogue's (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its columns), CLUSTER (the cross-attention's
 // programs of an (entry, head) are a thread-block cluster of that many and merge their partials
 // through distributed shared memory, each program's at C_OFF floats; 1: through global memory, the
 // last program to arrive merging), and the measurement knobs POLL
@@ -393,19 +394,99 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
     }
 }
 
-// Row r's 8 columns from c0 (final values) and their mean and M2.
-__device__ __forceinline__ void store_x8(const Params& p, int r, int c0, const float* v) {
-    float* dst = p.x + r * WIDTH + c0;
-    *(float4*)dst = make_float4(v[0], v[1], v[2], v[3]);
-    *(float4*)(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
+// A thread's CPT consecutive columns (2, 4 or 8; aligned to their size): floats read through the
+// read-only path, through L2, from shared memory, and stored; bf16 values read as floats.
+template <int CPT> __device__ __forceinline__ void ld_in_cols(const float* p, float* v) {
+    if constexpr (CPT == 2) {
+        const float2 a = ld_in_f2(p);
+        v[0] = a.x; v[1] = a.y;
+    } else {
+        for (int k = 0; k < CPT; k += 4) {
+            const float4 a = ld_in_f4(p + k);
+            v[k] = a.x; v[k + 1] = a.y; v[k + 2] = a.z; v[k + 3] = a.w;
+        }
+    }
+}
+template <int CPT> __device__ __forceinline__ void ld_cg_cols(const float* p, float* v) {
+    if constexpr (CPT == 2) {
+        const float2 a = ld_cg_f2(p);
+        v[0] = a.x; v[1] = a.y;
+    } else {
+        for (int k = 0; k < CPT; k += 4) {
+            const float4 a = ld_cg_f4(p + k);
+            v[k] = a.x; v[k + 1] = a.y; v[k + 2] = a.z; v[k + 3] = a.w;
+        }
+    }
+}
+template <int CPT> __device__ __forceinline__ void ld_smem_cols(const float* p, float* v) {
+    if constexpr (CPT == 2) {
+        const float2 a = *(const float2*)p;
+        v[0] = a.x; v[1] = a.y;
+    } else {
+        for (int k = 0; k < CPT; k += 4) {
+            const float4 a = *(const float4*)(p + k);
+            v[k] = a.x; v[k + 1] = a.y; v[k + 2] = a.z; v[k + 3] = a.w;
+        }
+    }
+}
+template <int CPT> __device__ __forceinline__ void st_cols(float* p, const float* v) {
+    if constexpr (CPT == 2) *(float2*)p = make_float2(v[0], v[1]);
+    else
+        for (int k = 0; k < CPT; k += 4) *(float4*)(p + k) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
+}
+template <int CPT> __device__ __forceinline__ void unpack_bf(const u32* w, float* v) {
+    for (int k = 0; k < CPT; ++k) v[k] = (k & 1) ? bf_hi(w[k >> 1]) : bf_lo(w[k >> 1]);
+}
+template <int CPT> __device__ __forceinline__ void ld_in_bf_cols(const u16* p, float* v) {
+    u32 w[4];
+    if constexpr (CPT == 8) {
+        const uint4 a = ld_in16(p);
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+    } else {
+        for (int k = 0; k < CPT / 2; ++k) w[k] = ld_in4(p + 2 * k);
+    }
+    unpack_bf<CPT>(w, v);
+}
+template <int CPT> __device__ __forceinline__ void ld_smem_bf_cols(const u16* p, float* v) {
+    u32 w[4];
+    if constexpr (CPT == 8) {
+        const uint4 a = *(const uint4*)p;
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+    } else if constexpr (CPT == 4) {
+        const uint2 a = *(const uint2*)p;
+        w[0] = a.x; w[1] = a.y;
+    } else {
+        w[0] = *(const u32*)p;
+    }
+    unpack_bf<CPT>(w, v);
+}
+
+// Row r's columns c0 .. c0 + CPT - 1 (final values; the item's EPI_SPLIT threads hold its 8 columns
+// of tile c0 / 8, consecutive lanes), and the tile's mean and M2, summed in column order by its first
+// thread. Every thread of the warp calls it (the gather shuffles); live: this thread has an item.
+template <int CPT>
+__device__ __forceinline__ void store_x(const Params& p, int r, int c0, const float* v, bool live) {
+    constexpr int Q = 8 / CPT;
+    const int lane = threadIdx.x & 31, first = lane & ~(Q - 1);
+    float gathered[Q > 1 ? 8 : 1];
+    const float* all = v;
+    if constexpr (Q > 1) {
+        for (int k = 0; k < CPT; ++k) gathered[k] = v[k];
+        for (int j = 1; j < Q; ++j)
+            for (int k = 0; k < CPT; ++k) gathered[j * CPT + k] = __shfl_sync(0xffffffffu, v[k], first + j);
+        all = gathered;
+    }
+    if (!live) return;
+    st_cols<CPT>(p.x + r * WIDTH + c0, v);
+    if (X_FRAGS)
+        for (int k = 0; k < CPT; k += 2) *(u32*)(p.xf + afrag_offset(r, c0 + k, KS_W)) = pack_bf2(v[k], v[k + 1]);
+    if (lane != first) return;
     float mu = 0.0f;
-    for (int k = 0; k < 8; ++k) mu += v[k];
+    for (int k = 0; k < 8; ++k) mu += all[k];
     mu *= 0.125f;
     float m2 = 0.0f;
-    for (int k = 0; k < 8; ++k) m2 += (v[k] - mu) * (v[k] - mu);
+    for (int k = 0; k < 8; ++k) m2 += (all[k] - mu) * (all[k] - mu);
     *(float2*)(p.stats + stats_at(r, c0 >> 3)) = make_float2(mu, m2);
-    if (X_FRAGS)
-        for (int k = 0; k < 8; k += 2) *(u32*)(p.xf + afrag_offset(r, c0 + k, KS_W)) = pack_bf2(v[k], v[k + 1]);
 }
 
 // -- attention -----------------------------------------------------------------------------------
@@ -594,28 +675,24 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         const int t0 = blockIdx.x * S::TPC;
         const bool second = NA < N && t0 >= NA8;
-        {
-            const int tt = threadIdx.x / MP, r = threadIdx.x % MP, c0 = (t0 + tt) * 8;
-            if (tt < S::TPC && t0 + tt < S::NT8 && second) {
-                const int c = c0 - NA;
-                if (EPI == TO_QKV) {
-                    cp_async16(pre, p2.fc + WIDTH + c);
-                    cp_async16(pre + 4, p2.fc + WIDTH + c + 4);
-                } else {
-                    cp_async16(pre, p2.fc + c);
-                    cp_async16(pre + 4, p2.fc + c + 4);
-                    if (!FUSE_SELF) {   // F0 is the qkv phase's: one barrier back with FUSE_SELF, read after the wait
-                        cp_async16(pre + 8, p.f0 + r * WIDTH + c);
-                        cp_async16(pre + 12, p.f0 + r * WIDTH + c + 4);
-                    }
-                }
-            } else if (tt < S::TPC && t0 + tt < S::NT8) {
-                cp_async16(pre, bias + c0);
-                if (EPI == TO_RESIDUAL) {
-                    cp_async16(pre + 4, mod + gate_off + c0);
-                    cp_async16(pre + 8, p.x + r * WIDTH + c0);
-                    cp_async16(pre + 12, p.x + r * WIDTH + c0 + 4);
-                }
+        // Item threadIdx.x / EPI_SPLIT's 16 floats, its 4 chunks of 16 bytes shared by its threads.
+        constexpr int CHUNKS = 4 / EPI_SPLIT;
+        const int item = threadIdx.x / EPI_SPLIT, tt = item / MP, r = item % MP, c0 = (t0 + tt) * 8;
+        const int ch0 = threadIdx.x % EPI_SPLIT * CHUNKS;
+        float* slot = pre + item * 16;
+#pragma unroll
+        for (int j = 0; j < CHUNKS && tt < S::TPC && t0 + tt < S::NT8; ++j) {
+            const int ch = ch0 + j, c = c0 - NA + (ch & 1) * 4;
+            if (second && EPI == TO_QKV) {
+                if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + WIDTH + c);
+            } else if (second) {
+                if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + c);
+                // F0 is the qkv phase's: one barrier back with FUSE_SELF, read after the wait
+                else if (!FUSE_SELF) cp_async16(slot + 4 * ch, p.f0 + r * WIDTH + c);
+            } else if (ch == 0) {
+                cp_async16(slot, bias + c0);
+            } else if (EPI == TO_RESIDUAL) {
+                cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : p.x + r * WIDTH + c0 + (ch - 2) * 4);
             }
         }
         const uint4* w = wref<N, K, TPCX, NA>(wf, p2.w).p;   // this program's first tile (W_SMEM: its buffer's source)
@@ -730,71 +807,85 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
         }
     }
 
-    // The epilogue: each thread one (tile, row) of 8 columns, the warps summed in order.
+    // The epilogue: EPI_SPLIT threads (consecutive lanes) an item (tile, row) of 8 columns, each
+    // CPT of them, the warps summed in order. Rounds of NTHREADS / EPI_SPLIT items: every thread
+    // runs every round (store_x gathers a tile's statistics across the item's threads); an item
+    // of the first round has its inputs in pre (loaded before the wait; visible: gemv_phase
+    // waits for the copies before the barrier that precedes this).
     __device__ __forceinline__ void epilogue(const Params& p, const float* red, const u16* bias, u16* out,
                                              const u16* mod, int gate_off, const float* pre, const float* mean,
                                              const float* rstd, const Part2& p2) {
-        const int t0 = blockIdx.x * S::TPC;
-        cp_async_wait();
-        for (int idx = threadIdx.x; idx < S::TPC * MP; idx += NTHREADS) {
-            const int tt = idx / MP, r = idx % MP, tile = t0 + tt, c0 = tile * 8;
-            if (tile >= S::NT8) continue;
-            const bool first = idx == threadIdx.x;
-            float v[8];
-            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
-            for (int w = 0; w < NWARPS; ++w) {
-                const float* src = red + ((w * S::TPC + tt) * MP + r) * 8;
-                float4 lo = *(const float4*)src, hi = *(const float4*)(src + 4);
-                v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
-                v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+        constexpr int CPT = 8 / EPI_SPLIT, PER = NTHREADS / EPI_SPLIT;
+        const int t0 = blockIdx.x * S::TPC, k0 = threadIdx.x % EPI_SPLIT * CPT;
+        const float* slot = pre + threadIdx.x / EPI_SPLIT * 16;   // this thread's item of the first round
+#pragma unroll 1   // a round at a time: unrolled, the rounds' registers spill
+        for (int base = 0; base < S::TPC * MP; base += PER) {
+            const int idx = base + threadIdx.x / EPI_SPLIT, tt = idx / MP, r = idx % MP, tile = t0 + tt;
+            const int ct = tile * 8, c0 = ct + k0;   // the tile's first column, this thread's
+            const bool live = idx < S::TPC * MP && tile < S::NT8;
+            const bool first = base == 0;
+            float v[CPT];
+            for (int k = 0; k < CPT; ++k) v[k] = 0.0f;
+            for (int w = 0; live && w < NWARPS; ++w) {
+                float a[CPT];
+                ld_smem_cols<CPT>(red + ((w * S::TPC + tt) * MP + r) * 8 + k0, a);
+                for (int k = 0; k < CPT; ++k) v[k] += a[k];
             }
-            if (NA < N && tile >= NA8) {   // the second part (FOLD_CQ)
+            if (NA < N && t0 >= NA8) {   // the second part (FOLD_CQ; all of the program's tiles)
+                if (!live) continue;
                 const int c = c0 - NA;
                 if (EPI == TO_QKV) {   // F0 = LN(x0) (1 + c2) Wq^T / rstd0 + mean0 rho
-                    const float4 lo = first ? *(const float4*)pre : ld_in_f4(p2.fc + WIDTH + c);
-                    const float4 hi = first ? *(const float4*)(pre + 4) : ld_in_f4(p2.fc + WIDTH + c + 4);
-                    const float rho[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-                    for (int k = 0; k < 8; ++k) v[k] = v[k] / rstd[r] + mean[r] * rho[k];
-                    float* dst = p.f0 + r * WIDTH + c;
-                    *(float4*)dst = make_float4(v[0], v[1], v[2], v[3]);
-                    *(float4*)(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
+                    float rho[CPT];
+                    if (first) ld_smem_cols<CPT>(slot + k0, rho);
+                    else ld_in_cols<CPT>(p2.fc + WIDTH + c, rho);
+                    for (int k = 0; k < CPT; ++k) v[k] = v[k] / rstd[r] + mean[r] * rho[k];
+                    st_cols<CPT>(p.f0 + r * WIDTH + c, v);
                 } else {               // S = F0 + y M + eps, in A-fragment order
-                    const float4 e0 = first ? *(const float4*)pre : ld_in_f4(p2.fc + c);
-                    const float4 e1 = first ? *(const float4*)(pre + 4) : ld_in_f4(p2.fc + c + 4);
-                    const bool pre_f0 = first && !FUSE_SELF;
-                    const float4 f0 = pre_f0 ? *(const float4*)(pre + 8) : ld_cg_f4(p.f0 + r * WIDTH + c);
-                    const float4 f1 = pre_f0 ? *(const float4*)(pre + 12) : ld_cg_f4(p.f0 + r * WIDTH + c + 4);
-                    const float add[8] = {e0.x + f0.x, e0.y + f0.y, e0.z + f0.z, e0.w + f0.w,
-                                          e1.x + f1.x, e1.y + f1.y, e1.z + f1.z, e1.w + f1.w};
-                    for (int k = 0; k < 8; k += 2)
-                        *(float2*)(p.sq + afrag_offset(r, c + k, KS_W)) = make_float2(v[k] + add[k], v[k + 1] + add[k + 1]);
+                    float e[CPT], f[CPT];
+                    if (first) ld_smem_cols<CPT>(slot + k0, e);
+                    else ld_in_cols<CPT>(p2.fc + c, e);
+                    if (first && !FUSE_SELF) ld_smem_cols<CPT>(slot + 8 + k0, f);
+                    else ld_cg_cols<CPT>(p.f0 + r * WIDTH + c, f);
+                    for (int k = 0; k < CPT; k += 2)
+                        *(float2*)(p.sq + afrag_offset(r, c + k, KS_W)) = make_float2(v[k] + (e[k] + f[k]),
+                                                                                      v[k + 1] + (e[k + 1] + f[k + 1]));
                 }
                 continue;
             }
-            const uint4 b8 = first ? *(const uint4*)pre : ld_in16(bias + c0);
-            const u32 bw[4] = {b8.x, b8.y, b8.z, b8.w};
-            for (int k = 0; k < 8; ++k) v[k] += (k & 1) ? bf_hi(bw[k >> 1]) : bf_lo(bw[k >> 1]);
+            if (live) {
+                float b[CPT];
+                if (first) ld_smem_bf_cols<CPT>((const u16*)slot + k0, b);
+                else ld_in_bf_cols<CPT>(bias + c0, b);
+                for (int k = 0; k < CPT; ++k) v[k] += b[k];
+            }
             if (EPI == TO_RESIDUAL) {
-                const uint4 g8 = first ? *(const uint4*)(pre + 4) : ld_in16(mod + gate_off + c0);
-                const float4 lo = first ? *(const float4*)(pre + 8) : ld_cg_f4(p.x + r * WIDTH + c0);
-                const float4 hi = first ? *(const float4*)(pre + 12) : ld_cg_f4(p.x + r * WIDTH + c0 + 4);
-                const u32 gw[4] = {g8.x, g8.y, g8.z, g8.w};
-                const float old[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-                for (int k = 0; k < 8; ++k) v[k] = old[k] + ((k & 1) ? bf_hi(gw[k >> 1]) : bf_lo(gw[k >> 1])) * v[k];
-                store_x8(p, r, c0, v);
-            } else if (EPI == TO_QKV && c0 >= 2 * WIDTH) {
+                if (live) {
+                    float g[CPT], old[CPT];
+                    if (first) {
+                        ld_smem_bf_cols<CPT>((const u16*)(slot + 4) + k0, g);
+                        ld_smem_cols<CPT>(slot + 8 + k0, old);
+                    } else {
+                        ld_in_bf_cols<CPT>(mod + gate_off + c0, g);
+                        ld_cg_cols<CPT>(p.x + r * WIDTH + c0, old);
+                    }
+                    for (int k = 0; k < CPT; ++k) v[k] = old[k] + g[k] * v[k];
+                }
+                store_x<CPT>(p, r, c0, v, live);
+            } else if (!live) {
+                continue;
+            } else if (EPI == TO_QKV && ct >= 2 * WIDTH) {
                 // v of head h in the B-fragment order of P @ V: [row tile][head][lane][HDIM/8][2][2] with
                 // (key = half 8 + 2 q + e, d = 8 dn + g) of the tile's 16 keys.
-                const int h = (c0 - 2 * WIDTH) / HDIM, d0 = (c0 - 2 * WIDTH) % HDIM, kk = r & 15;
+                const int h = (ct - 2 * WIDTH) / HDIM, d0 = (ct - 2 * WIDTH) % HDIM, kk = r & 15;
                 const int half = kk >> 3, qq = (kk & 7) >> 1, e = kk & 1, dn = d0 >> 3;
-                u16* base = out + MP * 2 * WIDTH + ((r >> 4) * HEADS + h) * 32 * (HDIM / 2);
-                for (int gg = 0; gg < 8; ++gg)
-                    base[(gg * 4 + qq) * (HDIM / 2) + dn * 4 + half * 2 + e] = to_bf(v[gg]);
+                u16* vb = out + MP * 2 * WIDTH + ((r >> 4) * HEADS + h) * 32 * (HDIM / 2);
+                for (int k = 0; k < CPT; ++k)
+                    vb[((k0 + k) * 4 + qq) * (HDIM / 2) + dn * 4 + half * 2 + e] = to_bf(v[k]);
             } else {
                 if (EPI == TO_FRAGS_GELU)
-                    for (int k = 0; k < 8; ++k) v[k] = 0.5f * v[k] * (1.0f + erff(v[k] * 0.7071067811865476f));
+                    for (int k = 0; k < CPT; ++k) v[k] = 0.5f * v[k] * (1.0f + erff(v[k] * 0.7071067811865476f));
                 const int cols = EPI == TO_QKV ? 2 * WIDTH : N;
-                for (int k = 0; k < 8; k += 2)
+                for (int k = 0; k < CPT; k += 2)
                     *(u32*)(out + afrag_offset(r, c0 + k, cols / 16)) = pack_bf2(v[k], v[k + 1]);
             }
         }
@@ -813,7 +904,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* mean = smem;
     float* rstd = smem + MP;
     float* red = smem + 2 * MP;
-    float* pre = red + NWARPS * S::TPC * MP * 8 + threadIdx.x * 16;
+    float* pre = red + NWARPS * S::TPC * MP * 8;   // the epilogue's inputs: 16 floats an item of its first round
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
     if (W_SMEM && blockIdx.x * S::TPC < S::NT8) gemv.load_smem(w_take(s, smem));
@@ -826,6 +917,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         }
         trace_mark(p, s, 2);
         gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
+        cp_async_wait();   // pre: an item's inputs came through its threads' copies
         __syncthreads();
         trace_mark(p, s, 3);
         gemv.epilogue(p, red, bias, out, mod, gate_off, pre, mean, rstd, p2);
@@ -1174,7 +1266,7 @@ __device__ void in_row(const Params& p, float* smem, int r, int tok, int vr) {
             }
             v[k] = acc;
         }
-        store_x8(p, r, t * 8, v);
+        store_x<8>(p, r, t * 8, v, true);
     }
 }
 
