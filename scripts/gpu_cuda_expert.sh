@@ -3,7 +3,7 @@
 # runs it (the default expert_kernel auto on Hopper), its variants and its anatomy. Logs
 # and JSON under $OUT; each part's table last in its log. Parts, in the order given:
 #   variants  the loop under CudaTiling variants ($VARIANTS) at B = $VENTRIES (1,2,4) and the anatomy of
-#             $ANATOMY's tilings at B = $ANAT_ENTRIES (1)
+#             $ANATOMY's tilings at B = $ANAT_ENTRIES (1), within $VTIMEOUT s (360)
 #   tests     the CUDA tests of the kernel (pytest -m cuda test/test_fused_expert_cuda.py)
 #   check     the default kernel at B = 1, 2, 4, 8 against the fp32 expert (action caching,
 #             inpainting, 50 replays), two context lengths replayed A-B-A, the anatomy at B = 1, 4
@@ -25,7 +25,7 @@ say() { echo "== $* ($(( $(date +%s) - t0 )) s)"; }
 for part in $PARTS; do
   case $part in
     variants) say "CUDA kernel variants B=$VENTRIES + anatomy B=$ANAT_ENTRIES"
-      timeout 360 python3 scripts/check_cuda_expert.py --entries 1,4 --backends cuda --variants "$VARIANTS" \
+      timeout "${VTIMEOUT:-360}" python3 scripts/check_cuda_expert.py --entries 1,4 --backends cuda --variants "$VARIANTS" \
         --variant-entries "$VENTRIES" --anatomy "$ANAT_ENTRIES" --anatomy-tilings "$ANATOMY" --out "$OUT" 2>&1 | grep -av Warn \
         > "$OUT/variants.log"; grep -a "^variant\|^anatomy\|^  \|^cuda" "$OUT/variants.log" | tail -60 ;;
     tests) say "CUDA tests"

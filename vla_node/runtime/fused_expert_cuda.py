@@ -86,6 +86,10 @@ class CudaTiling:
     # between its arrival and its wait (off where two buffers do not fit; not yet timed on a GPU)
     weights_smem: bool = False
 
+    def __post_init__(self):
+        if self.epi_split not in (1, 2, 4):
+            raise ValueError(f"epi_split: 1, 2 or 4 threads a GEMV epilogue's item of 8 columns, got {self.epi_split}")
+
 
 def unsupported(fused) -> Optional[str]:
     """Why the CUDA kernel cannot run this expert (None: it can)."""
@@ -192,8 +196,6 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     held = held or (lambda c: programs // c * c)
     cluster = cross_cluster(t, pairs, held)
     programs = held(cluster) if cluster > 1 else programs
-    if t.epi_split not in (1, 2, 4):
-        raise ValueError(f"epi_split: 1, 2 or 4 threads a GEMV epilogue's item of 8 columns, got {t.epi_split}")
     if tokens > 32 or rows > MAX_ROWS:
         raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
                          f"got {entries} x {tokens}")
