@@ -463,9 +463,9 @@ template <int CPT> __device__ __forceinline__ void ld_smem_bf_cols(const u16* p,
 
 // Row r's columns c0 .. c0 + CPT - 1 (final values; the item's EPI_SPLIT threads hold its 8 columns
 // of tile c0 / 8, consecutive lanes), and the tile's mean and M2, summed in column order by its first
-// thread. Every thread of the warp calls it (the gather shuffles); live: this thread has an item.
+// thread. Every thread of the warp calls it (the gather shuffles).
 template <int CPT>
-__device__ __forceinline__ void store_x(const Params& p, int r, int c0, const float* v, bool live) {
+__device__ __forceinline__ void store_x(const Params& p, int r, int c0, const float* v) {
     constexpr int Q = 8 / CPT;
     const int lane = threadIdx.x & 31, first = lane & ~(Q - 1);
     float gathered[Q > 1 ? 8 : 1];
@@ -476,7 +476,6 @@ __device__ __forceinline__ void store_x(const Params& p, int r, int c0, const fl
             for (int k = 0; k < CPT; ++k) gathered[j * CPT + k] = __shfl_sync(0xffffffffu, v[k], first + j);
         all = gathered;
     }
-    if (!live) return;
     st_cols<CPT>(p.x + r * WIDTH + c0, v);
     if (X_FRAGS)
         for (int k = 0; k < CPT; k += 2) *(u32*)(p.xf + afrag_offset(r, c0 + k, KS_W)) = pack_bf2(v[k], v[k + 1]);
@@ -808,31 +807,30 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
     }
 
     // The epilogue: EPI_SPLIT threads (consecutive lanes) an item (tile, row) of 8 columns, each
-    // CPT of them, the warps summed in order. Rounds of NTHREADS / EPI_SPLIT items: every thread
-    // runs every round (store_x gathers a tile's statistics across the item's threads); an item
-    // of the first round has its inputs in pre (loaded before the wait; visible: gemv_phase
-    // waits for the copies before the barrier that precedes this).
+    // CPT of them, the warps summed in order. Its first items' inputs are in pre (loaded before the
+    // wait; visible: gemv_phase waits for the copies before the barrier that precedes this). A
+    // warp's threads agree on every loop exit (where EPI_SPLIT > 1 the count is a multiple of 32
+    // and a warp's 32 / EPI_SPLIT items lie in one tile): store_x's shuffles see the whole warp.
     __device__ __forceinline__ void epilogue(const Params& p, const float* red, const u16* bias, u16* out,
                                              const u16* mod, int gate_off, const float* pre, const float* mean,
                                              const float* rstd, const Part2& p2) {
-        constexpr int CPT = 8 / EPI_SPLIT, PER = NTHREADS / EPI_SPLIT;
+        constexpr int CPT = 8 / EPI_SPLIT;
         const int t0 = blockIdx.x * S::TPC, k0 = threadIdx.x % EPI_SPLIT * CPT;
-        const float* slot = pre + threadIdx.x / EPI_SPLIT * 16;   // this thread's item of the first round
-#pragma unroll 1   // a round at a time: unrolled, the rounds' registers spill
-        for (int base = 0; base < S::TPC * MP; base += PER) {
-            const int idx = base + threadIdx.x / EPI_SPLIT, tt = idx / MP, r = idx % MP, tile = t0 + tt;
+        const float* slot = pre + threadIdx.x / EPI_SPLIT * 16;   // this thread's first item's inputs
+#pragma unroll 1   // an item at a time: unrolled, the items' registers spill
+        for (int sub = threadIdx.x; sub < S::TPC * MP * EPI_SPLIT; sub += NTHREADS) {
+            const int idx = sub / EPI_SPLIT, tt = idx / MP, r = idx % MP, tile = t0 + tt;
+            if (tile >= S::NT8) continue;
             const int ct = tile * 8, c0 = ct + k0;   // the tile's first column, this thread's
-            const bool live = idx < S::TPC * MP && tile < S::NT8;
-            const bool first = base == 0;
+            const bool first = sub == threadIdx.x;
             float v[CPT];
             for (int k = 0; k < CPT; ++k) v[k] = 0.0f;
-            for (int w = 0; live && w < NWARPS; ++w) {
+            for (int w = 0; w < NWARPS; ++w) {
                 float a[CPT];
                 ld_smem_cols<CPT>(red + ((w * S::TPC + tt) * MP + r) * 8 + k0, a);
                 for (int k = 0; k < CPT; ++k) v[k] += a[k];
             }
             if (NA < N && t0 >= NA8) {   // the second part (FOLD_CQ; all of the program's tiles)
-                if (!live) continue;
                 const int c = c0 - NA;
                 if (EPI == TO_QKV) {   // F0 = LN(x0) (1 + c2) Wq^T / rstd0 + mean0 rho
                     float rho[CPT];
@@ -852,27 +850,21 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
                 }
                 continue;
             }
-            if (live) {
-                float b[CPT];
-                if (first) ld_smem_bf_cols<CPT>((const u16*)slot + k0, b);
-                else ld_in_bf_cols<CPT>(bias + c0, b);
-                for (int k = 0; k < CPT; ++k) v[k] += b[k];
-            }
+            float b[CPT];
+            if (first) ld_smem_bf_cols<CPT>((const u16*)slot + k0, b);
+            else ld_in_bf_cols<CPT>(bias + c0, b);
+            for (int k = 0; k < CPT; ++k) v[k] += b[k];
             if (EPI == TO_RESIDUAL) {
-                if (live) {
-                    float g[CPT], old[CPT];
-                    if (first) {
-                        ld_smem_bf_cols<CPT>((const u16*)(slot + 4) + k0, g);
-                        ld_smem_cols<CPT>(slot + 8 + k0, old);
-                    } else {
-                        ld_in_bf_cols<CPT>(mod + gate_off + c0, g);
-                        ld_cg_cols<CPT>(p.x + r * WIDTH + c0, old);
-                    }
-                    for (int k = 0; k < CPT; ++k) v[k] = old[k] + g[k] * v[k];
+                float g[CPT], old[CPT];
+                if (first) {
+                    ld_smem_bf_cols<CPT>((const u16*)(slot + 4) + k0, g);
+                    ld_smem_cols<CPT>(slot + 8 + k0, old);
+                } else {
+                    ld_in_bf_cols<CPT>(mod + gate_off + c0, g);
+                    ld_cg_cols<CPT>(p.x + r * WIDTH + c0, old);
                 }
-                store_x<CPT>(p, r, c0, v, live);
-            } else if (!live) {
-                continue;
+                for (int k = 0; k < CPT; ++k) v[k] = old[k] + g[k] * v[k];
+                store_x<CPT>(p, r, c0, v);
             } else if (EPI == TO_QKV && ct >= 2 * WIDTH) {
                 // v of head h in the B-fragment order of P @ V: [row tile][head][lane][HDIM/8][2][2] with
                 // (key = half 8 + 2 q + e, d = 8 dn + g) of the tile's 16 keys.
@@ -1266,7 +1258,7 @@ __device__ void in_row(const Params& p, float* smem, int r, int tok, int vr) {
             }
             v[k] = acc;
         }
-        store_x<8>(p, r, t * 8, v, true);
+        store_x<8>(p, r, t * 8, v);
     }
 }
 
