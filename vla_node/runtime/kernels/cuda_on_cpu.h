@@ -34,7 +34,6 @@ typedef unsigned short u16;
 
 struct alignas(16) uint4 { u32 x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
-struct alignas(8) uint2 { u32 x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
 inline float2 make_float2(float x, float y) { return {x, y}; }

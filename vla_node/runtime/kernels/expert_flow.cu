@@ -394,71 +394,45 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
     }
 }
 
-// A thread's CPT consecutive columns (2, 4 or 8; aligned to their size): floats read through the
-// read-only path, through L2, from shared memory, and stored; bf16 values read as floats.
-template <int CPT> __device__ __forceinline__ void ld_in_cols(const float* p, float* v) {
+// A thread's CPT consecutive columns (2, 4 or 8; aligned to their size), read through the read-only
+// path (the launch's inputs), L2 (what it wrote) or from shared memory; bf16 values read as floats.
+enum Path { READ_ONLY, L2, SHARED };
+template <int PATH> __device__ __forceinline__ float2 ld_f2(const float* p) {
+    if constexpr (PATH == READ_ONLY) return ld_in_f2(p);
+    else if constexpr (PATH == L2) return ld_cg_f2(p);
+    else return *(const float2*)p;
+}
+template <int PATH> __device__ __forceinline__ float4 ld_f4(const float* p) {
+    if constexpr (PATH == READ_ONLY) return ld_in_f4(p);
+    else if constexpr (PATH == L2) return ld_cg_f4(p);
+    else return *(const float4*)p;
+}
+template <int CPT, int PATH> __device__ __forceinline__ void ld_cols(const float* p, float* v) {
     if constexpr (CPT == 2) {
-        const float2 a = ld_in_f2(p);
+        const float2 a = ld_f2<PATH>(p);
         v[0] = a.x; v[1] = a.y;
     } else {
         for (int k = 0; k < CPT; k += 4) {
-            const float4 a = ld_in_f4(p + k);
+            const float4 a = ld_f4<PATH>(p + k);
             v[k] = a.x; v[k + 1] = a.y; v[k + 2] = a.z; v[k + 3] = a.w;
         }
     }
 }
-template <int CPT> __device__ __forceinline__ void ld_cg_cols(const float* p, float* v) {
-    if constexpr (CPT == 2) {
-        const float2 a = ld_cg_f2(p);
-        v[0] = a.x; v[1] = a.y;
+template <int CPT, int PATH> __device__ __forceinline__ void ld_bf_cols(const u16* p, float* v) {
+    static_assert(PATH != L2, "bf16 columns are inputs or shared memory");
+    u32 w[4];
+    if constexpr (CPT == 8) {
+        const uint4 a = PATH == READ_ONLY ? ld_in16(p) : *(const uint4*)p;
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
     } else {
-        for (int k = 0; k < CPT; k += 4) {
-            const float4 a = ld_cg_f4(p + k);
-            v[k] = a.x; v[k + 1] = a.y; v[k + 2] = a.z; v[k + 3] = a.w;
-        }
+        for (int k = 0; k < CPT / 2; ++k) w[k] = PATH == READ_ONLY ? ld_in4(p + 2 * k) : *(const u32*)(p + 2 * k);
     }
-}
-template <int CPT> __device__ __forceinline__ void ld_smem_cols(const float* p, float* v) {
-    if constexpr (CPT == 2) {
-        const float2 a = *(const float2*)p;
-        v[0] = a.x; v[1] = a.y;
-    } else {
-        for (int k = 0; k < CPT; k += 4) {
-            const float4 a = *(const float4*)(p + k);
-            v[k] = a.x; v[k + 1] = a.y; v[k + 2] = a.z; v[k + 3] = a.w;
-        }
-    }
+    for (int k = 0; k < CPT; ++k) v[k] = (k & 1) ? bf_hi(w[k >> 1]) : bf_lo(w[k >> 1]);
 }
 template <int CPT> __device__ __forceinline__ void st_cols(float* p, const float* v) {
     if constexpr (CPT == 2) *(float2*)p = make_float2(v[0], v[1]);
     else
         for (int k = 0; k < CPT; k += 4) *(float4*)(p + k) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
-}
-template <int CPT> __device__ __forceinline__ void unpack_bf(const u32* w, float* v) {
-    for (int k = 0; k < CPT; ++k) v[k] = (k & 1) ? bf_hi(w[k >> 1]) : bf_lo(w[k >> 1]);
-}
-template <int CPT> __device__ __forceinline__ void ld_in_bf_cols(const u16* p, float* v) {
-    u32 w[4];
-    if constexpr (CPT == 8) {
-        const uint4 a = ld_in16(p);
-        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
-    } else {
-        for (int k = 0; k < CPT / 2; ++k) w[k] = ld_in4(p + 2 * k);
-    }
-    unpack_bf<CPT>(w, v);
-}
-template <int CPT> __device__ __forceinline__ void ld_smem_bf_cols(const u16* p, float* v) {
-    u32 w[4];
-    if constexpr (CPT == 8) {
-        const uint4 a = *(const uint4*)p;
-        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
-    } else if constexpr (CPT == 4) {
-        const uint2 a = *(const uint2*)p;
-        w[0] = a.x; w[1] = a.y;
-    } else {
-        w[0] = *(const u32*)p;
-    }
-    unpack_bf<CPT>(w, v);
 }
 
 // Row r's columns c0 .. c0 + CPT - 1 (final values; the item's EPI_SPLIT threads hold its 8 columns
@@ -827,23 +801,23 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
             for (int k = 0; k < CPT; ++k) v[k] = 0.0f;
             for (int w = 0; w < NWARPS; ++w) {
                 float a[CPT];
-                ld_smem_cols<CPT>(red + ((w * S::TPC + tt) * MP + r) * 8 + k0, a);
+                ld_cols<CPT, SHARED>(red + ((w * S::TPC + tt) * MP + r) * 8 + k0, a);
                 for (int k = 0; k < CPT; ++k) v[k] += a[k];
             }
             if (NA < N && t0 >= NA8) {   // the second part (FOLD_CQ; all of the program's tiles)
                 const int c = c0 - NA;
                 if (EPI == TO_QKV) {   // F0 = LN(x0) (1 + c2) Wq^T / rstd0 + mean0 rho
                     float rho[CPT];
-                    if (first) ld_smem_cols<CPT>(slot + k0, rho);
-                    else ld_in_cols<CPT>(p2.fc + WIDTH + c, rho);
+                    if (first) ld_cols<CPT, SHARED>(slot + k0, rho);
+                    else ld_cols<CPT, READ_ONLY>(p2.fc + WIDTH + c, rho);
                     for (int k = 0; k < CPT; ++k) v[k] = v[k] / rstd[r] + mean[r] * rho[k];
                     st_cols<CPT>(p.f0 + r * WIDTH + c, v);
                 } else {               // S = F0 + y M + eps, in A-fragment order
                     float e[CPT], f[CPT];
-                    if (first) ld_smem_cols<CPT>(slot + k0, e);
-                    else ld_in_cols<CPT>(p2.fc + c, e);
-                    if (first && !FUSE_SELF) ld_smem_cols<CPT>(slot + 8 + k0, f);
-                    else ld_cg_cols<CPT>(p.f0 + r * WIDTH + c, f);
+                    if (first) ld_cols<CPT, SHARED>(slot + k0, e);
+                    else ld_cols<CPT, READ_ONLY>(p2.fc + c, e);
+                    if (first && !FUSE_SELF) ld_cols<CPT, SHARED>(slot + 8 + k0, f);
+                    else ld_cols<CPT, L2>(p.f0 + r * WIDTH + c, f);
                     for (int k = 0; k < CPT; k += 2)
                         *(float2*)(p.sq + afrag_offset(r, c + k, KS_W)) = make_float2(v[k] + (e[k] + f[k]),
                                                                                       v[k + 1] + (e[k + 1] + f[k + 1]));
@@ -851,17 +825,17 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
                 continue;
             }
             float b[CPT];
-            if (first) ld_smem_bf_cols<CPT>((const u16*)slot + k0, b);
-            else ld_in_bf_cols<CPT>(bias + c0, b);
+            if (first) ld_bf_cols<CPT, SHARED>((const u16*)slot + k0, b);
+            else ld_bf_cols<CPT, READ_ONLY>(bias + c0, b);
             for (int k = 0; k < CPT; ++k) v[k] += b[k];
             if (EPI == TO_RESIDUAL) {
                 float g[CPT], old[CPT];
                 if (first) {
-                    ld_smem_bf_cols<CPT>((const u16*)(slot + 4) + k0, g);
-                    ld_smem_cols<CPT>(slot + 8 + k0, old);
+                    ld_bf_cols<CPT, SHARED>((const u16*)(slot + 4) + k0, g);
+                    ld_cols<CPT, SHARED>(slot + 8 + k0, old);
                 } else {
-                    ld_in_bf_cols<CPT>(mod + gate_off + c0, g);
-                    ld_cg_cols<CPT>(p.x + r * WIDTH + c0, old);
+                    ld_bf_cols<CPT, READ_ONLY>(mod + gate_off + c0, g);
+                    ld_cols<CPT, L2>(p.x + r * WIDTH + c0, old);
                 }
                 for (int k = 0; k < CPT; ++k) v[k] = old[k] + g[k] * v[k];
                 store_x<CPT>(p, r, c0, v);
