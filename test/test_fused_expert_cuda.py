@@ -125,7 +125,7 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
 
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
-                                             (4, CudaTiling(weights_smem=True))])
+                                             (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
@@ -268,12 +268,13 @@ def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):
 def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     """Knobs that change where numbers are stored or which threads make them, never the order of a
     sum: the statistics tile-major with 2 threads an epilogue item, and 4 threads an item (two
-    rounds of items here, the second reading its inputs after the wait)."""
+    rounds of items here, the second reading its inputs after the wait) with the L2 prefetches."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     with torch.inference_mode():
         out = [run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
-               for t in (CudaTiling(), CudaTiling(stats_t=True, epi_split=2), CudaTiling(epi_split=4))]
+               for t in (CudaTiling(stats_t=False, epi_split=1), CudaTiling(stats_t=True, epi_split=2),
+                         CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
 

@@ -44,12 +44,15 @@ class CudaTiling:
     # other's (what the merge across programs costs; wrong numbers)
     cross_cut: bool = False
     # the LayerNorm statistics stored tile-major (expert_flow.cu, stats_at): the statistics' reads
-    # coalesced where 1-2 threads read a row (B >= 4). Not yet timed on a GPU; off until it is
-    stats_t: bool = False
+    # coalesced where 1-2 threads read a row. None: where entries >= 4 (on the H200 with epi_split 4
+    # the loop 19.36 -> 18.58 ms at B = 4, 32.66 -> 27.20 at B = 8; at B = 1 9.40 -> 11.26:
+    # BENCHMARKS.md, tenth session)
+    stats_t: Optional[bool] = None
     # threads of a GEMV epilogue's (tile, row) item of 8 columns (1, 2 or 4): at 4, 4x the threads
     # sum the warps' partials and apply bias, gate and residual (at B = 1 a phase of one tile a
-    # program has 16 items: 16 threads of 256 did it). Same numbers bit for bit. Not yet timed on a GPU
-    epi_split: int = 1
+    # program has 16 items: 16 threads of 256 did it). Same numbers bit for bit; on the H200 the
+    # loop 9.87 -> 9.40 ms at B = 1, 13.28 -> 12.91 at B = 2, unchanged at B = 4, 8
+    epi_split: int = 4
     # output tiles of 8 columns a program takes in the LayerNorm linears (at least as many as
     # cover them): more a program, fewer programs read the residual stream. fc1 4: on the H200
     # (132 SMs) 96 programs instead of 128, the loop 0.4-0.7 ms faster at B = 1 (BENCHMARKS.md)
@@ -85,6 +88,11 @@ class CudaTiling:
     # buffers) while the phase before it runs, instead of loaded into registers by every thread
     # between its arrival and its wait (off where two buffers do not fit; not yet timed on a GPU)
     weights_smem: bool = False
+    # each GEMV phase's weights (a program's own tiles) pulled into L2 by the copy engine
+    # (cp.async.bulk.prefetch.L2) from the start of the phase before it, and the cross-attention's
+    # key tiles from the start of the block: the loads before a phase's wait then come from L2
+    # (without weights_smem; not yet timed on a GPU)
+    l2_prefetch: bool = False
 
     def __post_init__(self):
         if self.epi_split not in (1, 2, 4):
@@ -260,8 +268,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
-                     CROSS_CUT=int(t.cross_cut), STATS_T=int(t.stats_t), EPI_SPLIT=t.epi_split, CLUSTER=cluster,
-                     C_OFF=c_off, W_SMEM=int(w_bytes > 0), W_OFF=gen, W_BUF=w_buf)
+                     CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t), EPI_SPLIT=t.epi_split, CLUSTER=cluster,
+                     C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 

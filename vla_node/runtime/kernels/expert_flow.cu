@@ -43,7 +43,9 @@
 // in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
-// STATS_T (the LayerNorm statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV
+// L2_PREFETCH (each GEMV phase's weights pulled into L2 by the copy engine from the start of the phase
+// before it, the cross-attention's key tiles from the start of the block), STATS_T (the LayerNorm
+// statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV
 // epilogue's (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its columns), CLUSTER (the cross-attention's
 // programs of an (entry, head) are a thread-block cluster of that many and merge their partials
 // through distributed shared memory, each program's at C_OFF floats; 1: through global memory, the
@@ -172,6 +174,11 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
                  "@!done bra WAIT_%=; }" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 
+// L2_PREFETCH: `bytes` from src pulled into L2 by the copy engine (no registers, no shared memory,
+// nothing to wait for), so the loads that follow a phase later find them there.
+__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 // Shared memory that generic loads read before, written next by the copy engine (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -595,7 +602,9 @@ __device__ __forceinline__ uint4* w_buf(float* smem, int b) { return (uint4*)(sm
 
 // Thread 0 starts the copy of r into the buffer of GEMV phase w_phase + ahead (free: its last
 // reader, phase w_phase + ahead - 2, has ended).
+// L2_PREFETCH (without W_SMEM): the copy engine pulls them into L2 instead, for the register loads.
 __device__ __forceinline__ void w_issue(Sync& s, float* smem, const WRef& r, int ahead) {
+    if (L2_PREFETCH && !W_SMEM && threadIdx.x == 0 && r.bytes) prefetch_l2(r.p, r.bytes);
     if (!W_SMEM || threadIdx.x != 0 || r.bytes == 0) return;
     const int b = (s.w_phase + ahead) & 1;
     fence_proxy_async();
@@ -938,14 +947,16 @@ __device__ __forceinline__ void load_kv(const Params& p, int j, int b, int h, in
 }
 
 // KV_SMEM: this program's key tiles of block j copied into shared memory (one bulk copy,
-// thread 0), issued before the block's first phase: they land while qkv .. cross_q run.
+// thread 0), issued before the block's first phase: they land while qkv .. cross_q run. Else
+// with L2_PREFETCH pulled into L2 as early.
 __device__ __forceinline__ void kv_prefetch(const Params& p, float* smem, int j) {
     const int pair = blockIdx.x / p.cpp, part = blockIdx.x % p.cpp;
     const int first = part * p.tiles_per_cta, tiles = min(p.tiles_per_cta, p.key_tiles - first);
-    if (!KV_SMEM || threadIdx.x != 0 || pair >= ENTRIES * HEADS || tiles <= 0) return;
+    if (!(KV_SMEM || L2_PREFETCH) || threadIdx.x != 0 || pair >= ENTRIES * HEADS || tiles <= 0) return;
     const int b = pair / HEADS, h = pair % HEADS;
     const uint4* src = p.kv + (((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + first) * 2 * 32 * HK;
-    bulk_copy(smem + KV_OFF + 4, src, (u32)tiles * 2 * 32 * HK * 16, (unsigned long long*)(smem + KV_OFF));
+    if (KV_SMEM) bulk_copy(smem + KV_OFF + 4, src, (u32)tiles * 2 * 32 * HK * 16, (unsigned long long*)(smem + KV_OFF));
+    else prefetch_l2(src, (u32)tiles * 2 * 32 * HK * 16);
 }
 
 // Which of key tile `tile`'s keys a lane's scores (nt, e) are valid for entry b (in range, not
