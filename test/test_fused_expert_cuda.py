@@ -268,13 +268,15 @@ def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):
 def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     """Knobs that change where numbers are stored or which threads make them, never the order of a
     sum: the statistics tile-major with 2 threads an epilogue item, and 4 threads an item (two
-    rounds of items here, the second reading its inputs after the wait) with the L2 prefetches."""
+    rounds of items here, the second reading its inputs after the wait) with the L2 prefetches, and
+    the A fragments loaded a k-step at a time with the next row tile's residual values ahead."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     with torch.inference_mode():
         out = [run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
                for t in (CudaTiling(stats_t=False, epi_split=1), CudaTiling(stats_t=True, epi_split=2),
-                         CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True))]
+                         CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
+                         CudaTiling(x_ahead=True, a_chunk=1))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
 

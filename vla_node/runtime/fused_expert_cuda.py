@@ -93,8 +93,15 @@ class CudaTiling:
     # key tiles from the start of the block: the loads before a phase's wait then come from L2
     # (without weights_smem; not yet timed on a GPU)
     l2_prefetch: bool = False
+    # k-steps of A fragments a warp loads at once in a GEMV phase (one L2 round trip a chunk; fc2's
+    # 24 k-steps a warp are 4 chunks of 6; the largest divisor of a warp's k-steps up to it), and the LayerNorm phases' next row tile of residual
+    # values loaded before this one's dots (B >= 2: a round trip less a row tile). Not yet timed
+    a_chunk: int = 6
+    x_ahead: bool = False
 
     def __post_init__(self):
+        if self.a_chunk < 1:
+            raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
         if self.epi_split not in (1, 2, 4):
             raise ValueError(f"epi_split: 1, 2 or 4 threads a GEMV epilogue's item of 8 columns, got {self.epi_split}")
 
@@ -269,7 +276,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t), EPI_SPLIT=t.epi_split, CLUSTER=cluster,
-                     C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), W_OFF=gen, W_BUF=w_buf)
+                     C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
+                     A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 

@@ -43,6 +43,8 @@
 // in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
+// A_CHUNK (k-steps of A fragments a warp loads at once: one L2 round trip each chunk), X_AHEAD (a
+// LayerNorm phase loads the next row tile's residual values before the dots of this one),
 // L2_PREFETCH (each GEMV phase's weights pulled into L2 by the copy engine from the start of the phase
 // before it, the cross-attention's key tiles from the start of the block), STATS_T (the LayerNorm
 // statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV
@@ -570,6 +572,13 @@ __device__ __forceinline__ float2 x_pair(const XRaw& raw, int reg) { return raw.
 enum Source { FROM_X_LN, FROM_FRAGS, FROM_SELF };
 enum Epilogue { TO_QKV, TO_FRAGS, TO_FRAGS_GELU, TO_RESIDUAL };
 
+// The largest chunk of at most `most` k-steps that divides a warp's k steps.
+constexpr int whole_chunk(int ksteps, int most) {
+    int c = ksteps < most ? ksteps : most;
+    while (ksteps % c) --c;
+    return c;
+}
+
 template <int N, int K, int TPCX> struct Shape {
     static constexpr int NT8 = N / 8;                   // output tiles of 8 columns
     static constexpr int KS = K / 16;
@@ -749,15 +758,15 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
     }
 
     // The warps' partial sums of this program's tiles into red[warp][tile][row][8]: per row
-    // tile, the A fragments of KC k-steps loaded together, each used by every tile. raw: row
-    // tile 0's residual values (LN sources), loaded before the statistics.
+    // tile, the A fragments of KC k-steps (A_CHUNK, at most a warp's) loaded together, each used by
+    // every tile. raw: row tile 0's residual values (LN sources), loaded before the statistics.
     template <int SRC>
     __device__ __forceinline__ void partials(const Params& p, const u16* frags, int src_ksteps, float* red,
                                              const float* mean, const float* rstd, XRaw (&raw)[S::KSW]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-        constexpr int KC = S::KSW < 6 ? S::KSW : 6;
+        constexpr int KC = whole_chunk(S::KSW, A_CHUNK);
         for (int mt = 0; mt < MT; ++mt) {
-            if (SRC == FROM_X_LN && mt > 0) load_x(p, mt, raw);
+            if (SRC == FROM_X_LN && mt > 0 && !X_AHEAD) load_x(p, mt, raw);
             uint4 att[HK];
             if (SRC == FROM_SELF) self_attend(p, mt / (TOK16 / 16), warp, mt % (TOK16 / 16), att);
             float acc[S::TPC][4];
@@ -769,6 +778,8 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
 #pragma unroll
                 for (int k = 0; k < KC; ++k)
                     a[k] = SRC == FROM_SELF ? att[(k0 + k) % HK] : a_frag<SRC>(frags, src_ksteps, mt, k0 + k, raw, mean, rstd);
+                // X_AHEAD: the next row tile's values in flight during this one's dots (raw is free now)
+                if (X_AHEAD && SRC == FROM_X_LN && k0 + KC == S::KSW && mt + 1 < MT) load_x(p, mt + 1, raw);
 #pragma unroll
                 for (int k = 0; k < KC; ++k) {
                     const int ks = k0 + k;
