@@ -91,13 +91,17 @@ class CudaTiling:
     # each GEMV phase's weights (a program's own tiles) pulled into L2 by the copy engine
     # (cp.async.bulk.prefetch.L2) from the start of the phase before it, and the cross-attention's
     # key tiles from the start of the block: the loads before a phase's wait then come from L2
-    # (without weights_smem; not yet timed on a GPU)
+    # (without weights_smem). On the H200 no faster: B = 1 / 2 / 4 / 8 9.38 / 12.56 / 18.25 / 27.47 ms
+    # against 9.39 / 12.90 / 18.43 / 27.08 (BENCHMARKS.md, tenth session)
     l2_prefetch: bool = False
-    # k-steps of A fragments a warp loads at once in a GEMV phase (one L2 round trip a chunk; fc2's
-    # 24 k-steps a warp are 4 chunks of 6; the largest divisor of a warp's k-steps up to it), and the LayerNorm phases' next row tile of residual
-    # values loaded before this one's dots (B >= 2: a round trip less a row tile). Not yet timed
+    # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
+    # chunks of 6; the largest divisor of a warp's k-steps up to it): 12 and 24 no faster on the
+    # H200 (fc2's dots at B = 4 are bound by every program reading all of the MLP hidden, not by
+    # round trips). x_ahead: the LayerNorm phases' next row tile of residual values loaded before
+    # this one's dots: on the H200 the loop 12.91 -> 12.78 ms at B = 2, 18.48 -> 18.37 at B = 4,
+    # 26.99 -> 26.35 at B = 8 (BENCHMARKS.md, tenth session); B = 1 has one row tile
     a_chunk: int = 6
-    x_ahead: bool = False
+    x_ahead: bool = True
 
     def __post_init__(self):
         if self.a_chunk < 1:
