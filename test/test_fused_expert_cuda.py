@@ -274,7 +274,7 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     with torch.inference_mode():
         out = [run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
-               for t in (CudaTiling(stats_t=False, epi_split=1), CudaTiling(stats_t=True, epi_split=2),
+               for t in (CudaTiling(stats_t=False, epi_split=1, x_ahead=False), CudaTiling(stats_t=True, epi_split=2),
                          CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
                          CudaTiling(x_ahead=True, a_chunk=1))]
     for got in out[1:]:
