@@ -102,8 +102,17 @@ class CudaTiling:
     # 26.99 -> 26.35 at B = 8 (BENCHMARKS.md, tenth session); B = 1 has one row tile
     a_chunk: int = 6
     x_ahead: bool = True
+    # fc2's K split over this many programs of a cross-attention cluster (1, 2, 4 or 8; at most the
+    # cluster, and a warp's part of K whole 16-byte loads): each program reads 1 / fc2_split of the
+    # MLP hidden (at B = 4 every fc2 program read all 393 KB of it), the partial sums meet in
+    # distributed shared memory. Other sums' order: not bit for bit the default. Not yet timed
+    fc2_split: int = 1
 
     def __post_init__(self):
+        if self.fc2_split not in (1, 2, 4, 8):
+            raise ValueError(f"fc2_split: 1, 2, 4 or 8 programs share fc2's K, got {self.fc2_split}")
+        if self.fc2_split > 1 and self.weights_smem:
+            raise ValueError("fc2_split and weights_smem: a program's split weights are not one range to copy")
         if self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
         if self.epi_split not in (1, 2, 4):
@@ -202,28 +211,39 @@ def cross_cluster(t: CudaTiling, pairs: int, held: Callable[[int], int]) -> int:
     return fits[0] if t.cluster == 0 and fits and not (t.kv_smem or t.cross_programs) else 1
 
 
+def check_shape(dims, entries: int, tokens: int, rows: int, programs: int):
+    if tokens > 32 or rows > MAX_ROWS:
+        raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
+                         f"got {entries} x {tokens}")
+    if entries * dims.heads > programs:
+        raise ValueError(f"the CUDA expert kernel needs a program per (entry, head) pair: {entries} x {dims.heads} "
+                         f"on {programs} programs")
+
+
+def fc2_split_of(t: CudaTiling, cluster: int, mlp: int) -> int:
+    """fc2's K split (CudaTiling.fc2_split): as asked, at most the cluster, and a warp's k-steps of
+    its part in whole 16-byte pairs (mlp / 16 / split / 8 even)."""
+    split = t.fc2_split
+    while split > 1 and (cluster % split or mlp % (256 * split)):
+        split //= 2
+    return split
+
+
 def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling(),
             smem_limit: int = SMEM_LIMIT, held: Optional[Callable[[int], int]] = None) -> Plan:
     """The kernel's constants and launch shape for `dims` (a FusedExpert's width, heads, head_dim,
     mlp, action_dim, depth) on a GPU of `programs` SMs with `smem_limit` bytes of shared memory a
     program; held(c): the programs it holds at once in clusters of c (default: as many of the
     `programs` as make whole clusters)."""
-    tok16 = 16 * math.ceil(tokens / 16)
-    rows = entries * tok16
-    t = tiling
-    pairs = entries * dims.heads
+    t, tok16 = tiling, 16 * math.ceil(tokens / 16)
+    rows, pairs = entries * tok16, entries * dims.heads
     held = held or (lambda c: programs // c * c)
     cluster = cross_cluster(t, pairs, held)
     programs = held(cluster) if cluster > 1 else programs
-    if tokens > 32 or rows > MAX_ROWS:
-        raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
-                         f"got {entries} x {tokens}")
+    check_shape(dims, entries, tokens, rows, programs)
     tpr = 1
     while tpr < 32 and tpr * 2 * rows <= THREADS:
         tpr *= 2
-    if pairs > programs:
-        raise ValueError(f"the CUDA expert kernel needs a program per (entry, head) pair: {entries} x {dims.heads} "
-                         f"on {programs} programs")
     key_tiles = math.ceil(n_keys / 16)
 
     def tpc(n: int, asked: int, first_part: int = 0) -> int:
@@ -236,8 +256,10 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     w, fold = dims.width, int(t.fold_cross_q)
     qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, 0, fold * w)
     cq, fc1, rest = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, 0)
+    split = fc2_split_of(t, cluster, dims.mlp)
+    fc2 = math.ceil(w / 8 / (programs // split))
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
-    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest))
+    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2))
 
     def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, x1's
         # row statistics, the warps' partials or the last program's copy of every program's, and with
@@ -271,7 +293,9 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     if 4 * gen + w_bytes + kv_bytes > smem_limit:
         w_bytes = 0
     c_off = gen + (w_bytes + kv_bytes) // 4   # clusters: each program's merged partial
-    smem = 4 * c_off + (4 * (tok16 * dims.head_dim + 2 * tok16) if cluster > 1 else 0)
+    # clusters: the cross-attention's merged partial, or fc2's split sums [tiles][rows][8]
+    smem = 4 * c_off + (4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0)
+                        if cluster > 1 else 0)
     if smem > smem_limit:
         raise ValueError(f"the CUDA expert kernel's plan needs {smem} bytes of shared memory, {smem_limit} a program")
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
@@ -281,7 +305,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t), EPI_SPLIT=t.epi_split, CLUSTER=cluster,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
-                     A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), W_OFF=gen, W_BUF=w_buf)
+                     A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split, W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 

@@ -43,7 +43,8 @@
 // in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
-// A_CHUNK (k-steps of A fragments a warp loads at once: one L2 round trip each chunk), X_AHEAD (a
+// FC2_SPLIT (fc2's K split over that many programs of a cluster, partial sums through distributed
+// shared memory at C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), A_CHUNK (k-steps of A fragments a warp loads at once: one L2 round trip each chunk), X_AHEAD (a
 // LayerNorm phase loads the next row tile's residual values before the dots of this one),
 // L2_PREFETCH (each GEMV phase's weights pulled into L2 by the copy engine from the start of the phase
 // before it, the cross-attention's key tiles from the start of the block), STATS_T (the LayerNorm
@@ -579,13 +580,21 @@ constexpr int whole_chunk(int ksteps, int most) {
     return c;
 }
 
-template <int N, int K, int TPCX> struct Shape {
+// SPLIT > 1 (FC2_SPLIT): K split over SPLIT consecutive programs of a cluster (a group), each
+// reading 1 / SPLIT of the activations: a program's partial sums of its group's TPC tiles over its
+// part of K, reduced through distributed shared memory by the program whose epilogue takes a tile.
+template <int N, int K, int TPCX, int SPLIT = 1> struct Shape {
     static constexpr int NT8 = N / 8;                   // output tiles of 8 columns
     static constexpr int KS = K / 16;
-    static constexpr int KSW = KS / NWARPS;             // k-steps of one warp
+    static constexpr int KSW = KS / SPLIT / NWARPS;     // k-steps of one warp
     static constexpr int KP = KSW / 2;                  // 16-byte weight loads per (tile, lane)
-    // tiles of one program: TPCX, or as few as reach every output tile
-    static constexpr int TPC = TPCX ? TPCX : (NT8 + NPROG - 1) / NPROG;
+    // tiles of one program (of its group): TPCX, or as few as reach every output tile
+    static constexpr int TPC = TPCX ? TPCX : (NT8 + NPROG / SPLIT - 1) / (NPROG / SPLIT);
+    static constexpr int OWN = (TPC + SPLIT - 1) / SPLIT;   // tiles whose epilogue the program runs
+    static_assert(SPLIT == 1 || (CLUSTER % SPLIT == 0 && KSW % 2 == 0), "SPLIT: whole groups in a cluster, k-pairs a warp");
+    __device__ static int t0() { return blockIdx.x / SPLIT * TPC; }         // the group's first tile
+    __device__ static int rank() { return blockIdx.x % SPLIT; }
+    __device__ static int own(int tt) { return rank() + tt * SPLIT; }       // the group's tile of own tile tt
 };
 
 // W_SMEM: a program's weights of one GEMV phase (its tiles, contiguous in B-fragment order; the
@@ -595,11 +604,11 @@ struct WRef {
     const uint4* p;
     u32 bytes;      // 0: the program has no tiles in the phase
 };
-template <int N, int K, int TPCX, int NA = N>
+template <int N, int K, int TPCX, int NA = N, int SPLIT = 1>
 __device__ __forceinline__ WRef wref(const uint4* wf, const uint4* w2) {
     typedef Shape<N, K, TPCX> S;
     const int t0 = blockIdx.x * S::TPC;
-    if (t0 >= S::NT8) return {nullptr, 0u};
+    if (t0 >= S::NT8 || SPLIT > 1) return {nullptr, 0u};   // SPLIT: a program's weights are not one range
     const bool second = NA < N && t0 >= NA / 8;
     const int tiles = min(S::TPC, S::NT8 - t0);
     return {second ? w2 + (size_t)(t0 - NA / 8) * K : wf + (size_t)t0 * K, (u32)tiles * K * 16u};
@@ -651,8 +660,8 @@ struct Part2 {
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
 // A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait. Output
 // columns from NA on are the second part (FOLD_CQ; a program's tiles are all in one part).
-template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
-    typedef Shape<N, K, TPCX> S;
+template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gemv {
+    typedef Shape<N, K, TPCX, SPLIT> S;
     static constexpr int NA8 = NA / 8;
     static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
     uint4 wr[S::TPC][S::KP];
@@ -664,15 +673,15 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
                                          int shift_off, int scale_off, int gate_off, bool modulated, float* pre,
                                          const Part2& p2) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        const int t0 = blockIdx.x * S::TPC;
+        const int t0 = S::t0();
         const bool second = NA < N && t0 >= NA8;
         // Item threadIdx.x / EPI_SPLIT's 16 floats, its 4 chunks of 16 bytes shared by its threads.
         constexpr int CHUNKS = 4 / EPI_SPLIT;
-        const int item = threadIdx.x / EPI_SPLIT, tt = item / MP, r = item % MP, c0 = (t0 + tt) * 8;
+        const int item = threadIdx.x / EPI_SPLIT, tt = item / MP, r = item % MP, tg = S::own(tt), c0 = (t0 + tg) * 8;
         const int ch0 = threadIdx.x % EPI_SPLIT * CHUNKS;
         float* slot = pre + item * 16;
 #pragma unroll
-        for (int j = 0; j < CHUNKS && tt < S::TPC && t0 + tt < S::NT8; ++j) {
+        for (int j = 0; j < CHUNKS && tt < S::OWN && tg < S::TPC && t0 + tg < S::NT8; ++j) {
             const int ch = ch0 + j, c = c0 - NA + (ch & 1) * 4;
             if (second && EPI == TO_QKV) {
                 if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + WIDTH + c);
@@ -686,7 +695,8 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
                 cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : p.x + r * WIDTH + c0 + (ch - 2) * 4);
             }
         }
-        const uint4* w = wref<N, K, TPCX, NA>(wf, p2.w).p;   // this program's first tile (W_SMEM: its buffer's source)
+        // this program's first tile (W_SMEM: its buffer's source), from its part of K (SPLIT)
+        const uint4* w = (second ? p2.w + (size_t)(t0 - NA8) * K : wf + (size_t)t0 * K) + S::rank() * (S::KS / SPLIT / 2) * 32;
 #pragma unroll
         for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt)
 #pragma unroll
@@ -744,7 +754,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
                                             const XRaw (&raw)[S::KSW], const float* mean, const float* rstd) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
         if (SRC != FROM_X_LN)
-            return ld_cg16((const uint4*)frags + ((mt * src_ksteps + warp * S::KSW + ks) * 32 + lane));
+            return ld_cg16((const uint4*)frags + ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane));
         const int r0 = mt * 16 + g, r1 = r0 + 8;
         const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
         const float2 x00 = x_pair(raw[ks], 0), x10 = x_pair(raw[ks], 1), x01 = x_pair(raw[ks], 2), x11 = x_pair(raw[ks], 3);
@@ -805,21 +815,37 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
     // wait; visible: gemv_phase waits for the copies before the barrier that precedes this). A
     // warp's threads agree on every loop exit (where EPI_SPLIT > 1 the count is a multiple of 32
     // and a warp's 32 / EPI_SPLIT items lie in one tile): store_x's shuffles see the whole warp.
-    __device__ __forceinline__ void epilogue(const Params& p, const float* red, const u16* bias, u16* out,
+    // SPLIT: the program's partial sums of its group's tiles, its warps summed in order, into
+    // red_k [TPC][MP][8] (the cluster region at C_OFF, which no phase writes before its wait).
+    __device__ __forceinline__ void split_sums(const float* red, float* red_k) {
+        for (int e = threadIdx.x; e < S::TPC * MP * 8; e += NTHREADS) {
+            const int tt = e / (MP * 8), rc = e % (MP * 8);
+            float v = 0.0f;
+            for (int w = 0; w < NWARPS; ++w) v += red[(w * S::TPC + tt) * MP * 8 + rc];
+            red_k[e] = v;
+        }
+    }
+
+    __device__ __forceinline__ void epilogue(const Params& p, const float* red, const float* red_k, const u16* bias, u16* out,
                                              const u16* mod, int gate_off, const float* pre, const float* mean,
                                              const float* rstd, const Part2& p2) {
         constexpr int CPT = 8 / EPI_SPLIT;
-        const int t0 = blockIdx.x * S::TPC, k0 = threadIdx.x % EPI_SPLIT * CPT;
+        const int t0 = S::t0(), k0 = threadIdx.x % EPI_SPLIT * CPT;
         const float* slot = pre + threadIdx.x / EPI_SPLIT * 16;   // this thread's first item's inputs
 #pragma unroll 1   // an item at a time: unrolled, the items' registers spill
-        for (int sub = threadIdx.x; sub < S::TPC * MP * EPI_SPLIT; sub += NTHREADS) {
-            const int idx = sub / EPI_SPLIT, tt = idx / MP, r = idx % MP, tile = t0 + tt;
-            if (tile >= S::NT8) continue;
+        for (int sub = threadIdx.x; sub < S::OWN * MP * EPI_SPLIT; sub += NTHREADS) {
+            const int idx = sub / EPI_SPLIT, tt = S::own(idx / MP), r = idx % MP, tile = t0 + tt;
+            if (tt >= S::TPC || tile >= S::NT8) continue;
             const int ct = tile * 8, c0 = ct + k0;   // the tile's first column, this thread's
             const bool first = sub == threadIdx.x;
             float v[CPT];
             for (int k = 0; k < CPT; ++k) v[k] = 0.0f;
-            for (int w = 0; w < NWARPS; ++w) {
+            if (SPLIT > 1) {   // the group's programs' sums (split_sums), in order
+                const u32 rank0 = blockIdx.x % CLUSTER - S::rank();
+                for (int c = 0; c < SPLIT; ++c)
+                    for (int k = 0; k < CPT; ++k) v[k] += ld_peer(red_k + (tt * MP + r) * 8 + k0 + k, rank0 + c);
+            }
+            for (int w = 0; w < NWARPS && SPLIT == 1; ++w) {
                 float a[CPT];
                 ld_cols<CPT, SHARED>(red + ((w * S::TPC + tt) * MP + r) * 8 + k0, a);
                 for (int k = 0; k < CPT; ++k) v[k] += a[k];
@@ -879,22 +905,37 @@ template <int N, int K, int EPI, int TPCX, int NA = N> struct Gemv {
 };
 
 // One GEMV phase of block j: weights (and the epilogue's inputs) before the wait, then the dot.
-template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N>
+template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N, int SPLIT = 1>
 __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
                                            const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{},
                                            const WRef& next_w = WRef{nullptr, 0u}) {
-    typedef Shape<N, K, TPCX> S;
-    Gemv<N, K, EPI, TPCX, NA> gemv;
+    typedef Shape<N, K, TPCX, SPLIT> S;
+    static_assert(SPLIT == 1 || (SRC == FROM_FRAGS && NA == N && !W_SMEM), "SPLIT: dots of stored fragments only");
+    Gemv<N, K, EPI, TPCX, NA, SPLIT> gemv;
     w_issue(s, smem, next_w, 1);   // W_SMEM: the next GEMV phase's weights stream in while this one runs
     float* mean = smem;
     float* rstd = smem + MP;
     float* red = smem + 2 * MP;
     float* pre = red + NWARPS * S::TPC * MP * 8;   // the epilogue's inputs: 16 floats an item of its first round
+    float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
-    if (W_SMEM && blockIdx.x * S::TPC < S::NT8) gemv.load_smem(w_take(s, smem));
-    if (WORK && blockIdx.x * S::TPC < S::NT8) {
+    const bool active = S::t0() < S::NT8;
+    if (W_SMEM && active) gemv.load_smem(w_take(s, smem));
+    if (WORK && SPLIT > 1) {   // every program of the cluster meets at its barrier
+        trace_mark(p, s, 2);
+        if (active) {
+            XRaw raw[S::KSW];   // unused: the fragments' dots read no residual values
+            gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
+            __syncthreads();
+            gemv.split_sums(red, red_k);
+        }
+        cp_async_wait();
+        cluster_sync();
+        trace_mark(p, s, 3);
+        if (active) gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2);
+    } else if (WORK && active) {
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
             gemv.load_x(p, 0, raw);
@@ -906,7 +947,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         cp_async_wait();   // pre: an item's inputs came through its threads' copies
         __syncthreads();
         trace_mark(p, s, 3);
-        gemv.epilogue(p, red, bias, out, mod, gate_off, pre, mean, rstd, p2);
+        gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2);
     }
     cp_async_wait();
     s.w_phase++;
@@ -1297,7 +1338,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
     auto cq_w = [&](int j) { return wref<WIDTH, WIDTH, CQ_TPC>(p.wq + j * WW, nullptr); };
     auto co_w = [&](int j) { return wref<WIDTH, WIDTH, 0>(p.wco + j * WW, nullptr); };
     auto fc1_w = [&](int j) { return wref<MLPD, WIDTH, FC1_TPC>(p.w1 + j * WM, nullptr); };
-    auto fc2_w = [&](int j) { return wref<WIDTH, MLPD, 0>(p.w2 + j * WM, nullptr); };
+    auto fc2_w = [&](int j) { return wref<WIDTH, MLPD, 0, WIDTH, FC2_SPLIT>(p.w2 + j * WM, nullptr); };
     // Steps step_lo .. step_hi - 1; a reused step (reuse[i] >= 0) only updates the actions.
     int done = -1, i = p.step_lo;
     while (true) {
@@ -1346,7 +1387,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
                 p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
                 fc2_w(j));
-            gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL>(
+            gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
                 p, s, smem, p.w2 + j * WM, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
                 j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
         }
