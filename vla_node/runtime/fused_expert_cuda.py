@@ -105,13 +105,15 @@ class CudaTiling:
     # fc2's K split over this many programs of a cross-attention cluster (1, 2, 4 or 8; at most the
     # cluster, and a warp's part of K whole 16-byte loads): each program reads 1 / fc2_split of the
     # MLP hidden (at B = 4 every fc2 program read all 393 KB of it), the partial sums meet in
-    # distributed shared memory. Other sums' order: not bit for bit the default. Not yet timed
-    fc2_split: int = 1
+    # distributed shared memory (another order of fp32 sums). None: 2 where entries >= 2 (on the
+    # H200 the loop 12.86 -> 12.49 ms at B = 2, 18.15 -> 17.74 at B = 4, 26.55 -> 25.95 at B = 8; at
+    # B = 1 9.43 -> 9.56, and 4 no better than 2: BENCHMARKS.md, tenth session)
+    fc2_split: Optional[int] = None
 
     def __post_init__(self):
-        if self.fc2_split not in (1, 2, 4, 8):
+        if self.fc2_split not in (None, 1, 2, 4, 8):
             raise ValueError(f"fc2_split: 1, 2, 4 or 8 programs share fc2's K, got {self.fc2_split}")
-        if self.fc2_split > 1 and self.weights_smem:
+        if (self.fc2_split or 1) > 1 and self.weights_smem:
             raise ValueError("fc2_split and weights_smem: a program's split weights are not one range to copy")
         if self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
@@ -220,10 +222,10 @@ def check_shape(dims, entries: int, tokens: int, rows: int, programs: int):
                          f"on {programs} programs")
 
 
-def fc2_split_of(t: CudaTiling, cluster: int, mlp: int) -> int:
+def fc2_split_of(t: CudaTiling, entries: int, cluster: int, mlp: int) -> int:
     """fc2's K split (CudaTiling.fc2_split): as asked, at most the cluster, and a warp's k-steps of
     its part in whole 16-byte pairs (mlp / 16 / split / 8 even)."""
-    split = t.fc2_split
+    split = t.fc2_split or (2 if entries >= 2 and not t.weights_smem else 1)
     while split > 1 and (cluster % split or mlp % (256 * split)):
         split //= 2
     return split
@@ -256,7 +258,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     w, fold = dims.width, int(t.fold_cross_q)
     qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, 0, fold * w)
     cq, fc1, rest = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, 0)
-    split = fc2_split_of(t, cluster, dims.mlp)
+    split = fc2_split_of(t, entries, cluster, dims.mlp)
     fc2 = math.ceil(w / 8 / (programs // split))
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
     gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2))
@@ -303,7 +305,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
-                     CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t), EPI_SPLIT=t.epi_split, CLUSTER=cluster,
+                     CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
+                     EPI_SPLIT=t.epi_split, CLUSTER=cluster,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split, W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
