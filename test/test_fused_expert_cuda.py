@@ -125,7 +125,8 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
 
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
-                                             (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True))])
+                                             (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
+                                             (2, CudaTiling(self_cluster=True))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
@@ -255,7 +256,7 @@ def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device
     CudaTiling(cross_programs=2), CudaTiling(kv_smem=True), CudaTiling(kv_smem=True, cross_programs=3),
     CudaTiling(x_frags=False), CudaTiling(fold_cross_q=False), CudaTiling(fold_cross_q=False, x_frags=False),
     CudaTiling(qkv_tpc=5), CudaTiling(kv_smem=True, poll=3), CudaTiling(weights_smem=True),
-    CudaTiling(weights_smem=True, kv_smem=True, fold_cross_q=False), CudaTiling(cluster=1),
+    CudaTiling(weights_smem=True, kv_smem=True, fold_cross_q=False), CudaTiling(cluster=1), CudaTiling(self_cluster=True),
 ], ids=lambda t: ",".join(f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
                           if getattr(t, f.name) != getattr(CudaTiling(), f.name)))
 def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):
@@ -268,15 +269,16 @@ def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):
 def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     """Knobs that change where numbers are stored or which threads make them, never the order of a
     sum: the statistics tile-major with 2 threads an epilogue item, and 4 threads an item (two
-    rounds of items here, the second reading its inputs after the wait) with the L2 prefetches, and
-    the A fragments loaded a k-step at a time with the next row tile's residual values ahead."""
+    rounds of items here, the second reading its inputs after the wait) with the L2 prefetches, the
+    A fragments loaded a k-step at a time with the next row tile's residual values ahead, and the
+    self-attention computed in self_out's clusters (no self phase)."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     with torch.inference_mode():
         out = [run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
                for t in (CudaTiling(stats_t=False, epi_split=1, x_ahead=False), CudaTiling(stats_t=True, epi_split=2),
                          CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
-                         CudaTiling(x_ahead=True, a_chunk=1))]
+                         CudaTiling(x_ahead=True, a_chunk=1), CudaTiling(self_cluster=True))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
 

@@ -69,6 +69,12 @@ class CudaTiling:
     # self_out computes its own warp's head of the self-attention (no self phase, one barrier less;
     # heads = 8 and head_dim = width / 8 only): every self_out program reads all of q, k, v
     fuse_self: bool = False
+    # the self-attention computed by self_out's programs, each of a cross-attention cluster a share
+    # of its (entry, head) items into its shared memory, self_out's A fragments read from there
+    # (distributed shared memory): no self phase and its barrier, each item computed once a cluster
+    # (every program of fuse_self computes all of them). Needs clusters and at most 8 items a
+    # program (molmobot-4b: B <= 2). The same numbers bit for bit. Not yet timed on a GPU
+    self_cluster: bool = False
     # the cross-attention's key tiles copied into shared memory by one bulk copy a block, issued
     # before the block's first phase (so they land while qkv .. cross_q run); cross_programs:
     # programs per (entry, head) (0: as few as fit). Off: on the H200 it was no faster (the phase
@@ -115,6 +121,8 @@ class CudaTiling:
             raise ValueError(f"fc2_split: 1, 2, 4 or 8 programs share fc2's K, got {self.fc2_split}")
         if (self.fc2_split or 1) > 1 and self.weights_smem:
             raise ValueError("fc2_split and weights_smem: a program's split weights are not one range to copy")
+        if self.self_cluster and self.fuse_self:
+            raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
         if self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
         if self.epi_split not in (1, 2, 4):
@@ -213,7 +221,11 @@ def cross_cluster(t: CudaTiling, pairs: int, held: Callable[[int], int]) -> int:
     return fits[0] if t.cluster == 0 and fits and not (t.kv_smem or t.cross_programs) else 1
 
 
-def check_shape(dims, entries: int, tokens: int, rows: int, programs: int):
+def check_shape(dims, t: CudaTiling, entries: int, tokens: int, rows: int, programs: int, cluster: int):
+    self_items = rows // 16 * dims.heads
+    if t.self_cluster and (cluster == 1 or self_items > 8 * cluster):
+        raise ValueError(f"self_cluster: {self_items} self-attention items on clusters of {cluster} "
+                         "(at most 8 a program)")
     if tokens > 32 or rows > MAX_ROWS:
         raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
                          f"got {entries} x {tokens}")
@@ -242,11 +254,10 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     held = held or (lambda c: programs // c * c)
     cluster = cross_cluster(t, pairs, held)
     programs = held(cluster) if cluster > 1 else programs
-    check_shape(dims, entries, tokens, rows, programs)
-    tpr = 1
+    check_shape(dims, t, entries, tokens, rows, programs, cluster)
+    tpr, key_tiles = 1, math.ceil(n_keys / 16)
     while tpr < 32 and tpr * 2 * rows <= THREADS:
         tpr *= 2
-    key_tiles = math.ceil(n_keys / 16)
 
     def tpc(n: int, asked: int, first_part: int = 0) -> int:
         """Output tiles of 8 a program for n outputs: as asked, at least as many as cover them, and
@@ -295,9 +306,10 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     if 4 * gen + w_bytes + kv_bytes > smem_limit:
         w_bytes = 0
     c_off = gen + (w_bytes + kv_bytes) // 4   # clusters: each program's merged partial
-    # clusters: the cross-attention's merged partial, or fc2's split sums [tiles][rows][8]
-    smem = 4 * c_off + (4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0)
-                        if cluster > 1 else 0)
+    # clusters: the cross-attention's merged partial, fc2's split sums [tiles][rows][8], the
+    # self-attention items' fragments [8][head_dim / 16][32][4]
+    smem = 4 * c_off + (4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
+                                8 * dims.head_dim * 8 * t.self_cluster) if cluster > 1 else 0)
     if smem > smem_limit:
         raise ValueError(f"the CUDA expert kernel's plan needs {smem} bytes of shared memory, {smem_limit} a program")
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
@@ -308,7 +320,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
-                     A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split, W_OFF=gen, W_BUF=w_buf)
+                     A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
+                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
@@ -405,8 +418,8 @@ class CudaFlow:
         """What each segment between two grid barriers of a launch over all steps runs (folded:
         whether the launch's inputs carry fold constants; default: the tiling's fold_cross_q)."""
         folded = self.tiling.fold_cross_q if folded is None else folded
-        phases = [p for p in BLOCK_PHASES if not (self.tiling.fuse_self and p == "self")
-                  and not (folded and p == "cross_q")]
+        no_self = self.tiling.fuse_self or self.tiling.self_cluster
+        phases = [p for p in BLOCK_PHASES if not (no_self and p == "self") and not (folded and p == "cross_q")]
         names = []
         for r in reuse:
             if r < 0:

@@ -43,15 +43,17 @@
 // in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
-// FC2_SPLIT (fc2's K split over that many programs of a cluster, partial sums through distributed
-// shared memory at C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), A_CHUNK (k-steps of A fragments a warp loads at once: one L2 round trip each chunk), X_AHEAD (a
-// LayerNorm phase loads the next row tile's residual values before the dots of this one),
-// L2_PREFETCH (each GEMV phase's weights pulled into L2 by the copy engine from the start of the phase
-// before it, the cross-attention's key tiles from the start of the block), STATS_T (the LayerNorm
-// statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV
-// epilogue's (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its columns), CLUSTER (the cross-attention's
-// programs of an (entry, head) are a thread-block cluster of that many and merge their partials
-// through distributed shared memory, each program's at C_OFF floats; 1: through global memory, the
+// SELF_CLUSTER (the self-attention computed by self_out's clusters: FROM_CLUSTER), FC2_SPLIT (fc2's
+// K split over that many programs of a cluster, partial sums through distributed shared memory at
+// C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), A_CHUNK (k-steps of A fragments a warp
+// loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
+// residual values before the dots of this one), L2_PREFETCH (each GEMV phase's weights pulled into
+// L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
+// the start of the block), STATS_T (the LayerNorm statistics stored tile-major: stats_at),
+// EPI_SPLIT (threads of a GEMV epilogue's (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its
+// columns), CLUSTER (the cross-attention's programs of an (entry, head) are a thread-block cluster
+// of that many and merge their partials through distributed shared memory, each program's at C_OFF
+// floats; 1: through global memory, the
 // last program to arrive merging), and the measurement knobs POLL
 // (how a barrier polls), TRACE (per-segment timestamps), WORK (0: every phase's loads and barriers
 // without its arithmetic and stores: the loop's floor of synchronisation) and CROSS_CUT (1: the
@@ -257,6 +259,15 @@ __device__ __forceinline__ float ld_peer(const float* p, u32 rank) {
     float v;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
+// The 16 bytes at p's place in the shared memory of the cluster's program `rank`.
+__device__ __forceinline__ uint4 ld_peer16(const void* p, u32 rank) {
+    u32 a;
+    uint4 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(a) : "memory");
     return v;
 }
 #endif   // VLA_CPU
@@ -569,8 +580,27 @@ __device__ __forceinline__ float2 x_pair(const XRaw& raw, int reg) { return raw.
 #endif
 
 // FROM_SELF (FUSE_SELF): self_out's A fragments are its own warp's head of the self-attention
-// (warp w's k-range is head w's columns), so the self phase and its barrier go.
-enum Source { FROM_X_LN, FROM_FRAGS, FROM_SELF };
+// (warp w's k-range is head w's columns), so the self phase and its barrier go. FROM_CLUSTER
+// (SELF_CLUSTER): each program of a cluster computes a share of the self-attention's (entry, head,
+// query tile) items into its shared memory, and self_out's warps read their A fragments from the
+// program that holds them (distributed shared memory): the self phase and its barrier go, and each
+// item is computed once a cluster.
+enum Source { FROM_X_LN, FROM_FRAGS, FROM_SELF, FROM_CLUSTER };
+
+// SELF_CLUSTER: item i (of (entry, head, query tile), in y's order) is warp i / CLUSTER's of the
+// cluster's program i % CLUSTER; its fragments [HK][32 lanes] at C_OFF floats in that program.
+__device__ __forceinline__ uint4* self_slot(float* smem, int i) { return (uint4*)(smem + C_OFF) + i / CLUSTER * HK * 32; }
+__device__ void self_items(const Params& p, float* smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, qtiles = TOK16 / 16;
+    const int item = warp * CLUSTER + blockIdx.x % CLUSTER;
+    if (item < ENTRIES * HEADS * qtiles) {
+        const int b = item / (HEADS * qtiles), h = item / qtiles % HEADS, qm = item % qtiles;
+        uint4 out[HK];
+        self_attend(p, b, h, qm, out);
+        uint4* dst = self_slot(smem, item) + lane;
+        for (int u = 0; u < HK; ++u) dst[u * 32] = out[u];
+    }
+}
 enum Epilogue { TO_QKV, TO_FRAGS, TO_FRAGS_GELU, TO_RESIDUAL };
 
 // The largest chunk of at most `most` k-steps that divides a warp's k steps.
@@ -687,8 +717,8 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + WIDTH + c);
             } else if (second) {
                 if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + c);
-                // F0 is the qkv phase's: one barrier back with FUSE_SELF, read after the wait
-                else if (!FUSE_SELF) cp_async16(slot + 4 * ch, p.f0 + r * WIDTH + c);
+                // F0 is the qkv phase's: one barrier back without a self phase, read after the wait
+                else if (!FUSE_SELF && !SELF_CLUSTER) cp_async16(slot + 4 * ch, p.f0 + r * WIDTH + c);
             } else if (ch == 0) {
                 cp_async16(slot, bias + c0);
             } else if (EPI == TO_RESIDUAL) {
@@ -753,6 +783,11 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     __device__ __forceinline__ uint4 a_frag(const u16* frags, int src_ksteps, int mt, int ks,
                                             const XRaw (&raw)[S::KSW], const float* mean, const float* rstd) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+        if (SRC == FROM_CLUSTER) {   // k-step ks of head h of row tile mt: item (b, h, qm)'s fragment u
+            const int kg = warp * S::KSW + ks, h = kg / HK, u = kg % HK, qtiles = TOK16 / 16;
+            const int item = (mt / qtiles * HEADS + h) * qtiles + mt % qtiles;
+            return ld_peer16(self_slot(dynamic_smem(), item) + u * 32 + lane, item % CLUSTER);
+        }
         if (SRC != FROM_X_LN)
             return ld_cg16((const uint4*)frags + ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane));
         const int r0 = mt * 16 + g, r1 = r0 + 8;
@@ -862,7 +897,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                     float e[CPT], f[CPT];
                     if (first) ld_cols<CPT, SHARED>(slot + k0, e);
                     else ld_cols<CPT, READ_ONLY>(p2.fc + c, e);
-                    if (first && !FUSE_SELF) ld_cols<CPT, SHARED>(slot + 8 + k0, f);
+                    if (first && !FUSE_SELF && !SELF_CLUSTER) ld_cols<CPT, SHARED>(slot + 8 + k0, f);
                     else ld_cols<CPT, L2>(p.f0 + r * WIDTH + c, f);
                     for (int k = 0; k < CPT; k += 2)
                         *(float2*)(p.sq + afrag_offset(r, c + k, KS_W)) = make_float2(v[k] + (e[k] + f[k]),
@@ -921,6 +956,10 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
+    if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
+        self_items(p, smem);
+        cluster_sync();
+    }
     const bool active = S::t0() < S::NT8;
     if (W_SMEM && active) gemv.load_smem(w_take(s, smem));
     if (WORK && SPLIT > 1) {   // every program of the cluster meets at its barrier
@@ -1370,6 +1409,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
             gemv_phase<SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr, s_part,
+                FOLD_CQ ? co_w(j) : cq_w(j));
+#elif SELF_CLUSTER
+            gemv_phase<SO_N, WIDTH, FROM_CLUSTER, TO_RESIDUAL, SO_TPC, WIDTH>(
+                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, KS_W, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #else
             self_phase(p, s);
