@@ -256,7 +256,8 @@ def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device
     CudaTiling(cross_programs=2), CudaTiling(kv_smem=True), CudaTiling(kv_smem=True, cross_programs=3),
     CudaTiling(x_frags=False), CudaTiling(fold_cross_q=False), CudaTiling(fold_cross_q=False, x_frags=False),
     CudaTiling(qkv_tpc=5), CudaTiling(kv_smem=True, poll=3), CudaTiling(weights_smem=True),
-    CudaTiling(weights_smem=True, kv_smem=True, fold_cross_q=False), CudaTiling(cluster=1), CudaTiling(self_cluster=True),
+    CudaTiling(weights_smem=True, kv_smem=True, fold_cross_q=False), CudaTiling(cluster=1),
+    CudaTiling(self_cluster=True),
 ], ids=lambda t: ",".join(f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
                           if getattr(t, f.name) != getattr(CudaTiling(), f.name)))
 def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):
@@ -278,7 +279,7 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
         out = [run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
                for t in (CudaTiling(stats_t=False, epi_split=1, x_ahead=False), CudaTiling(stats_t=True, epi_split=2),
                          CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
-                         CudaTiling(x_ahead=True, a_chunk=1), CudaTiling(self_cluster=True))]
+                         CudaTiling(x_ahead=True, a_chunk=1), CudaTiling(self_cluster=True, v_ahead=True))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
 

@@ -73,8 +73,14 @@ class CudaTiling:
     # of its (entry, head) items into its shared memory, self_out's A fragments read from there
     # (distributed shared memory): no self phase and its barrier, each item computed once a cluster
     # (every program of fuse_self computes all of them). Needs clusters and at most 8 items a
-    # program (molmobot-4b: B <= 2). The same numbers bit for bit. Not yet timed on a GPU
+    # program (molmobot-4b: B <= 2). The same numbers bit for bit. On the H200 slower: the loop
+    # 9.40 -> 9.49 ms at B = 1, 12.47 -> 12.72 at B = 2 (the items and the cluster barrier took
+    # self_out 2 us, the self phase and its barrier 2.25: BENCHMARKS.md, tenth session)
     self_cluster: bool = False
+    # the self-attention loads a key tile's values with its keys, before the scores (one L2 round
+    # trip a tile, not two: on the H200 an item took ~1.5 us of work in the self phase, and 2 us
+    # with the cluster barrier in self_out under self_cluster). Same numbers. Not yet timed
+    v_ahead: bool = False
     # the cross-attention's key tiles copied into shared memory by one bulk copy a block, issued
     # before the block's first phase (so they land while qkv .. cross_q run); cross_programs:
     # programs per (entry, head) (0: as few as fit). Off: on the H200 it was no faster (the phase
@@ -321,7 +327,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
-                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf)
+                     SELF_CLUSTER=int(t.self_cluster), V_AHEAD=int(t.v_ahead), W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 

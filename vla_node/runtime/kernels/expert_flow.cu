@@ -46,7 +46,8 @@
 // SELF_CLUSTER (the self-attention computed by self_out's clusters: FROM_CLUSTER), FC2_SPLIT (fc2's
 // K split over that many programs of a cluster, partial sums through distributed shared memory at
 // C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), A_CHUNK (k-steps of A fragments a warp
-// loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
+// loads at once: one L2 round trip each chunk), V_AHEAD (the self-attention loads a key tile's values
+// with its keys), X_AHEAD (a LayerNorm phase loads the next row tile's
 // residual values before the dots of this one), L2_PREFETCH (each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
 // the start of the block), STATS_T (the LayerNorm statistics stored tile-major: stats_at),
@@ -536,6 +537,11 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
     for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     for (int kt = 0; kt < qtiles; ++kt) {
         const int km = b * qtiles + kt;
+        // V_AHEAD: the key tile's values in flight with its keys (one L2 round trip, not two)
+        uint4 v[HK];
+        const uint4* vsrc = (const uint4*)(p.qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
+        if (V_AHEAD)
+            for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         for (int ks = 0; ks < HK; ++ks) {
             // k in A-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
@@ -550,9 +556,8 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
                 sc[nt][k] = ok[nt][k] ? sc[nt][k] * scale : NEG;
             }
         uint4 pa = softmax_tile(sc, ok, m, l, o);
-        uint4 v[HK];
-        const uint4* vsrc = (const uint4*)(p.qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
-        for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
+        if (!V_AHEAD)
+            for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
         pv(o, pa, v);
     }
     const float inv0 = 1.0f / quad_sum(l[0]), inv1 = 1.0f / quad_sum(l[1]);
