@@ -56,6 +56,7 @@ OPTIONS = {
     "cudaexpert": {"fused_expert": True, "expert_kernel": "cuda"},  # the loop on kernels/expert_flow.cu
     "tritonexpert": {"fused_expert": True, "expert_kernel": "triton"},  # the loop on kernels/expert_flow.py
     "flexonly": {"split_attention": False},  # the whole prefill through flex attention, as before the split
+    "pattern": {"pattern_attention": True},  # the full prefill through the pattern kernel (PatternKernel)
 }
 BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "camera_height", "camera_width",
                "flow_steps", "max_instruction_tokens")
