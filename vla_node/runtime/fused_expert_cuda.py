@@ -81,6 +81,12 @@ class CudaTiling:
     # trip a tile, not two: on the H200 an item took ~1.5 us of work in the self phase, and 2 us
     # with the cluster barrier in self_out under self_cluster). Same numbers. Not yet timed
     v_ahead: bool = False
+    # the LayerNorm phases (qkv, fc1) make each row tile's mean and 1/std from the residual values
+    # their warps read for the dots (a merge of the 8 warps' column ranges through shared memory),
+    # instead of reading every row's 96 tile statistics in every program (12 KB a program at B = 1,
+    # 49 KB at B = 4, where qkv's and fc1's statistics took 2 of their ~6 us a block). From the bf16
+    # copy of the stream with x_frags (its LayerNorm input), so not bit for bit. Not yet timed
+    ln_from_x: bool = False
     # the cross-attention's key tiles copied into shared memory by one bulk copy a block, issued
     # before the block's first phase (so they land while qkv .. cross_q run); cross_programs:
     # programs per (entry, head) (0: as few as fit). Off: on the H200 it was no faster (the phase
@@ -249,6 +255,15 @@ def fc2_split_of(t: CudaTiling, entries: int, cluster: int, mlp: int) -> int:
     return split
 
 
+def tiles_a_program(n: int, asked: int, first_part: int = 0, *, programs: int) -> int:
+    """Output tiles of 8 a program for n outputs on `programs` programs: as asked, at least as many as
+    cover them, and a divisor of the first part's tiles (fold_cross_q: a program's tiles are all in one part)."""
+    c = max(asked, math.ceil(n / 8 / programs))
+    while first_part and (first_part // 8) % c:
+        c += 1
+    return c
+
+
 def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling(),
             smem_limit: int = SMEM_LIMIT, held: Optional[Callable[[int], int]] = None) -> Plan:
     """The kernel's constants and launch shape for `dims` (a FusedExpert's width, heads, head_dim,
@@ -264,21 +279,15 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     tpr, key_tiles = 1, math.ceil(n_keys / 16)
     while tpr < 32 and tpr * 2 * rows <= THREADS:
         tpr *= 2
-
-    def tpc(n: int, asked: int, first_part: int = 0) -> int:
-        """Output tiles of 8 a program for n outputs: as asked, at least as many as cover them, and
-        a divisor of the first part's tiles (fold_cross_q: a program's tiles are all in one part)."""
-        c = max(asked, math.ceil(n / 8 / programs))
-        while first_part and (first_part // 8) % c:
-            c += 1
-        return c
+    tpc = functools.partial(tiles_a_program, programs=programs)
     w, fold = dims.width, int(t.fold_cross_q)
     qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, 0, fold * w)
     cq, fc1, rest = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, 0)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
     fc2 = math.ceil(w / 8 / (programs // split))
-    # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
-    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2))
+    # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs (ln_from_x: and the
+    # warps' row statistics, 8 x 16 x 2)
+    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2)) + 256 * t.ln_from_x
 
     def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, x1's
         # row statistics, the warps' partials or the last program's copy of every program's, and with
@@ -327,7 +336,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
-                     SELF_CLUSTER=int(t.self_cluster), V_AHEAD=int(t.v_ahead), W_OFF=gen, W_BUF=w_buf)
+                     SELF_CLUSTER=int(t.self_cluster), V_AHEAD=int(t.v_ahead), LN_FROM_X=int(t.ln_from_x),
+                     W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
