@@ -257,7 +257,6 @@ def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device
     CudaTiling(x_frags=False), CudaTiling(fold_cross_q=False), CudaTiling(fold_cross_q=False, x_frags=False),
     CudaTiling(qkv_tpc=5), CudaTiling(kv_smem=True, poll=3), CudaTiling(weights_smem=True),
     CudaTiling(weights_smem=True, kv_smem=True, fold_cross_q=False), CudaTiling(cluster=1),
-    CudaTiling(self_cluster=True),
 ], ids=lambda t: ",".join(f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
                           if getattr(t, f.name) != getattr(CudaTiling(), f.name)))
 def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):
@@ -279,7 +278,7 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
         out = [run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
                for t in (CudaTiling(stats_t=False, epi_split=1, x_ahead=False), CudaTiling(stats_t=True, epi_split=2),
                          CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
-                         CudaTiling(x_ahead=True, a_chunk=1), CudaTiling(self_cluster=True, v_ahead=True))]
+                         CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True, v_ahead=True))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
 
@@ -302,12 +301,12 @@ def test_fc2_split_keeps_the_loop_near_the_unsplit_on_the_cpu_build(entries):
 
 @pytest.mark.parametrize("x_frags", [True, False], ids=["bf16_stream", "fp32_stream"])
 def test_ln_from_x_keeps_the_loop_near_the_default_on_the_cpu_build(x_frags):
-    """ln_from_x: the LayerNorm phases' row statistics from the values they read (B = 3: row tiles
+    """ln_from_x: the LayerNorm phases' row statistics from the values they read (B = 2: a row tile
     after the first, read ahead), not from the 8-column tiles' statistics: another order of sums, and
-    with the bf16 stream copy its rounded values (here 7 % farther from the truth than the default,
-    half the bf16 eager loop's distance; the fp32 stream's loop the default's)."""
+    with the bf16 stream copy its rounded values (here within 1 % of the default's distance from the
+    truth, both under half the bf16 eager loop's)."""
     cfg, e, truth = small_expert("cpu")
-    run = flow_case(cfg, e, truth, entries=3, steps=3, device="cpu")
+    run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     got, want, eager = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(ln_from_x=True, x_frags=x_frags)))
     default, _, _ = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(x_frags=x_frags)))
     assert float((got - want).norm()) < 1.2 * float((default - want).norm())
