@@ -284,7 +284,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, 0, fold * w)
     cq, fc1, rest = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, 0)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
-    fc2 = math.ceil(w / 8 / (programs // split))
+    fc2 = tiles_a_program(w, 0, programs=programs // split)   # a group of `split` programs shares fc2's tiles
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs (ln_from_x: and the
     # warps' row statistics, 8 x 16 x 2)
     gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2)) + 256 * t.ln_from_x

@@ -386,13 +386,13 @@ inline void cluster_sync() {
     cpu::Launch& l = *cpu::launch_now;
     cpu::barrier(cluster_program(0).cluster_barrier, l.cluster * (unsigned)(cpu::me().program->warps.size() * 32), [] {});
 }
-inline uint4 ld_peer16(const void* p, u32 rank) {
+inline const char* peer_addr(const void* p, u32 rank) {
     const size_t offset = (const char*)p - (const char*)cpu::me().program->smem.data();
-    uint4 v;
-    std::memcpy(&v, (const char*)cluster_program(rank).smem.data() + offset, 16);
-    return v;
+    return (const char*)cluster_program(rank).smem.data() + offset;
 }
-inline float ld_peer(const float* p, u32 rank) {
-    const size_t offset = (const char*)p - (const char*)cpu::me().program->smem.data();
-    return *(const float*)((const char*)cluster_program(rank).smem.data() + offset);
+inline float ld_peer(const float* p, u32 rank) { return *(const float*)peer_addr(p, rank); }
+inline uint4 ld_peer16(const void* p, u32 rank) {
+    uint4 v;
+    std::memcpy(&v, peer_addr(p, rank), 16);
+    return v;
 }

@@ -255,21 +255,22 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// The float at p's place in the shared memory of the cluster's program `rank` (distributed shared memory).
-__device__ __forceinline__ float ld_peer(const float* p, u32 rank) {
+// p's place in the shared memory of the cluster's program `rank` (distributed shared memory).
+__device__ __forceinline__ u32 peer_addr(const void* p, u32 rank) {
     u32 a;
-    float v;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+    return a;
+}
+// The float, or the 16 bytes, at p's place in the shared memory of the cluster's program `rank`.
+__device__ __forceinline__ float ld_peer(const float* p, u32 rank) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(peer_addr(p, rank)) : "memory");
     return v;
 }
-// The 16 bytes at p's place in the shared memory of the cluster's program `rank`.
 __device__ __forceinline__ uint4 ld_peer16(const void* p, u32 rank) {
-    u32 a;
     uint4 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
     asm volatile("ld.shared::cluster.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(a) : "memory");
+                 : "r"(peer_addr(p, rank)) : "memory");
     return v;
 }
 #endif   // VLA_CPU
@@ -640,14 +641,21 @@ struct WRef {
     const uint4* p;
     u32 bytes;      // 0: the program has no tiles in the phase
 };
+// A program's first weights of a phase: its (group's) first tile, in the second part's matrix w2 from
+// output NA on, from its part of K (SPLIT).
+template <int N, int K, int TPCX, int NA = N, int SPLIT = 1>
+__device__ __forceinline__ const uint4* first_weights(const uint4* wf, const uint4* w2) {
+    typedef Shape<N, K, TPCX, SPLIT> S;
+    const int t0 = S::t0();
+    const uint4* w = NA < N && t0 >= NA / 8 ? w2 + (size_t)(t0 - NA / 8) * K : wf + (size_t)t0 * K;
+    return w + S::rank() * (S::KS / SPLIT / 2) * 32;
+}
 template <int N, int K, int TPCX, int NA = N, int SPLIT = 1>
 __device__ __forceinline__ WRef wref(const uint4* wf, const uint4* w2) {
     typedef Shape<N, K, TPCX> S;
-    const int t0 = blockIdx.x * S::TPC;
+    const int t0 = S::t0();
     if (t0 >= S::NT8 || SPLIT > 1) return {nullptr, 0u};   // SPLIT: a program's weights are not one range
-    const bool second = NA < N && t0 >= NA / 8;
-    const int tiles = min(S::TPC, S::NT8 - t0);
-    return {second ? w2 + (size_t)(t0 - NA / 8) * K : wf + (size_t)t0 * K, (u32)tiles * K * 16u};
+    return {first_weights<N, K, TPCX, NA>(wf, w2), (u32)min(S::TPC, S::NT8 - t0) * K * 16u};
 }
 
 // The weight buffers at W_OFF floats: two mbarriers (padded to 16 bytes), then two of W_BUF bytes.
@@ -731,8 +739,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : p.x + r * WIDTH + c0 + (ch - 2) * 4);
             }
         }
-        // this program's first tile (W_SMEM: its buffer's source), from its part of K (SPLIT)
-        const uint4* w = (second ? p2.w + (size_t)(t0 - NA8) * K : wf + (size_t)t0 * K) + S::rank() * (S::KS / SPLIT / 2) * 32;
+        const uint4* w = first_weights<N, K, TPCX, NA, SPLIT>(wf, p2.w);   // W_SMEM: its buffer's source
 #pragma unroll
         for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt)
 #pragma unroll
@@ -904,11 +911,6 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
         }
     }
 
-    // The epilogue: EPI_SPLIT threads (consecutive lanes) an item (tile, row) of 8 columns, each
-    // CPT of them, the warps summed in order. Its first items' inputs are in pre (loaded before the
-    // wait; visible: gemv_phase waits for the copies before the barrier that precedes this). A
-    // warp's threads agree on every loop exit (where EPI_SPLIT > 1 the count is a multiple of 32
-    // and a warp's 32 / EPI_SPLIT items lie in one tile): store_x's shuffles see the whole warp.
     // SPLIT: the program's partial sums of its group's tiles, its warps summed in order, into
     // red_k [TPC][MP][8] (the cluster region at C_OFF, which no phase writes before its wait).
     __device__ __forceinline__ void split_sums(const float* red, float* red_k) {
@@ -920,6 +922,12 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
         }
     }
 
+    // The epilogue: EPI_SPLIT threads (consecutive lanes) an item (tile, row) of 8 columns, each
+    // CPT of them, the warps (SPLIT: the group's programs, red_k) summed in order. Its first items'
+    // inputs are in pre (loaded before the wait; visible: gemv_phase waits for the copies before the
+    // barrier that precedes this). A warp's threads agree on every loop exit (where EPI_SPLIT > 1 the
+    // count is a multiple of 32 and a warp's 32 / EPI_SPLIT items lie in one tile): store_x's
+    // shuffles see the whole warp.
     __device__ __forceinline__ void epilogue(const Params& p, const float* red, const float* red_k, const u16* bias, u16* out,
                                              const u16* mod, int gate_off, const float* pre, const float* mean,
                                              const float* rstd, const Part2& p2) {
