@@ -17,8 +17,9 @@ import torch
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow_times
 from vla_node.runtime.fused_expert import FusedExpert
-from vla_node.runtime.fused_expert_cuda import CudaTiling, fragments_b, pack_kv, plan_of
+from vla_node.runtime.fused_expert_cuda import CudaTiling, fragments_b, plan_of
 from vla_node.runtime.fusion import fuse_projections
+from vla_node.runtime.kernels.pack_kv import pack_kv
 
 MOLMOBOT_4B = types.SimpleNamespace(width=768, heads=8, head_dim=96, mlp=3072, action_dim=8, depth=36)
 H200_SMS = 132
@@ -35,10 +36,13 @@ def test_weights_are_laid_out_in_the_mma_b_fragment_order():
         assert f[j, tile, kp, g, q, s, half, e] == w[j, tile * 8 + g, kp * 32 + s * 16 + half * 8 + 2 * q + e]
 
 
-def test_context_kv_is_packed_in_the_fragment_orders_of_qk_and_pv_with_zero_padding():
-    depth, b, h, keys, hd = 2, 2, 2, 20, 32
+@pytest.mark.parametrize("hd", [32, 96])   # 96: molmobot-4b's, a lane's 48 values not a power of two
+def test_context_kv_is_packed_in_the_fragment_orders_of_qk_and_pv_with_zero_padding(hd):
+    depth, b, h, keys = 2, 2, 2, 20
     g0 = torch.Generator().manual_seed(0)
-    kv = [(torch.randn(b, h, keys, hd, generator=g0), torch.randn(b, h, keys, hd, generator=g0)) for _ in range(depth)]
+    # K and V as the model makes them: head views of one projection's output [B, keys, 2 (k, v), heads, hd]
+    projected = [torch.randn(b, keys, 2, h, hd, generator=g0) for _ in range(depth)]
+    kv = [(t[:, :, 0].transpose(1, 2), t[:, :, 1].transpose(1, 2)) for t in projected]
     tiles = 2
     out = torch.full((depth, b, h, tiles, 2, 32, hd // 2), float("nan"))
     pack_kv(kv, out)
@@ -126,7 +130,7 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
-                                             (2, CudaTiling(self_cluster=True)), (4, CudaTiling(ln_from_x=True))])
+                                             (2, CudaTiling(self_cluster=True))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
@@ -278,7 +282,7 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
         out = [run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
                for t in (CudaTiling(stats_t=False, epi_split=1, x_ahead=False), CudaTiling(stats_t=True, epi_split=2),
                          CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
-                         CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True, v_ahead=True))]
+                         CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
 
@@ -296,20 +300,6 @@ def test_fc2_split_keeps_the_loop_near_the_unsplit_on_the_cpu_build(entries):
     default, _, _ = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fc2_split=1)))
     # the residual stream differs by an fp32 rounding here and there; the bf16 velocities seldom do
     assert float((got - default).norm()) < 0.05 * float((eager - want).norm())
-    assert_near_truth(got, want, eager)
-
-
-@pytest.mark.parametrize("x_frags", [True, False], ids=["bf16_stream", "fp32_stream"])
-def test_ln_from_x_keeps_the_loop_near_the_default_on_the_cpu_build(x_frags):
-    """ln_from_x: the LayerNorm phases' row statistics from the values they read (B = 2: a row tile
-    after the first, read ahead), not from the 8-column tiles' statistics: another order of sums, and
-    with the bf16 stream copy its rounded values (here within 1 % of the default's distance from the
-    truth, both under half the bf16 eager loop's)."""
-    cfg, e, truth = small_expert("cpu")
-    run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
-    got, want, eager = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(ln_from_x=True, x_frags=x_frags)))
-    default, _, _ = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(x_frags=x_frags)))
-    assert float((got - want).norm()) < 1.2 * float((default - want).norm())
     assert_near_truth(got, want, eager)
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..model.action_expert import LN_EPS
 from .kernels.expert_flow_cuda import THREADS, FlowKernel, HostKernel, Params, available, programs_held
+from .kernels.pack_kv import pack_kv
 
 MAX_ROWS = 128
 SMEM_LIMIT = 227 * 1024   # shared memory a program may have on sm_90 (opt-in maximum)
@@ -77,16 +77,6 @@ class CudaTiling:
     # 9.40 -> 9.49 ms at B = 1, 12.47 -> 12.72 at B = 2 (the items and the cluster barrier took
     # self_out 2 us, the self phase and its barrier 2.25: BENCHMARKS.md, tenth session)
     self_cluster: bool = False
-    # the self-attention loads a key tile's values with its keys, before the scores (one L2 round
-    # trip a tile, not two: on the H200 an item took ~1.5 us of work in the self phase, and 2 us
-    # with the cluster barrier in self_out under self_cluster). Same numbers. Not yet timed
-    v_ahead: bool = False
-    # the LayerNorm phases (qkv, fc1) make each row tile's mean and 1/std from the residual values
-    # their warps read for the dots (a merge of the 8 warps' column ranges through shared memory),
-    # instead of reading every row's 96 tile statistics in every program (12 KB a program at B = 1,
-    # 49 KB at B = 4, where qkv's and fc1's statistics took 2 of their ~6 us a block). From the bf16
-    # copy of the stream with x_frags (its LayerNorm input), so not bit for bit. Not yet timed
-    ln_from_x: bool = False
     # the cross-attention's key tiles copied into shared memory by one bulk copy a block, issued
     # before the block's first phase (so they land while qkv .. cross_q run); cross_programs:
     # programs per (entry, head) (0: as few as fit). Off: on the H200 it was no faster (the phase
@@ -161,24 +151,6 @@ def fragments_b(weight: torch.Tensor) -> torch.Tensor:
     (a lane's fragments of two k-steps: one 16-byte load)."""
     d, n, k = weight.shape
     return (weight.view(d, n // 8, 8, k // 32, 2, 2, 4, 2).permute(0, 1, 3, 2, 6, 4, 5, 7).contiguous())
-
-
-def pack_kv(kv: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
-    """Per-block context K, V [B, heads, keys, hd] into out [depth, B, heads, tiles, 2, 32, hd/2]:
-    per 16-key tile and lane, K in the B-fragment order of Q K^T ([k-step][key half nt][d half][e]:
-    key = 8 nt + g, d = 16 ks + 8 half + 2 q + e) and V in that of P V ([d tile dn][key half][e]:
-    key = 8 half + 2 q + e, d = 8 dn + g). Padding keys are zeros (the kernel masks them)."""
-    depth, b, h, tiles, _, _, half_hd = out.shape
-    hd, pad = 2 * half_hd, tiles * 16 - kv[0][0].shape[2]
-    for which in (0, 1):
-        t = torch.stack([pair[which] for pair in kv])
-        if pad:
-            t = F.pad(t, (0, 0, 0, pad))
-        if which == 0:
-            t = t.view(depth, b, h, tiles, 2, 8, hd // 16, 2, 4, 2).permute(0, 1, 2, 3, 5, 8, 6, 4, 7, 9)
-        else:
-            t = t.view(depth, b, h, tiles, 2, 4, 2, hd // 8, 8).permute(0, 1, 2, 3, 8, 5, 7, 4, 6)
-        out[:, :, :, :, which].copy_(t.reshape(depth, b, h, tiles, 32, half_hd))
 
 
 @dataclass
@@ -285,9 +257,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     cq, fc1, rest = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, 0)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
     fc2 = tiles_a_program(w, 0, programs=programs // split)   # a group of `split` programs shares fc2's tiles
-    # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs (ln_from_x: and the
-    # warps' row statistics, 8 x 16 x 2)
-    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2)) + 256 * t.ln_from_x
+    # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
+    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2))
 
     def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, x1's
         # row statistics, the warps' partials or the last program's copy of every program's, and with
@@ -336,7 +307,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
-                     SELF_CLUSTER=int(t.self_cluster), V_AHEAD=int(t.v_ahead), LN_FROM_X=int(t.ln_from_x),
+                     SELF_CLUSTER=int(t.self_cluster),
                      W_OFF=gen, W_BUF=w_buf)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 

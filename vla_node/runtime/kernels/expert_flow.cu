@@ -43,12 +43,10 @@
 // in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
-// LN_FROM_X (the LayerNorm phases' row statistics from the residual values they read: tile_stats),
 // SELF_CLUSTER (the self-attention computed by self_out's clusters: FROM_CLUSTER), FC2_SPLIT (fc2's
 // K split over that many programs of a cluster, partial sums through distributed shared memory at
 // C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), A_CHUNK (k-steps of A fragments a warp
-// loads at once: one L2 round trip each chunk), V_AHEAD (the self-attention loads a key tile's values
-// with its keys), X_AHEAD (a LayerNorm phase loads the next row tile's
+// loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
 // residual values before the dots of this one), L2_PREFETCH (each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
 // the start of the block), STATS_T (the LayerNorm statistics stored tile-major: stats_at),
@@ -539,11 +537,6 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
     for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     for (int kt = 0; kt < qtiles; ++kt) {
         const int km = b * qtiles + kt;
-        // V_AHEAD: the key tile's values in flight with its keys (one L2 round trip, not two)
-        uint4 v[HK];
-        const uint4* vsrc = (const uint4*)(p.qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
-        if (V_AHEAD)
-            for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         for (int ks = 0; ks < HK; ++ks) {
             // k in A-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
@@ -558,8 +551,9 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
                 sc[nt][k] = ok[nt][k] ? sc[nt][k] * scale : NEG;
             }
         uint4 pa = softmax_tile(sc, ok, m, l, o);
-        if (!V_AHEAD)
-            for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
+        uint4 v[HK];
+        const uint4* vsrc = (const uint4*)(p.qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
+        for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
         pv(o, pa, v);
     }
     const float inv0 = 1.0f / quad_sum(l[0]), inv1 = 1.0f / quad_sum(l[1]);
@@ -815,69 +809,16 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                           pack_bf2((x11.x - m1) * s1 * sc2 + sh2, (x11.y - m1) * s1 * sc3 + sh3));
     }
 
-    // LN_FROM_X: row tile mt's LayerNorm mean and 1/std into mean, rstd from the residual values its
-    // warps hold (raw: each warp its KSW k-steps of the 16 rows), instead of from the 8-column tiles'
-    // statistics that every program of the phase reads (49 KB a program at B = 4): each warp's
-    // (mean, M2) of its columns (quads summed in a fixed order), then the warps' merged in order
-    // (Chan's formula, equal counts) through scratch [NWARPS][16][2]. Ends with __syncthreads.
-    __device__ __forceinline__ void tile_stats(const Params& p, int mt, const XRaw (&raw)[S::KSW], float* mean,
-                                               float* rstd, float* scratch) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-        constexpr float COLS = S::KSW * 16.0f;   // a warp's columns
-        float s[2] = {0.0f, 0.0f};            // rows g, g + 8: registers 0, 2 and 1, 3
-#pragma unroll
-        for (int ks = 0; ks < S::KSW; ++ks)
-            for (int reg = 0; reg < 4; ++reg) {
-                const float2 x = x_pair(raw[ks], reg);
-                s[reg & 1] += x.x + x.y;
-            }
-        float m[2], d[2] = {0.0f, 0.0f};
-        for (int h = 0; h < 2; ++h) {
-            s[h] += __shfl_xor_sync(0xffffffffu, s[h], 1);
-            s[h] += __shfl_xor_sync(0xffffffffu, s[h], 2);
-            m[h] = s[h] / COLS;
-        }
-#pragma unroll
-        for (int ks = 0; ks < S::KSW; ++ks)
-            for (int reg = 0; reg < 4; ++reg) {
-                const float2 x = x_pair(raw[ks], reg);
-                d[reg & 1] += (x.x - m[reg & 1]) * (x.x - m[reg & 1]) + (x.y - m[reg & 1]) * (x.y - m[reg & 1]);
-            }
-        for (int h = 0; h < 2; ++h) {
-            d[h] += __shfl_xor_sync(0xffffffffu, d[h], 1);
-            d[h] += __shfl_xor_sync(0xffffffffu, d[h], 2);
-            if ((lane & 3) == 0) {
-                scratch[(warp * 16 + g + 8 * h) * 2] = m[h];
-                scratch[(warp * 16 + g + 8 * h) * 2 + 1] = d[h];
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < 16) {
-            const int r = threadIdx.x;
-            float mu = 0.0f, m2 = 0.0f;
-            for (int w = 0; w < NWARPS; ++w) mu += scratch[(w * 16 + r) * 2];
-            mu /= NWARPS;
-            for (int w = 0; w < NWARPS; ++w) {
-                const float dm = scratch[(w * 16 + r) * 2] - mu;
-                m2 += scratch[(w * 16 + r) * 2 + 1] + COLS * dm * dm;
-            }
-            mean[mt * 16 + r] = mu;
-            rstd[mt * 16 + r] = rsqrtf(m2 / WIDTH + p.eps);
-        }
-        __syncthreads();
-    }
-
     // The warps' partial sums of this program's tiles into red[warp][tile][row][8]: per row
     // tile, the A fragments of KC k-steps (A_CHUNK, at most a warp's) loaded together, each used by
     // every tile. raw: row tile 0's residual values (LN sources), loaded before the statistics.
     template <int SRC>
     __device__ __forceinline__ void partials(const Params& p, const u16* frags, int src_ksteps, float* red,
-                                             float* mean, float* rstd, XRaw (&raw)[S::KSW], float* scratch) {
+                                             const float* mean, const float* rstd, XRaw (&raw)[S::KSW]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
         constexpr int KC = whole_chunk(S::KSW, A_CHUNK);
         for (int mt = 0; mt < MT; ++mt) {
             if (SRC == FROM_X_LN && mt > 0 && !X_AHEAD) load_x(p, mt, raw);
-            if (SRC == FROM_X_LN && LN_FROM_X) tile_stats(p, mt, raw, mean, rstd, scratch);
             uint4 att[HK];
             if (SRC == FROM_SELF) self_attend(p, mt / (TOK16 / 16), warp, mt % (TOK16 / 16), att);
             float acc[S::TPC][4];
@@ -1020,7 +961,6 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* rstd = smem + MP;
     float* red = smem + 2 * MP;
     float* pre = red + NWARPS * S::TPC * MP * 8;   // the epilogue's inputs: 16 floats an item of its first round
-    float* scratch = pre + 16 * NTHREADS;          // LN_FROM_X: the warps' row statistics [NWARPS][16][2]
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
@@ -1034,7 +974,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         trace_mark(p, s, 2);
         if (active) {
             XRaw raw[S::KSW];   // unused: the fragments' dots read no residual values
-            gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw, scratch);
+            gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
             __syncthreads();
             gemv.split_sums(red, red_k);
         }
@@ -1046,13 +986,11 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
             gemv.load_x(p, 0, raw);
-            if (!LN_FROM_X) {
-                row_stats(p, mean, rstd);
-                __syncthreads();
-            }
+            row_stats(p, mean, rstd);
+            __syncthreads();
         }
         trace_mark(p, s, 2);
-        gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw, scratch);
+        gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
         cp_async_wait();   // pre: an item's inputs came through its threads' copies
         __syncthreads();
         trace_mark(p, s, 3);

@@ -387,7 +387,7 @@ def _cross_phase(Q, KVj, Mask, msb, OPart, MPart, LPart, Counter, Y, k0, v0, ok0
         head = bh * n_keys * HD
         lo = split * keys_per_split
         acc, m_i, l_i = softmax_start(BLOCK_H, BLOCK_D)
-        acc, m_i, l_i = attend_chunk(q.to(DOT), k0, v0, ok0[None, :], scale, acc, m_i, l_i)
+        acc, m_i, l_i = attend_chunk(q.to(DOT), k0, v0, ok0, scale, acc, m_i, l_i)
         acc, m_i, l_i = attend_keys(q.to(DOT), KVj + head, KVj + ENTRIES * HEADS * n_keys * HD + head,
                                     Mask + b * msb, HD, HD, lo + BLOCK_KEYS, lo + keys_per_split, n_keys, scale,
                                     offs_d, d_ok, acc, m_i, l_i, BLOCK_KEYS, HAS_MASK)

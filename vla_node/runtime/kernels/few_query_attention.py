@@ -37,11 +37,10 @@ def load_keys(K, V, Mask, skn, svn, start, hi, n_keys, offs_d, d_ok, BLOCK_N: tl
 
 
 @triton.jit
-def attend_chunk(q, k, v, ok, scale, acc, m_i, l_i):
-    """One chunk of keys (load_keys) into the online softmax state (acc, m_i, l_i) of queries q;
-    ok: which (query, key) pairs count, [M, N] or [1, N] for every query alike."""
+def attend_chunk(q, k, v, n_ok, scale, acc, m_i, l_i):
+    """One chunk of keys (load_keys) into the online softmax state (acc, m_i, l_i) of queries q."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
-    s = tl.where(ok, s, float("-inf"))
+    s = tl.where(n_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key yet
     p = tl.exp(s - m_safe[:, None])
@@ -61,7 +60,7 @@ def attend_keys(q, K, V, Mask, skn, svn, lo, hi, n_keys, scale, offs_d, d_ok, ac
     Dots run in q's dtype."""
     for start in range(lo, hi, BLOCK_N):
         k, v, n_ok = load_keys(K, V, Mask, skn, svn, start, hi, n_keys, offs_d, d_ok, BLOCK_N, HAS_MASK)
-        acc, m_i, l_i = attend_chunk(q, k, v, n_ok[None, :], scale, acc, m_i, l_i)
+        acc, m_i, l_i = attend_chunk(q, k, v, n_ok, scale, acc, m_i, l_i)
     return acc, m_i, l_i
 
 
