@@ -34,13 +34,7 @@ from vla_node.model.tokenizer import load_tokenizer
 from vla_node.model.weights import TINY_TOKENIZER
 from vla_node.runtime import LAYOUTS, EngineConfig
 from vla_node.runtime.fusion import fuse_projections
-from vla_node.runtime.kernels.prefill_attention import (
-    PatternKernel,
-    SplitPattern,
-    block_mask,
-    causal_attend_lse,
-    flex_attend,
-)
+from vla_node.runtime.kernels.prefill_attention import SplitPattern, block_mask, causal_attend_lse, flex_attend
 
 dynamo_config.cache_size_limit = dynamo_config.recompile_limit = 256  # every way recompiles flex
 CUDA = torch.cuda.is_available()
@@ -105,7 +99,6 @@ def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
         "sdpa dense mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
         "flex (runtime)": lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True),
         "split (2 causal calls + merge)": split.attend,
-        "pattern kernel (one Triton kernel)": PatternKernel(img).attend,
     }
     if CUDA:
         def cudnn(q, k, v):
@@ -121,8 +114,6 @@ def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
                                                          USE_TMA=True)}.items():
             out[name] = (lambda o: lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True,
                                                         kernel_options=o))(opts)
-        for tiles in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)):
-            out[f"pattern kernel {tiles[0]}x{tiles[1]} w{tiles[2]} s{tiles[3]}"] = PatternKernel(img, tiles).attend
     return out
 
 
@@ -158,7 +149,6 @@ def layer_times(img: torch.Tensor, capacity: int) -> dict:
                                                                    block_mask=m, enable_gqa=True,
                                                                    kernel_options=tiles), bm),
             "split": (flex_attend, SplitPattern(img, capacity)),
-            "pattern kernel": (flex_attend, PatternKernel(img)),
             "no attention (the rest)": (lambda q, k, v, m: q, None)}
     out = {}
     with torch.inference_mode():

@@ -102,31 +102,3 @@ def test_split_pattern_matches_the_dense_mask(device):
     image[50:60] = True
     with pytest.raises(ValueError, match="image tokens, the bucket holds"):
         split.refresh(image)
-
-
-@pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run is CI's")),
-    pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_pattern_kernel_matches_the_dense_mask(device):
-    """The prefill's pattern in one flash-attention kernel (Triton; interpreted on the CPU) gives
-    the dense-mask result: grouped heads, image runs with text between them across query blocks, a
-    length no multiple of the tiles, and image tokens typed into the instruction later (a refresh
-    in place: the same flag tensors)."""
-    from vla_node.runtime.kernels.prefill_attention import PatternKernel
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 150, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
-    image = torch.zeros(150, dtype=torch.bool, device=device)
-    image[3:21] = image[25:110] = True
-    kernel = PatternKernel(image)
-    flags = kernel.image
-    for typed in (None, 130, 140):
-        if typed is not None:
-            image[typed] = True
-            kernel.refresh(image)
-        assert kernel.image is flags and int(kernel.last) == (110 if typed is None else typed + 1)
-        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=_pattern(image),
-                                             enable_gqa=True)
-        out = kernel.attend(q, k, v).float()
-        assert float((out - ref).norm() / ref.norm()) < (1e-6 if device == "cpu" else 1e-2), typed

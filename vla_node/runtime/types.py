@@ -156,10 +156,6 @@ class EngineConfig:
     # The full prefill's pattern as two maskless causal calls merged by log-sum-exp instead
     # (runtime/kernels/prefill_attention.SplitPattern); streaming steps keep flex.
     split_attention: bool = False
-    # The full prefill's pattern as one Triton flash-attention kernel that computes it from the
-    # image flags (runtime/kernels/prefill_attention.PatternKernel), instead of the split's two
-    # calls; streaming steps keep flex. Off in every mode until timed (`vla-bench ... fast+pattern`).
-    pattern_attention: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     fused_expert: bool = False            # the whole flow loop in one persistent kernel (runtime/fused_expert)
     # Which kernel runs the fused loop: triton (kernels/expert_flow.py), cuda (kernels/expert_flow.cu,
@@ -200,15 +196,14 @@ class EngineConfig:
                              f"{_modes_with('static_shapes')}")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
-        for feature in ("split_attention", "pattern_attention"):
-            if getattr(self, feature) and not self.flex_attention:
-                raise ValueError(f"{feature} needs flex_attention (streaming steps run the pattern through flex)")
+        if self.split_attention and not self.flex_attention:
+            raise ValueError("split_attention needs flex_attention (streaming steps run the pattern through flex)")
         cams = {l.cameras for l in self.layouts}
         if len(cams) > 1:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
-        for feature in ("triton_attention", "fused_expert", "pattern_attention"):
+        for feature in ("triton_attention", "fused_expert"):
             interpreted = os.environ.get("TRITON_INTERPRET") == "1"
             if getattr(self, feature) and not (self.device.startswith("cuda") or interpreted):
                 raise ValueError(f"{feature} needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
