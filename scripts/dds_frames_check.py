@@ -29,7 +29,7 @@ def frames(compressed: bool, quality: int):
         return [data] * FRAMES
     import cv2
 
-    from vla_node.tools.sample_bag import render_exo
+    from vla_node.tools.sample_scene import render_exo
     rng = np.random.default_rng(0)
     out = []
     for i in range(FRAMES):

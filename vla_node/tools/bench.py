@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine
+from ..runtime.types import BATCH_SIZES
 from .floors import stage_floors
 from .stats import summary
 
@@ -56,7 +57,6 @@ OPTIONS = {
     "cudaexpert": {"fused_expert": True, "expert_kernel": "cuda"},  # the loop on kernels/expert_flow.cu
     "tritonexpert": {"fused_expert": True, "expert_kernel": "triton"},  # the loop on kernels/expert_flow.py
     "flexonly": {"split_attention": False},  # the whole prefill through flex attention, as before the split
-    "pattern": {"pattern_attention": True},  # the full prefill through the pattern kernel (PatternKernel)
 }
 BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "camera_height", "camera_width",
                "flow_steps", "max_instruction_tokens")
@@ -78,7 +78,7 @@ def synthetic_stream(layout, windows: int) -> list:
     """A stream of sliding windows over the rendered DROID-like scene of the sample bag (camera
     frames at 15 Hz, windows every `stride` frames, so each shares frames with the last)."""
     from ..runtime import Observation
-    from .sample_bag import CAMERA_HZ, joint_positions, render_exo, render_wrist
+    from .sample_scene import CAMERA_HZ, joint_positions, render_exo, render_wrist
 
     render = {"exo": render_exo, "wrist": render_wrist}
     frames: dict = {}
@@ -97,15 +97,17 @@ def synthetic_stream(layout, windows: int) -> list:
 
 
 def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool,
-             progress) -> tuple[dict, list[np.ndarray]]:
+             progress, batches: tuple[int, ...] = (1,)) -> tuple[dict, list[np.ndarray]]:
     """Full queries: outputs on `inputs`, then `iters` timed repeats of the first. Stream: every
-    window of `inputs` in order (each sharing frames with the last), timed as it goes."""
+    window of `inputs` in order (each sharing frames with the last), timed as it goes. Then each
+    batch size of `batches` above 1 (full queries only): one query of that many of `inputs`
+    against their outputs alone, then `iters` timed queries."""
     cuda = base.device.startswith("cuda")
     torch._dynamo.reset()  # each mode compiles for itself, so its ready time is its own
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    cfg = mode_config(spec, base)
+    cfg = mode_config(spec, base).replace(max_batch=max(batches))
     engine = PolicyEngine(cfg, progress=lambda m: progress(f"[{spec}] {m}"))
     stats = engine.warmup()
     dev = engine.device
@@ -136,6 +138,9 @@ def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool,
             result["recompiles_after_ready"] = engine.static.recompiles()
     if cuda:  # the floors are the H200's
         result["floors_ms"] = floors(engine, calls, stream)
+    if not stream and len(batches) > 1:
+        result["batches"] = {n: batch_timings(engine, inputs, outs, n, iters) for n in batches
+                             if n <= engine.max_batch}   # 1 under streaming_kv, the adaptive cache
     if cuda:
         result["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
         result["reserved_mem_gb"] = torch.cuda.memory_reserved() / 1e9
@@ -143,6 +148,19 @@ def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool,
     del engine
     gc.collect()
     return result, outs
+
+
+def batch_timings(engine: PolicyEngine, inputs, alone: list[np.ndarray], n: int, iters: int) -> dict:
+    """Queries of n observations (inputs taken in turn): each entry's output against its output
+    alone on the same noise, and the query's stage times (every entry's, they ran together)."""
+    picks = [i % len(inputs) for i in range(n)]
+    noise = torch.cat([inputs[i][1] for i in picks]).to(engine.device)
+    chunks = engine.predict_batch([inputs[i][0] for i in picks], noise=noise)
+    dev = max(float(np.abs(c.normalized - alone[i]).max()) for c, i in zip(chunks, picks))
+    timings = [engine.predict_batch([inputs[i][0] for i in picks])[0].timings for _ in range(iters)]
+    total = statistics.median(t["total"] for t in timings)
+    return {"total_ms": total, "per_observation_ms": total / n, "max_abs_dev_vs_alone": dev,
+            "stages": {s: summarize([t.get(s, 0.0) for t in timings]) for s in STAGES}}
 
 
 def floors(engine: PolicyEngine, expert_calls: float, stream: bool) -> dict:
@@ -241,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dev-windows", type=int, default=5, help="full-query inputs compared against eager per mode")
     ap.add_argument("--stream", type=int, default=0, metavar="N",
                     help="instead of repeated full queries, run N sliding windows of a rendered scene")
+    ap.add_argument("--batches", default="1", help="batch sizes timed after the single queries, e.g. 1,2,4,8 "
+                    "(queries of that many observations, as an engine server batches robots)")
     ap.add_argument("--baseline", action="store_true", help="also time transformers' ViT + LLM of the same size")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG stage breakdown (default: next to --json)")
@@ -249,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    batches = tuple(sorted({1, *(int(n) for n in args.batches.split(","))}))
+    if not set(batches) <= set(BATCH_SIZES) or (args.stream and len(batches) > 1):
+        ap.error(f"--batches: sizes from {BATCH_SIZES}, full queries only (not with --stream)")
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     for spec in modes:
         try:
@@ -275,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     del probe
     reference = None
     for name in modes:
-        res, outs = run_mode(name, base, args.iters, inputs, bool(args.stream), progress)
+        res, outs = run_mode(name, base, args.iters, inputs, bool(args.stream), progress, batches)
         if reference is None and name == "eager":
             reference = outs
         if reference is not None:
@@ -327,6 +350,16 @@ def print_table(results: dict) -> None:
             f = r["floors_ms"]
             print(f"{name:<{w}}{'':>18}{'':>11}" + "".join(f"{f[s]:>11.2f}" for s in STAGES[1:])
                   + "   stage/floor " + " ".join(f"{s} {r['stages'][s]['median'] / f[s]:.1f}x" for s in STAGES[1:]))
+    for name, r in results["modes"].items():
+        if "batches" in r:
+            print(f"{name}: batches of observations (one query each; max|dev| of an entry against it alone)")
+            print(f"{'batch':>7}{'total':>9}{'per obs':>9}" + "".join(f"{s:>11}" for s in STAGES[1:])
+                  + f"{'x batch 1':>11}{'max|dev|':>10}")
+            one = r["batches"][1]["total_ms"]
+            for n, b in r["batches"].items():
+                print(f"{n:>7}{b['total_ms']:>9.2f}{b['per_observation_ms']:>9.2f}"
+                      + "".join(f"{b['stages'][s]['median']:>11.2f}" for s in STAGES[1:])
+                      + f"{b['total_ms'] / one:>11.2f}{b['max_abs_dev_vs_alone']:>10.2e}")
     if "baseline" in results:
         b = results["baseline"]
         print(f"{'hf-base':<{w}}{b['total_ms']:>9.2f}   (transformers {b['transformers']}: vision "
