@@ -11,6 +11,7 @@
 #   bench     vla-bench DROID: eager, fast (on Hopper the CUDA loop: expert_kernel auto)
 #   soak      vla-soak engine, fast, 1000 queries (recompiles, memory)
 #   bench8    vla-bench 8 images: fast
+#   profile   one warm DROID `fast` query's kernels under the CUDA profiler (scripts/profile_query.py)
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
 #   first compile of molmobot-4b `fast` on a fresh machine takes ~130-240 s, soak then reuses it)
 set -uo pipefail
@@ -47,6 +48,10 @@ for part in $PARTS; do
       timeout 400 python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout 8img --iters 10 \
         --dev-windows 1 --modes fast --json "$OUT/bench_8img.json" 2>&1 \
         | grep -av Warning > "$OUT/bench_8img.log"; tail -6 "$OUT/bench_8img.log" ;;
+    profile) say "one DROID fast query's kernels"
+      timeout 200 python3 scripts/profile_query.py --mode fast --layout droid --out "$OUT" 2>&1 \
+        | grep -av Warning > "$OUT/profile_droid.log"; grep -a "stages ms" "$OUT/profile_droid.log" | tail -1
+      tail -42 "$OUT/profile_droid.log" ;;
   esac
 done
 say "total"
