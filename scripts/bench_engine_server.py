@@ -74,8 +74,7 @@ def start(config: EngineConfig, worker: WorkerOptions, n: int, windows: list, se
     for engine in engines:
         engine.spawn(1800)
     for engine in engines:
-        while engine.check_ready(lambda _: None) is None:
-            time.sleep(0.2)
+        engine.wait_ready(lambda _: None, lambda _: None, lambda: None)
     for i, engine in enumerate(engines):
         engine.predict(windows[i % len(windows)])
     return engines

@@ -120,6 +120,12 @@ class EngineProcess:
         EngineError with the worker's reason (a bad checkpoint, an unknown mode, ...)."""
         stage(STARTING)
         self.spawn(timeout_s)
+        return self.wait_ready(progress, stage, waiting)
+
+    def wait_ready(self, progress: Callable[[str], None], stage: Callable[[str], None],
+                   waiting: Callable[[], None]) -> EngineInfo:
+        """After spawn(): wait until the engine is loaded and warm, as start() does (several engines
+        spawned first warm up together)."""
         while (info := self.check_ready(progress, stage)) is None:
             waiting()
             if self._conn is not None:
