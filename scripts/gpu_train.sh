@@ -4,7 +4,8 @@
 # $OUT. carry: .whl (mujoco, gym-aloha, rosbags, ... for Python 3.12), .gl (EGL loader debs), and
 # the INIT checkpoint folder when continuing a run from its weights. RESUME=1 continues from
 # /tmp/sim_policy/train_state, which a machine still warm from the last call holds (with /tmp/demos).
-#   EPISODES=100 BUDGET_S=430 [INIT=out/sim_policy | RESUME=1] [BATCH=64] [EVAL_S=150] bash scripts/gpu_train.sh
+#   EPISODES=100 BUDGET_S=430 [INIT=out/sim_policy | RESUME=1] [BATCH=64] [COMPILE=1] [EVAL_S=150]
+#   [TESTS="test/test_fused_expert_cuda.py"] bash scripts/gpu_train.sh
 set -uo pipefail
 t0=$(date +%s)
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -14,13 +15,22 @@ export PYTHONPATH=/tmp/site:$PWD MUJOCO_GL=egl PYTHONUNBUFFERED=1
   export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/train.log"
+# CUDA tests ($TESTS: pytest files) while the demonstrations render on the CPU: the GPU is idle then.
+[ -n "${TESTS:-}" ] && { timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -m cuda $TESTS > "$OUT/cuda_tests.log" 2>&1 & }
 [ -f /tmp/demos/episodes.json ] || \
   python3 -m vla_node.sim record /tmp/demos --episodes "${EPISODES:-100}" --workers 16 2>&1 | tail -1 | tee -a "$OUT/train.log"
 echo "demos done after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
-python3 -m vla_node.tools.train --bags /tmp/demos --params config/sim.yaml --preset sim --out /tmp/sim_policy \
-  --steps "${STEPS:-40000}" --batch "${BATCH:-64}" --lr "${LR:-3e-4}" --warmup "${WARMUP:-500}" --device cuda \
-  --workers 16 --seed "${SEED:-0}" ${INIT:+--init "$INIT"} ${RESUME:+--resume} --time-budget-s "${BUDGET_S:-430}" 2>&1 | grep -v Warning \
-  | tee -a "$OUT/train.log" | tail -14
+[ -n "${TESTS:-}" ] && { wait; tail -4 "$OUT/cuda_tests.log"; }
+train() {  # $1: the time budget in s; the rest: extra vla-train arguments
+  python3 -m vla_node.tools.train --bags /tmp/demos --params config/sim.yaml --preset sim --out /tmp/sim_policy \
+    --steps "${STEPS:-40000}" --batch "${BATCH:-64}" --lr "${LR:-3e-4}" --warmup "${WARMUP:-500}" --device cuda \
+    --workers 16 --seed "${SEED:-0}" ${INIT:+--init "$INIT"} ${RESUME:+--resume} --time-budget-s "$1" "${@:2}" 2>&1 \
+    | grep -v Warning | tee -a "$OUT/train.log" | tail -14
+}
+t_train=$(date +%s)
+# COMPILE=1: the compiled step; if it fails, the rest of the budget trains eagerly.
+train "${BUDGET_S:-430}" ${COMPILE:+--compile} || { [ -n "${COMPILE:-}" ] && \
+  train $(( ${BUDGET_S:-430} - $(date +%s) + t_train )); }
 for f in model.safetensors config.json train_log.jsonl train_curves.png; do cp /tmp/sim_policy/$f "$OUT/" 2>/dev/null; done
 cp /tmp/sim_policy/train_state/state.json "$OUT/train_state.json" 2>/dev/null
 echo "training done after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing import Pool
@@ -63,13 +64,16 @@ class Samples:
 
 @dataclass
 class EpisodeWindows:
-    frames: list[np.ndarray]                  # [3, S, S] uint8, resized as the engine resizes
+    # [F, 3, S, S] uint8 resized as the engine resizes, in an .npy the worker wrote: through the
+    # pool's pipe an episode's 120 MB crawl (~0.2 GB/s), a file in the page cache does not.
+    frames: Path
     windows: list[tuple[list[int], np.ndarray, np.ndarray, np.ndarray]]  # (rows into frames, state, actions, pad)
 
 
 def read_episode(job: tuple) -> EpisodeWindows:
-    """One bag -> its resized frames and training windows (runs in a worker process)."""
-    path, layout, offset_s, joint_names, topics, size, horizon, camera_rate_hz = job
+    """One bag -> its resized frames (written to frames_path) and training windows (runs in a
+    worker process)."""
+    path, frames_path, layout, offset_s, joint_names, topics, size, horizon, camera_rate_hz = job
     with Bag(path) as bag:
         inputs = resolve_inputs(bag, layout.cameras, topics)
         commands = []
@@ -105,24 +109,26 @@ def read_episode(job: tuple) -> EpisodeWindows:
             if len(chunk) < horizon:  # past the end: the last command repeated, masked out of the loss
                 chunk = np.concatenate([chunk, np.repeat(targets[-1:], horizon - len(chunk), 0)])
             windows.append((rows, obs.state.astype(np.float32), chunk, pad))
-    return EpisodeWindows(frames, windows)
+    np.save(frames_path, np.stack(frames))
+    return EpisodeWindows(Path(frames_path), windows)
 
 
 class Dataset:
     """Every window of every episode, frames on the device as uint8 [N, 3, S, S]."""
 
     def __init__(self, episodes: list[EpisodeWindows], cameras: int, device: torch.device):
-        frames, self.groups = [], {}
-        for ep in episodes:
-            base = len(frames)
-            frames.extend(ep.frames)
+        files = [np.load(ep.frames, mmap_mode="r") for ep in episodes]
+        self.frames = torch.empty((sum(len(f) for f in files), *files[0].shape[1:]), dtype=torch.uint8, device=device)
+        self.groups, base = {}, 0
+        for ep, f in zip(episodes, files):
+            self.frames[base:base + len(f)] = torch.from_numpy(np.array(f))  # a writable copy of the mapped file
             for rows, state, actions, pad in ep.windows:
                 g = self.groups.setdefault(len(rows) // cameras, Samples())
                 g.rows.append([base + r for r in rows])
                 g.states.append(state)
                 g.actions.append(actions)
                 g.pads.append(pad)
-        self.frames = torch.from_numpy(np.stack(frames)).to(device)
+            base += len(f)
         self.tensors = {k: (torch.tensor(g.rows, device=device), torch.from_numpy(np.stack(g.states)).to(device),
                             torch.from_numpy(np.stack(g.actions)).to(device),
                             torch.from_numpy(np.stack(g.pads)).to(device))
@@ -132,13 +138,13 @@ class Dataset:
     def __len__(self) -> int:
         return sum(self.sizes.values())
 
-    def batch(self, size: int,
-              generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(frame times, pixels [B * images, 3, S, S] in [-1, 1], state, actions, pad): one group,
-        chosen with probability proportional to its windows."""
+    def batch(self, size: int, generator: torch.Generator,
+              group: Optional[int] = None) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(frame times, pixels [B * images, 3, S, S] in [-1, 1], state, actions, pad): one group
+        (`group` frame times, or chosen with probability proportional to its windows)."""
         keys = sorted(self.sizes)
         weights = torch.tensor([self.sizes[k] for k in keys], dtype=torch.float)
-        k = keys[int(torch.multinomial(weights, 1, generator=generator))]
+        k = group or keys[int(torch.multinomial(weights, 1, generator=generator))]
         rows, states, actions, pads = self.tensors[k]
         pick = torch.randint(len(rows), (size,), generator=generator).to(rows.device)
         pixels = self.frames[rows[pick].reshape(-1)].float() / 255 * 2 - 1
@@ -156,6 +162,24 @@ def shift_augment(pixels: torch.Tensor, max_px: int, generator: torch.Generator)
     theta[:, :, 2] = shift
     grid = F.affine_grid(theta, list(pixels.shape), align_corners=False)
     return F.grid_sample(pixels, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def loss_function(args, model: VLAPolicy, train: Dataset, prompt_of: dict, autocast, device: torch.device):
+    """flow_matching_loss, or with --compile its compiled form, every window group's forward and
+    backward compiled before the step clock starts (a group first drawn mid-run, the rare
+    one-frame windows of an episode's start, would stall the steps the schedule is fitted to)."""
+    if not args.compile:
+        return flow_matching_loss
+    compiled = torch.compile(flow_matching_loss, dynamic=False)
+    gen = torch.Generator().manual_seed(0)
+    for k in sorted(train.sizes):
+        _, pixels, state, target, pad = train.batch(args.batch, gen, group=k)
+        with autocast:
+            loss = compiled(model, pixels, prompt_of[k], state, target, pad, FlowTimeSampler()(args.batch, device),
+                            torch.randn(target.shape, generator=gen).to(device))
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return compiled
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -243,6 +267,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--workers", type=int, default=None, help="processes reading bags (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the training step's forward and "
+                    "backward (fused normalisations and activations; each window group compiles first)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state (weights, moments, step)")
     ap.add_argument("--init", default=None, help="start from this checkpoint's weights and statistics (fresh "
                     "optimizer and schedule): continue a run whose train_state is gone")
@@ -262,12 +288,14 @@ def _read_data(args, ap: argparse.ArgumentParser, device: torch.device, t_start:
         ap.error(f"{len(bags)} episode bags in {args.bags}: need more than --val-episodes {args.val_episodes}")
     # The node's topics are relative (namespaces); a bag records them under the root namespace.
     topics = tuple("/" + t.lstrip("/") for t in params["camera_topics"])
-    jobs = [(str(b), layout, cfg.robot.history_offset_s, tuple(params["joint_names"]), topics,
-             cfg.vision.image_size, cfg.action.horizon, cfg.robot.control_rate_hz) for b in bags]
-    with Pool(args.workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-        episodes = pool.map(read_episode, jobs)
-    train = Dataset(episodes[args.val_episodes:], len(layout.cameras), device)
-    val = Dataset(episodes[:args.val_episodes], len(layout.cameras), device)
+    with tempfile.TemporaryDirectory(prefix="vla-train-frames-") as spill:
+        jobs = [(str(b), f"{spill}/{i}.npy", layout, cfg.robot.history_offset_s, tuple(params["joint_names"]),
+                 topics, cfg.vision.image_size, cfg.action.horizon, cfg.robot.control_rate_hz)
+                for i, b in enumerate(bags)]
+        with Pool(args.workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            episodes = pool.map(read_episode, jobs)
+        train = Dataset(episodes[args.val_episodes:], len(layout.cameras), device)
+        val = Dataset(episodes[:args.val_episodes], len(layout.cameras), device)
     print(f"vla-train: {len(bags)} episodes ({len(train)} training windows, {len(val)} held out), "
           f"{len(train.frames)} frames on {device}, read in {time.perf_counter() - t_start:.0f}s", flush=True)
     return params, cfg, layout, bags, train, val
@@ -323,6 +351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {"preset": args.preset, "batch": args.batch, "lr": args.lr, "steps": args.steps, "seed": args.seed,
             "bags": len(bags), "train_windows": len(train),
             "command": "vla-train " + " ".join(sys.argv[1:] if argv is None else argv)}
+    loss_fn = loss_function(args, model, train, prompt_of, autocast, device)
     t_loop, start_step = time.perf_counter(), step
     while step < args.steps:
         if args.time_budget_s and time.perf_counter() - t_start > args.time_budget_s:
@@ -334,8 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         pixels = shift_augment(pixels, args.shift_px, gen)
         noise = torch.randn(target.shape, generator=gen).to(device)
         with autocast:
-            loss = flow_matching_loss(model, pixels, prompt_of[k], state, target, pad,
-                                      sampler(args.batch, device), noise)
+            loss = loss_fn(model, pixels, prompt_of[k], state, target, pad, sampler(args.batch, device), noise)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
