@@ -5,7 +5,9 @@
 # the INIT checkpoint folder when continuing a run from its weights. RESUME=1 continues from
 # /tmp/sim_policy/train_state, which a machine still warm from the last call holds (with /tmp/demos).
 #   EPISODES=100 BUDGET_S=430 [INIT=out/sim_policy | RESUME=1] [BATCH=64] [COMPILE=1] [EVAL_S=150]
-#   [TESTS="test/test_fused_expert_cuda.py"] bash scripts/gpu_train.sh
+#   [TESTS="test/test_fused_expert_cuda.py"] [EVAL_INIT=1] bash scripts/gpu_train.sh
+# EVAL_INIT=1 evaluates the INIT checkpoint (sim_eval_init.json) while the new run's steps keep the
+# GPU busy and leave the CPU idle; the evaluation's latency is fixed in sim time, so sharing is safe.
 set -uo pipefail
 t0=$(date +%s)
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -27,6 +29,15 @@ train() {  # $1: the time budget in s; the rest: extra vla-train arguments
     --workers 16 --seed "${SEED:-0}" ${INIT:+--init "$INIT"} ${RESUME:+--resume} --time-budget-s "$1" "${@:2}" 2>&1 \
     | grep -v Warning | tee -a "$OUT/train.log" | tail -14
 }
+# Closed loop, 50 held-out seeds, one fixed inference latency (parallel workers share the GPU and
+# would otherwise time each other's queries). $1: checkpoint, $2: time limit in s, $3: report.
+evaluate() {
+  timeout "$2" python3 -m vla_node.sim eval --checkpoint "$1" \
+    --configs "${EVAL_CONFIGS:-eager}" --episodes 50 --workers 16 --device cuda --dtype float32 \
+    --latency-ms "${LATENCY_MS:-40}" --json "$OUT/$3" 2>&1 | grep -v Warning | grep "success \|rror" | tail -6
+}
+[ -n "${EVAL_INIT:-}" ] && { ( timeout 400 sh -c "until grep -q s/step '$OUT/train.log'; do sleep 2; done"
+  evaluate "$INIT" 200 sim_eval_init.json | sed 's/^/init checkpoint: /' ) & }
 t_train=$(date +%s)
 # COMPILE=1: the compiled step; if it fails, the rest of the budget trains eagerly.
 train "${BUDGET_S:-430}" ${COMPILE:+--compile} || { [ -n "${COMPILE:-}" ] && \
@@ -34,9 +45,6 @@ train "${BUDGET_S:-430}" ${COMPILE:+--compile} || { [ -n "${COMPILE:-}" ] && \
 for f in model.safetensors config.json train_log.jsonl train_curves.png; do cp /tmp/sim_policy/$f "$OUT/" 2>/dev/null; done
 cp /tmp/sim_policy/train_state/state.json "$OUT/train_state.json" 2>/dev/null
 echo "training done after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
-# Closed loop, 50 held-out seeds, one fixed inference latency (parallel workers share the GPU and
-# would otherwise time each other's queries).
-[ "${EVAL_S:-0}" -gt 0 ] && timeout "$EVAL_S" python3 -m vla_node.sim eval --checkpoint /tmp/sim_policy \
-  --configs "${EVAL_CONFIGS:-eager}" --episodes 50 --workers 16 --device cuda --dtype float32 \
-  --latency-ms "${LATENCY_MS:-40}" --json "$OUT/sim_eval.json" 2>&1 | grep -v Warning | grep "success \|rror" | tail -6
+wait  # the INIT checkpoint's evaluation
+[ "${EVAL_S:-0}" -gt 0 ] && evaluate /tmp/sim_policy "$EVAL_S" sim_eval.json
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
