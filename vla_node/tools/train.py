@@ -4,6 +4,7 @@ commands, one bag per episode (what `vla-sim record` writes).
 
     vla-train --bags out/demos --preset sim --params config/sim.yaml --out out/sim_policy --steps 20000
     vla-train ... --resume            # continue from out/sim_policy/train_state (several GPU runs)
+    vla-train ... --causal-images     # the official variant whose image tokens attend causally
 
 Windows come from the bag reader the offline replay uses (tools/bag_io.ObservationStream, the
 node's window picker), so the policy trains on exactly the observations the node will hand it,
@@ -18,6 +19,7 @@ stops it cleanly before a limit).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -45,6 +47,7 @@ from ..model import (
 from ..model.policy import VLAPolicy
 from ..model.sequence import PromptBuilder
 from ..model.training import FlowTimeSampler, flow_matching_loss
+from ..model.weights import read_config
 from ..runtime.preprocess import resize_u8
 from ..runtime.types import WindowLayout
 from .bag_io import DEMO_COMMAND_TOPIC, Bag, ObservationStream, resolve_inputs, stamp_ns
@@ -272,7 +275,30 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state (weights, moments, step)")
     ap.add_argument("--init", default=None, help="start from this checkpoint's weights and statistics (fresh "
                     "optimizer and schedule): continue a run whose train_state is gone")
+    ap.add_argument("--causal-images", action="store_true", help="image tokens attend causally, not both ways "
+                    "as in the preset (the official variant without bi_directional_attn); the checkpoint's "
+                    "config.json carries it, and --init/--resume must match the checkpoint's attention")
     return ap
+
+
+def _model_config(args):
+    """The preset, with --causal-images. A run that continues a checkpoint (--init, --resume) must
+    train the attention it was trained with: weights fitted to one image attention and saved under
+    the other would load as a different policy."""
+    cfg = get_preset(args.preset)
+    if args.causal_images:
+        cfg = dataclasses.replace(cfg, prompt=dataclasses.replace(cfg.prompt, bidirectional_images=False))
+    resumed = Path(args.out) if args.resume and (Path(args.out) / STATE_DIR / "state.json").is_file() else None
+    start = Path(args.init) if args.init else resumed
+    if start is None:
+        return cfg
+    folder = start.parent if start.is_file() else start   # --init names the folder or its model.safetensors
+    both_ways = read_config(folder).prompt.bidirectional_images
+    if both_ways != cfg.prompt.bidirectional_images:
+        fix = "without --causal-images" if args.causal_images else "with --causal-images"
+        raise SystemExit(f"vla-train: {start} was trained with {'bidirectional' if both_ways else 'causal'} image "
+                         f"attention: run {fix}")
+    return cfg
 
 
 def _read_data(args, ap: argparse.ArgumentParser, device: torch.device, t_start: float):
@@ -281,7 +307,7 @@ def _read_data(args, ap: argparse.ArgumentParser, device: torch.device, t_start:
     import yaml
 
     params = next(iter(yaml.safe_load(Path(args.params).read_text()).values()))["ros__parameters"]
-    cfg = get_preset(args.preset)
+    cfg = _model_config(args)
     layout = WindowLayout(tuple(params["camera_names"]), cfg.robot.frames, cfg.robot.obs_step_delta)
     bags = sorted(p for p in Path(args.bags).iterdir() if p.suffix == ".mcap" or (p / "metadata.yaml").is_file())
     if len(bags) <= args.val_episodes:
