@@ -12,6 +12,7 @@ from optional import require_simulator
 
 require_simulator()
 
+from vla_node.ros.control import latency_ticks  # noqa: E402
 from vla_node.runtime import ActionChunk, Observation  # noqa: E402
 from vla_node.sim import SIM_POLICY  # noqa: E402
 from vla_node.sim.aloha import CONTROL_PERIOD_NS, EPISODE_START_NS, RenderConfig, TransferCube  # noqa: E402
@@ -224,6 +225,26 @@ def test_eval_writes_success_latency_and_handover_per_config(tmp_path):
         assert entry["per_episode"][0]["seed"] == 1000
         assert (tmp_path / "videos").exists() and entry["per_episode"][0]["video"]
     assert "speedup_vs_first" in report["configs"]["static"]
+
+
+def test_eval_fixes_the_latency_measured_alone_for_every_seed(tmp_path):
+    """--latency-ms alone: one process times the first seed by itself, then every seed (here two
+    workers) runs with that median fixed, and speedups come from the medians measured alone."""
+    checkpoint = random_sim_checkpoint(tmp_path / "policy")
+    report_path = tmp_path / "eval.json"
+    code = main(["eval", "--checkpoint", str(checkpoint), "--configs", "eager,static", "--episodes", "2",
+                 "--ticks", "30", "--latency-ms", "alone", "--workers", "2", "--height", "48", "--width", "64",
+                 "--json", str(report_path)])
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    for entry in report["configs"].values():
+        alone = entry["latency_alone_ms"]
+        assert alone["n"] >= 1 and entry["latency"] == pytest.approx(alone["p50"])
+        ticks = latency_ticks(alone["p50"] / 1e3, CONTROL_PERIOD_NS / 1e9)
+        assert entry["latency_ticks"]["mean"] == entry["latency_ticks"]["max"] == ticks   # one fixed latency
+    eager, static = report["configs"]["eager"], report["configs"]["static"]
+    speedup = eager["latency_alone_ms"]["p50"] / static["latency_alone_ms"]["p50"]
+    assert static["speedup_vs_first"] == pytest.approx(speedup)
 
 
 def test_eval_without_a_checkpoint_evaluates_the_shipped_policy(tmp_path):

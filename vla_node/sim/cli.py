@@ -123,9 +123,8 @@ def run_eval(args) -> int:
     from .eval import evaluate
     args.workers = _workers(args.workers)
     args.checkpoint, args.preset = _eval_policy(args)
-    report = evaluate(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    evaluate(args, save=lambda report: Path(args.json).write_text(json.dumps(report, indent=2) + "\n"))
     print(f"report: {args.json}")
     return 0
 
@@ -208,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--handover", type=_csv, default=None, help="hand-over modes to compare, e.g. rtc,average "
                                                                 "(default: the params file's)")
     ev.add_argument("--latency-ms", type=_csv, default=["measured"],
-                    help="inference latency in sim time: 'measured' (each query's predict time) or ms, "
-                         "comma-separated to compare (default %(default)s)")
+                    help="inference latency in sim time: 'measured' (each query's predict time), 'alone' (the "
+                         "median predict time of one episode run first by one process alone, then fixed: with "
+                         "--workers sharing a GPU) or ms, comma-separated to compare (default %(default)s)")
     ev.add_argument("--ticks", type=int, default=EPISODE_TICKS, help="episode length in 20 ms ticks")
     ev.add_argument("--camera-every", type=int, default=1)
     ev.add_argument("--video-dir", default=None, help="write a video of the first --videos episodes per config")

@@ -4,9 +4,15 @@ Every configuration (and hand-over mode and latency) runs the same seeds. Each e
 and warmed up once; its stream state is reset at every episode. The report's
 `configs.<name>.success_rate` comes with its 95 % Wilson interval, the engine's predict time,
 and the command's step per tick at chunk boundaries against inside chunks.
+
+`--latency-ms alone` is the latency a user of one robot sees, on a machine shared like a robot's
+is not: before a configuration's workers start, one process (nothing else on the device) runs the
+first seed with each query's own predict time, and the workers then run every seed with that
+episode's median fixed in sim time, so sharing the device for the physics cannot change it.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import time
@@ -29,11 +35,13 @@ def variants(args, settings: ControlSettings) -> list[tuple[str, str, float | No
     for text in args.latency_ms:
         if text == "measured":
             latencies.append(("measured", None))
+        elif text == "alone":   # evaluate() measured it (alone_ms) before the workers started
+            latencies.append(("alone", getattr(args, "alone_ms", None) and args.alone_ms / 1e3))
         else:
             try:
                 latencies.append((f"{float(text):g}ms", float(text) / 1e3))
             except ValueError:
-                raise ValueError(f"--latency-ms takes 'measured' or milliseconds, got {text!r}") from None
+                raise ValueError(f"--latency-ms takes 'measured', 'alone' or milliseconds, got {text!r}") from None
     out = []
     for handover in handovers:
         for label, latency_s in latencies:
@@ -103,7 +111,18 @@ def _worker(job) -> tuple[float, dict[str, list]]:
     return run_seeds(args, spec, seeds, progress=lambda m: print(m, flush=True))
 
 
-def evaluate(args, progress=print) -> dict:
+def latency_alone(args, spec) -> dict:
+    """Predict times (ms percentiles) of `spec` over the first seed with the measured latency, in a
+    process of its own while nothing else runs (its engine's device context goes with it)."""
+    import multiprocessing
+
+    alone = argparse.Namespace(**{**vars(args), "latency_ms": ["measured"], "handover": None, "video_dir": None})
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        _, results = pool.apply(_worker, ((alone, spec, [args.first_seed]),))
+    return summarize(results[""])["predict_ms"]
+
+
+def evaluate(args, progress=print, save=lambda report: None) -> dict:
     """Every configuration on the same seeds. With `args.workers` > 1 the seeds of a configuration
     are spread over that many processes (each its own simulator and engine; on one GPU they share
     it, which slows each query: compare predict times from one worker, or from vla-bench)."""
@@ -117,6 +136,10 @@ def evaluate(args, progress=print) -> dict:
               "control_period_ms": CONTROL_PERIOD_NS / 1e6, "workers": workers, "configs": {}}
     for spec in specs:
         t0 = time.perf_counter()
+        alone = latency_alone(args, spec) if "alone" in args.latency_ms else None
+        if alone:
+            args = argparse.Namespace(**{**vars(args), "alone_ms": alone["p50"]})
+            progress(f"[{spec.label}] latency alone: median {alone['p50']:.1f} ms over {alone['n']} queries")
         if workers == 1:
             parts = [run_seeds(args, spec, seeds, progress)]
         else:
@@ -132,12 +155,18 @@ def evaluate(args, progress=print) -> dict:
                      "handover_mode": handover, "latency": "measured" if latency_s is None else latency_s * 1e3,
                      "ready_s": max(ready for ready, _ in parts), "wall_s": time.perf_counter() - t0,
                      **summarize(results)}
+            if alone:
+                entry["latency_alone_ms"] = alone
             report["configs"][name] = entry
             low, high = entry["success_ci95"]
             progress(f"[{name}] success {entry['successes']}/{entry['episodes']} "
                      f"({100 * entry['success_rate']:.0f} %, 95 % interval {100 * low:.0f}-{100 * high:.0f} %)")
+        save(report)   # each configuration's results as soon as it has them: a later one may not finish
+    # Speedups from the latencies measured alone where there are any: shared ones time each other.
+    median = lambda entry: entry.get("latency_alone_ms", entry["predict_ms"]).get("p50")  # noqa: E731
     base = next(iter(report["configs"].values()), None)
     for entry in report["configs"].values():
-        if base and base["predict_ms"].get("p50") and entry["predict_ms"].get("p50"):
-            entry["speedup_vs_first"] = base["predict_ms"]["p50"] / entry["predict_ms"]["p50"]
+        if base and median(base) and median(entry):
+            entry["speedup_vs_first"] = median(base) / median(entry)
+    save(report)
     return report
