@@ -10,12 +10,7 @@
 # GPU busy and leave the CPU idle; the evaluation's latency is fixed in sim time, so sharing is safe.
 set -uo pipefail
 t0=$(date +%s)
-for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD MUJOCO_GL=egl PYTHONUNBUFFERED=1
-[ -f /usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json ] && \
-  export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
-OUT=${OUT:-out}; mkdir -p "$OUT"
+source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/train.log"
 # CUDA tests ($TESTS: pytest files) while the demonstrations render on the CPU: the GPU is idle then.
 [ -n "${TESTS:-}" ] && { timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -m cuda $TESTS > "$OUT/cuda_tests.log" 2>&1 & }
