@@ -25,6 +25,7 @@ import math
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
@@ -167,19 +168,23 @@ def shift_augment(pixels: torch.Tensor, max_px: int, generator: torch.Generator)
     return F.grid_sample(pixels, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
-def loss_function(args, model: VLAPolicy, train: Dataset, prompt_of: dict, autocast, device: torch.device):
-    """flow_matching_loss, or with --compile its compiled form, every window group's forward and
-    backward compiled before the step clock starts (a group first drawn mid-run, the rare
-    one-frame windows of an episode's start, would stall the steps the schedule is fitted to)."""
+def loss_function(args, model: VLAPolicy, prompt_of: dict, cameras: int, autocast, device: torch.device):
+    """flow_matching_loss, or with --compile its compiled form, the forward and backward of every
+    window group (1 .. frames frame times) compiled before the step clock starts (a group first drawn
+    mid-run, the rare one-frame windows of an episode's start, would stall the steps the schedule is
+    fitted to). It needs only the batches' shapes, so main() runs it while the bags are being read."""
     if not args.compile:
         return flow_matching_loss
     compiled = torch.compile(flow_matching_loss, dynamic=False)
-    gen = torch.Generator().manual_seed(0)
-    for k in sorted(train.sizes):
-        _, pixels, state, target, pad = train.batch(args.batch, gen, group=k)
+    cfg, b = model.cfg, args.batch
+    for k in sorted(prompt_of):
+        size = cfg.vision.image_size
+        pixels = torch.zeros((b * k * cameras, 3, size, size), device=device)
+        target = torch.zeros((b, cfg.action.horizon, cfg.action.action_dim), device=device)
         with autocast:
-            loss = compiled(model, pixels, prompt_of[k], state, target, pad, FlowTimeSampler()(args.batch, device),
-                            torch.randn(target.shape, generator=gen).to(device))
+            loss = compiled(model, pixels, prompt_of[k], torch.zeros((b, cfg.action.state_dim), device=device),
+                            target, torch.zeros(target.shape[:2], dtype=torch.bool, device=device),
+                            torch.full((b,), 0.5, device=device), torch.zeros_like(target))
         loss.backward()
     model.zero_grad(set_to_none=True)
     return compiled
@@ -301,9 +306,8 @@ def _model_config(args):
     return cfg
 
 
-def _read_data(args, ap: argparse.ArgumentParser, device: torch.device, t_start: float):
-    """The node's parameters, the preset, the window layout, the bags and the training and held-out
-    windows."""
+def _inputs(args, ap: argparse.ArgumentParser):
+    """The node's parameters, the preset, the window layout and the episode bags."""
     import yaml
 
     params = next(iter(yaml.safe_load(Path(args.params).read_text()).values()))["ros__parameters"]
@@ -312,24 +316,38 @@ def _read_data(args, ap: argparse.ArgumentParser, device: torch.device, t_start:
     bags = sorted(p for p in Path(args.bags).iterdir() if p.suffix == ".mcap" or (p / "metadata.yaml").is_file())
     if len(bags) <= args.val_episodes:
         ap.error(f"{len(bags)} episode bags in {args.bags}: need more than --val-episodes {args.val_episodes}")
+    return params, cfg, layout, bags
+
+
+@contextmanager
+def _reading(args, params: dict, cfg, layout: WindowLayout, bags: list[Path], device: torch.device, t_start: float):
+    """Starts reading the bags in worker processes and yields a function that waits for them and
+    returns the training and held-out windows: the caller compiles meanwhile."""
     # The node's topics are relative (namespaces); a bag records them under the root namespace.
     topics = tuple("/" + t.lstrip("/") for t in params["camera_topics"])
-    with tempfile.TemporaryDirectory(prefix="vla-train-frames-") as spill:
+    with tempfile.TemporaryDirectory(prefix="vla-train-frames-") as spill, \
+            Pool(args.workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         jobs = [(str(b), f"{spill}/{i}.npy", layout, cfg.robot.history_offset_s, tuple(params["joint_names"]),
                  topics, cfg.vision.image_size, cfg.action.horizon, cfg.robot.control_rate_hz)
                 for i, b in enumerate(bags)]
-        with Pool(args.workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            episodes = pool.map(read_episode, jobs)
-        train = Dataset(episodes[args.val_episodes:], len(layout.cameras), device)
-        val = Dataset(episodes[:args.val_episodes], len(layout.cameras), device)
-    print(f"vla-train: {len(bags)} episodes ({len(train)} training windows, {len(val)} held out), "
-          f"{len(train.frames)} frames on {device}, read in {time.perf_counter() - t_start:.0f}s", flush=True)
-    return params, cfg, layout, bags, train, val
+        pending = pool.map_async(read_episode, jobs)
+
+        def windows() -> tuple[Dataset, Dataset]:
+            episodes = pending.get()
+            t_read = time.perf_counter()
+            train = Dataset(episodes[args.val_episodes:], len(layout.cameras), device)
+            val = Dataset(episodes[:args.val_episodes], len(layout.cameras), device)
+            print(f"vla-train: {len(bags)} episodes ({len(train)} training windows, {len(val)} held out), "
+                  f"{len(train.frames)} frames on {device}, read{' and compiled' if args.compile else ''} in "
+                  f"{time.perf_counter() - t_start:.0f}s "
+                  f"({time.perf_counter() - t_read:.0f}s of it onto the device)", flush=True)
+            return train, val
+
+        yield windows
 
 
-def _model_and_optimizer(args, cfg, train, device: torch.device):
-    """Random weights normalised to the training data's statistics (or --init's weights), and AdamW."""
-    model = init_random_(build_model(cfg, device), args.seed).train().requires_grad_(True)
+def fit_to_data(args, model: VLAPolicy, train: Dataset, device: torch.device) -> torch.optim.Optimizer:
+    """The model normalised to the training data's statistics (or --init's weights), and AdamW."""
     # The statistics of the training data: min/max of states and actions (with a floor on the span).
     states = torch.cat([g[1] for g in train.tensors.values()])
     actions = torch.cat([g[2][~g[3]] for g in train.tensors.values()])
@@ -338,14 +356,13 @@ def _model_and_optimizer(args, cfg, train, device: torch.device):
         mid, half = (lo + hi) / 2, ((hi - lo) / 2).clamp_min(1e-3)
         buf.copy_(torch.stack([mid - half, mid + half]))
     if args.init:
-        model.load_state_dict(load_checkpoint(args.init, device).state_dict())
+        model.load_state_dict(load_checkpoint(args.init, device).state_dict())   # in place: compiled code holds
         print(f"vla-train: initialised from {args.init}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n and "pos" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n and "pos" not in n)]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    return model, optim
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -360,24 +377,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         # batch 256 that is > 65535, where cuDNN's attention fails (seen on the H200, torch 2.11).
         torch.backends.cuda.enable_cudnn_sdp(False)
 
-    params, cfg, layout, bags, train, val = _read_data(args, ap, device, t_start)
-
-    model, optim = _model_and_optimizer(args, cfg, train, device)
+    params, cfg, layout, bags = _inputs(args, ap)
+    model = init_random_(build_model(cfg, device), args.seed).train().requires_grad_(True)
+    prompts = PromptBuilder(load_tokenizer(TINY_TOKENIZER), cfg)
+    instruction = params.get("instruction") or _bag_instruction(bags[0])
+    # Every window group a bag can hold: 1 (an episode's start) .. frames frame times.
+    prompt_of = {k: prompts.build(len(layout.cameras), k, instruction) for k in range(1, cfg.robot.frames + 1)}
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    with _reading(args, params, cfg, layout, bags, device, t_start) as windows:
+        loss_fn = loss_function(args, model, prompt_of, len(layout.cameras), autocast, device)
+        train, val = windows()
+    optim = fit_to_data(args, model, train, device)
     step, log = 0, []
     if args.resume and (out / STATE_DIR / "state.json").is_file():
         step, log = load_state(out, model, optim)
         print(f"vla-train: resumed at step {step}", flush=True)
-    prompts = PromptBuilder(load_tokenizer(TINY_TOKENIZER), cfg)
-    instruction = params.get("instruction") or _bag_instruction(bags[0])
-    prompt_of = {k: prompts.build(len(layout.cameras), k, instruction) for k in train.sizes | val.sizes}
     sampler = FlowTimeSampler()
     gen = torch.Generator().manual_seed(args.seed * 7919 + step)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
     meta = {"preset": args.preset, "batch": args.batch, "lr": args.lr, "steps": args.steps, "seed": args.seed,
             "bags": len(bags), "train_windows": len(train),
             "command": "vla-train " + " ".join(sys.argv[1:] if argv is None else argv)}
-    loss_fn = loss_function(args, model, train, prompt_of, autocast, device)
     t_loop, start_step = time.perf_counter(), step
     while step < args.steps:
         if args.time_budget_s and time.perf_counter() - t_start > args.time_budget_s:
