@@ -1,6 +1,11 @@
-# Sourced by the device scripts: the EGL loaders (.gl) and the wheels the GPU image lacks (.whl:
-# mujoco, glfw, pyopengl, gym-aloha, gymnasium, farama-notifications, rosbags, apsw, backports.zstd,
-# lz4, ruamel.yaml(.clib), for Python 3.12; `pip download` commands in BENCHMARKS.md), both carried.
+# Sourced by the device scripts: the EGL loaders (.gl) and the wheels the GPU image lacks (.whl), both
+# carried (18 MB of wheels; dm-control is not needed there). Made once on this machine with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 --platform any \
+#     mujoco==3.8.1 glfw pyopengl gym-aloha==0.1.5 gymnasium==1.4.0 farama-notifications rosbags==0.11.9 \
+#     apsw backports.zstd lz4 ruamel.yaml ruamel.yaml.clib     (one name per call if one fails)
+#   cd .gl && apt-get download libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD MUJOCO_GL=egl PYTHONUNBUFFERED=1
