@@ -18,8 +18,10 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -257,17 +259,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     ros_args = argv[argv.index("--ros-args"):] if "--ros-args" in argv else []
     args = build_parser().parse_args(argv[:len(argv) - len(ros_args)])
     try:
-        if args.command == "expert":
-            return run_expert(args)
-        if args.command == "record":
-            return run_record(args)
-        if args.command == "eval":
-            return run_eval(args)
-        from .node import run
-        return run(args, ros_args)
+        if args.command == "run":
+            from .node import run
+            return run(args, ros_args)
+        with _sigterm_exits():
+            return {"expert": run_expert, "record": run_record, "eval": run_eval}[args.command](args)
     except (ValueError, OSError) as err:
         print(f"vla-sim {args.command}: {err}", file=sys.stderr)
         return 1
+
+
+@contextmanager
+def _sigterm_exits():
+    """SIGTERM (kill, timeout) raises SystemExit, so the commands' `with Pool` blocks terminate their
+    worker processes on the way out: killed outright, the parent would leave them running."""
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
