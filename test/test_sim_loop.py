@@ -241,7 +241,8 @@ def test_eval_fixes_the_latency_measured_alone_for_every_seed(tmp_path):
         alone = entry["latency_alone_ms"]
         assert alone["n"] >= 1 and entry["latency"] == pytest.approx(alone["p50"])
         ticks = latency_ticks(alone["p50"] / 1e3, CONTROL_PERIOD_NS / 1e9)
-        assert entry["latency_ticks"]["mean"] == entry["latency_ticks"]["max"] == ticks   # one fixed latency
+        taken = entry["latency_ticks"]   # none when a busy machine's median outlasts the 30 ticks
+        assert taken["n"] == 0 or taken["mean"] == taken["max"] == ticks   # one fixed latency
     eager, static = report["configs"]["eager"], report["configs"]["static"]
     speedup = eager["latency_alone_ms"]["p50"] / static["latency_alone_ms"]["p50"]
     assert static["speedup_vs_first"] == pytest.approx(speedup)
