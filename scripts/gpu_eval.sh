@@ -5,7 +5,5 @@
 #   CHECKPOINT=out/run7 CONFIGS="eager,fast" [EVAL_S=300] [DTYPE=float32] bash scripts/gpu_eval.sh
 set -uo pipefail
 source scripts/gpu_env.sh
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/eval.log"
-timeout "${EVAL_S:-300}" python3 -m vla_node.sim eval --checkpoint "$CHECKPOINT" --configs "$CONFIGS" \
-  --episodes 50 --workers 16 --device cuda --dtype "${DTYPE:-float32}" --latency-ms alone \
-  --json "$OUT/sim_eval_configs.json" 2>&1 | grep -v Warning | tee -a "$OUT/eval.log" | grep "success \|alone\|rror" | tail -20
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+EVAL_CONFIGS=$CONFIGS LATENCY_MS=alone evaluate "$CHECKPOINT" "${EVAL_S:-300}" sim_eval_configs.json

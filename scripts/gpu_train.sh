@@ -24,13 +24,6 @@ train() {  # $1: the time budget in s; the rest: extra vla-train arguments
     --workers 16 --seed "${SEED:-0}" ${INIT:+--init "$INIT"} ${RESUME:+--resume} --time-budget-s "$1" "${@:2}" 2>&1 \
     | grep -v Warning | tee -a "$OUT/train.log" | tail -14
 }
-# Closed loop, 50 held-out seeds, one fixed inference latency (parallel workers share the GPU and
-# would otherwise time each other's queries). $1: checkpoint, $2: time limit in s, $3: report.
-evaluate() {
-  timeout "$2" python3 -m vla_node.sim eval --checkpoint "$1" \
-    --configs "${EVAL_CONFIGS:-eager}" --episodes 50 --workers 16 --device cuda --dtype float32 \
-    --latency-ms "${LATENCY_MS:-40}" --json "$OUT/$3" 2>&1 | grep -v Warning | grep "success \|rror" | tail -6
-}
 [ -n "${EVAL_INIT:-}" ] && { ( timeout 400 sh -c "until grep -q s/step '$OUT/train.log'; do sleep 2; done"
   evaluate "$INIT" 200 sim_eval_init.json | sed 's/^/init checkpoint: /' ) & }
 t_train=$(date +%s)

@@ -176,9 +176,8 @@ def loss_function(args, model: VLAPolicy, prompt_of: dict, cameras: int, autocas
     if not args.compile:
         return flow_matching_loss
     compiled = torch.compile(flow_matching_loss, dynamic=False)
-    cfg, b = model.cfg, args.batch
+    cfg, b, size = model.cfg, args.batch, model.cfg.vision.image_size
     for k in sorted(prompt_of):
-        size = cfg.vision.image_size
         pixels = torch.zeros((b * k * cameras, 3, size, size), device=device)
         target = torch.zeros((b, cfg.action.horizon, cfg.action.action_dim), device=device)
         with autocast:
@@ -286,6 +285,11 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def resuming(args) -> bool:
+    """--resume with a train state in --out to continue (without one the run starts afresh)."""
+    return args.resume and (Path(args.out) / STATE_DIR / "state.json").is_file()
+
+
 def _model_config(args):
     """The preset, with --causal-images. A run that continues a checkpoint (--init, --resume) must
     train the attention it was trained with: weights fitted to one image attention and saved under
@@ -293,8 +297,7 @@ def _model_config(args):
     cfg = get_preset(args.preset)
     if args.causal_images:
         cfg = dataclasses.replace(cfg, prompt=dataclasses.replace(cfg.prompt, bidirectional_images=False))
-    resumed = Path(args.out) if args.resume and (Path(args.out) / STATE_DIR / "state.json").is_file() else None
-    start = Path(args.init) if args.init else resumed
+    start = Path(args.init) if args.init else Path(args.out) if resuming(args) else None
     if start is None:
         return cfg
     folder = start.parent if start.is_file() else start   # --init names the folder or its model.safetensors
@@ -390,7 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         train, val = windows()
     optim = fit_to_data(args, model, train, device)
     step, log = 0, []
-    if args.resume and (out / STATE_DIR / "state.json").is_file():
+    if resuming(args):
         step, log = load_state(out, model, optim)
         print(f"vla-train: resumed at step {step}", flush=True)
     sampler = FlowTimeSampler()
