@@ -8,7 +8,7 @@
 #   check     the default kernel at B = 1, 2, 4, 8 against the fp32 expert (action caching,
 #             inpainting, 50 replays), two context lengths replayed A-B-A, the anatomy at B = 1, 4
 #   probe     clusters of the kernel the GPU holds at once (scripts/probe_clusters.py)
-#   bench     vla-bench DROID: eager, fast (on Hopper the CUDA loop: expert_kernel auto)
+#   bench     vla-bench DROID: $BENCH_MODES (eager,fast; on Hopper fast takes the CUDA loop: expert_kernel auto)
 #   soak      vla-soak engine, fast, 1000 queries (recompiles, memory)
 #   bench8    vla-bench 8 images: fast
 #   profile   one warm DROID `fast` query's kernels under the CUDA profiler (scripts/profile_query.py)
@@ -37,9 +37,9 @@ for part in $PARTS; do
         --out "$OUT" 2>&1 | grep -av Warn > "$OUT/check.log"; grep -a "A-B-A\|^anatomy\|^  \|^cuda" "$OUT/check.log" ;;
     probe) say "clusters held at once"
       timeout 30 python3 scripts/probe_clusters.py 2>&1 | tee "$OUT/probe.log" | tail -6 ;;
-    bench) say "vla-bench DROID: eager, fast"
-      timeout 300 python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout droid --iters 10 \
-        --dev-windows 3 --modes eager,fast --json "$OUT/bench_droid.json" 2>&1 \
+    bench) say "vla-bench DROID: ${BENCH_MODES:-eager,fast}"
+      timeout "${BENCH_TIMEOUT:-300}" python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout droid \
+        --iters 10 --dev-windows 3 --modes "${BENCH_MODES:-eager,fast}" --json "$OUT/bench_droid.json" 2>&1 \
         | grep -av Warning > "$OUT/bench_droid.log"; tail -9 "$OUT/bench_droid.log" ;;
     soak) say "vla-soak engine, fast, 1000 queries"
       timeout 200 python3 -m vla_node.tools.soak engine --preset molmobot-4b --device cuda --mode fast \

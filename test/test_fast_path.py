@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from vla_node.model import load_checkpoint, save_checkpoint
+from vla_node.model.layers import linear_gelu
 from vla_node.runtime import LAYOUTS, EngineConfig, Observation, PolicyEngine
 from vla_node.runtime.compile import uncompile
+from vla_node.runtime.fusion import BatchedContextKV, linear_gelu_epilogue
 from vla_node.runtime.preprocess import preprocess_reference, resize_normalize
 
 INSTRUCTIONS = ["pick up the red cup", "open the drawer", "put the marker in the bowl and close the lid",
@@ -55,6 +57,27 @@ def test_fused_projections_keep_keys_and_results(tmp_path):
         assert np.abs(x - y).max() < 1e-5
     save_checkpoint(fused.model, tmp_path)  # views of one buffer must still save as separate tensors
     assert load_checkpoint(tmp_path).state_dict().keys() == a.keys()
+
+
+def test_context_kv_of_every_block_at_once_is_the_per_block_one():
+    engine = PolicyEngine(EngineConfig.for_mode("ctxkv", fused=True))
+    expert, batched = engine.model.expert, engine.static.context_kv
+    assert isinstance(batched, BatchedContextKV)
+    g = torch.Generator().manual_seed(0)
+    hidden = [torch.randn(2, 37, engine.model.cfg.llm.dim, generator=g) for _ in expert.blocks]
+    state = torch.randn(2, engine.model.cfg.action.state_dim, generator=g)
+    with torch.no_grad():
+        for (k, v), (bk, bv) in zip(expert.context_kv(hidden, state), batched(hidden, state), strict=True):
+            assert torch.equal(k, bk) and torch.equal(v, bv) and k.stride() == bk.stride()
+
+
+def test_gelu_epilogue_keeps_the_vit_mlp():
+    plain = PolicyEngine(EngineConfig.for_mode("ctxkv", fused=True))
+    epilogue = PolicyEngine(EngineConfig.for_mode("ctxkv", fused=True, gelu_epilogue=True))
+    assert all(b.fc1_gelu is linear_gelu_epilogue for b in epilogue.model.vision.encoder.blocks)
+    inputs = same_inputs(plain, 2)
+    for x, y in zip(outputs(plain, inputs), outputs(epilogue, inputs)):
+        assert np.array_equal(x, y)  # the CPU runs the same two ops
 
 
 def test_vision_cache_reuses_frames_exactly_once():
@@ -158,6 +181,21 @@ def test_gpu_preprocess_matches_cpu_within_one_uint8_step():
     ref = preprocess_reference(images, 378)
     dev = resize_normalize(torch.from_numpy(np.stack(images)).cuda(), 378).cpu()
     assert (dev - ref).abs().max() * 127.5 <= 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_epilogue_matches_the_two_pass_vit_mlp_on_the_gpu(dtype):
+    torch.manual_seed(0)
+    fc1 = torch.nn.Linear(1152, 4304).cuda().to(dtype)
+    x = torch.randn(4, 729, 1152, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ref = linear_gelu(x.float(), fc1.float())  # fp32 sums, the tanh GELU
+        got = linear_gelu_epilogue(x, fc1).float()
+        two_pass = linear_gelu(x, fc1).float()
+    err, err_two_pass = (got - ref).abs().max().item(), (two_pass - ref).abs().max().item()
+    # the tanh GELU (erf's would be 5e-4 off), no worse than the two passes it replaces (one rounding, not two)
+    assert err < (1e-4 if dtype == torch.float32 else 1.25 * err_two_pass + 1e-3), (err, err_two_pass)
 
 
 @pytest.mark.cuda

@@ -41,6 +41,11 @@ class FusableProjection(nn.Module):
         return tuple(getattr(self, n)(x) for n in self.names)
 
 
+def linear_gelu(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """tanh-GELU(linear(x)): the ViT's MLP input (runtime.fusion may run it as one GEMM)."""
+    return F.gelu(linear(x), approximate="tanh")
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, out_dim: int | None = None):
         super().__init__()

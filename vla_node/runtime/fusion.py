@@ -1,4 +1,5 @@
-"""Fused q/k/v and gate/up projections: one GEMM instead of several.
+"""Fewer GEMMs and passes: fused q/k/v and gate/up projections, the action expert's context K/V
+of every block in three batched ones, and the ViT's MLP input with its GELU in the GEMM's epilogue.
 
 The separate nn.Linear weights become views into one concatenated buffer, so the model's
 state_dict (and any checkpoint saved from it) keeps the separate keys and the memory is not
@@ -7,9 +8,12 @@ doubled. Exact: each output row is the same dot product as before.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..model.action_expert import ActionExpert
 from ..model.layers import FusableProjection
+from ..model.vision import ViTBlock
 
 
 @torch.no_grad()
@@ -31,3 +35,59 @@ def fuse_projections(model: nn.Module) -> int:
         module.fused_weight, module.fused_bias = weight, bias
         count += 1
     return count
+
+
+class BatchedContextKV:
+    """ActionExpert.context_kv for every block at once: the shared context projection and its norm
+    over all layers' hidden states in one GEMM and one pass, each block's K/V projection as one
+    batched GEMM. Per block these were 4 launches (36 x 21 us at DROID on the H200, BENCHMARKS.md).
+    The blocks' cross_kv weights become views of one [blocks, 2w, w] buffer (memory not doubled)."""
+
+    @torch.no_grad()
+    def __init__(self, expert: ActionExpert):
+        self.expert = expert
+        projections = [blk.cross_kv for blk in expert.blocks]
+        self.weight = torch.stack([torch.cat([proj.k.weight, proj.v.weight]) for proj in projections])
+        self.bias = torch.stack([torch.cat([proj.k.bias, proj.v.bias]) for proj in projections])
+        w = expert.cfg.width
+        for proj, weight, bias in zip(projections, self.weight, self.bias):
+            proj.k.weight, proj.v.weight = nn.Parameter(weight[:w], False), nn.Parameter(weight[w:], False)
+            proj.k.bias, proj.v.bias = nn.Parameter(bias[:w], False), nn.Parameter(bias[w:], False)
+            if proj.fused_weight is not None:
+                proj.fused_weight, proj.fused_bias = weight, bias
+
+    def __call__(self, llm_hidden: list[torch.Tensor], state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        blocks, (b, t, _) = len(llm_hidden), llm_hidden[0].shape
+        w = self.expert.cfg.width
+        tokens = self.expert.context_tokens(torch.stack(llm_hidden))             # [blocks, B, T, w]
+        state_token = self.expert.state_token(state).expand(blocks, b, 1, w)
+        tokens = torch.cat([tokens, state_token], dim=2).view(blocks, b * (t + 1), w)
+        kv = torch.baddbmm(self.bias[:, None], tokens, self.weight.transpose(1, 2)).view(blocks, b, t + 1, 2 * w)
+        return [(blk._heads(kv[i, ..., :w]), blk._heads(kv[i, ..., w:])) for i, blk in enumerate(self.expert.blocks)]
+
+
+@torch.library.custom_op("vla::linear_gelu", mutates_args=())
+def _linear_gelu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:  # cuBLASLt's GELU_BIAS epilogue: the tanh GELU of the fp32 sums, one pass over the output
+        rows = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+        return rows.view(*x.shape[:-1], weight.shape[0])
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")  # the CPU's _addmm_activation is erf-GELU
+
+
+@_linear_gelu_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear_gelu_epilogue(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """model.layers.linear_gelu as one GEMM. Compiled, the ViT's fc1 took a bias copy into its output,
+    a GEMM adding onto it and a GELU pass: 91 us a block at DROID on the H200 (BENCHMARKS.md)."""
+    return _linear_gelu_op(x.contiguous(), linear.weight, linear.bias)
+
+
+def use_gelu_epilogues(model: nn.Module) -> int:
+    """Every ViT block's fc1 + GELU as one GEMM; returns how many blocks."""
+    blocks = [m for m in model.modules() if isinstance(m, ViTBlock)]
+    for block in blocks:
+        block.fc1_gelu = linear_gelu_epilogue
+    return len(blocks)

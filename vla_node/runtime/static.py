@@ -25,6 +25,7 @@ from .action_cache import MAX_ADAPTIVE_REUSE, FlowSchedule
 from .bucket import Bucket
 from .compile import compile_count, compile_regions
 from .frame_store import FrameStore
+from .fusion import BatchedContextKV
 from .graphs import capture
 from .parts import EngineParts
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
@@ -71,6 +72,7 @@ class StaticRunner:
         self.mod_table = self.flow_inputs = None
         if cfg.ctx_kv_once:
             self._make_modulation_table()
+        self.context_kv = BatchedContextKV(m.expert) if cfg.fused else m.expert.context_kv
         self.regions = compile_regions(m) if cfg.compile else []
         self.graphs_on = cfg.cuda_graphs
         self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
@@ -122,7 +124,7 @@ class StaticRunner:
         b.hidden = m.llm(embeds, b.cos, b.sin, b.attn_mask, b.slots if b.batch == 1 else None)
         b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
         if self.mod_table is not None:
-            b.kv = m.expert.context_kv(b.hidden, b.state_norm)
+            b.kv = self.context_kv(b.hidden, b.state_norm)
             if b.stream is not None:  # the streaming step updates these in place
                 b.stream.store_full(b.kv)
                 b.kv = b.stream.kv

@@ -101,14 +101,14 @@ BATCH_SIZES = (1, 2, 4, 8)
 
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
-LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gpu_preprocess", "compile", "flex_attention",
+LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile", "flex_attention",
                      "split_attention", "cuda_graphs", "triton_attention", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
     "static": ("static_shapes",),
     "ctxkv": ("ctx_kv_once",),
-    "fused": ("fused", "gpu_preprocess"),
+    "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
     "compile": ("compile", "flex_attention", "split_attention"),
     "graphs": ("cuda_graphs",),
     "triton": ("triton_attention",),
@@ -149,6 +149,7 @@ class EngineConfig:
     static_shapes: bool = False
     ctx_kv_once: bool = False
     fused: bool = False
+    gelu_epilogue: bool = False           # the ViT's fc1 + GELU as one GEMM (runtime/fusion.linear_gelu_epilogue)
     gpu_preprocess: bool = False
     compile: bool = False
     cuda_graphs: bool = False
