@@ -101,8 +101,9 @@ BATCH_SIZES = (1, 2, 4, 8)
 
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
-LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile", "flex_attention",
-                     "split_attention", "cuda_graphs", "triton_attention", "fused_expert", "vision_cache")
+LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
+                     "flex_attention", "split_attention", "cuda_graphs", "triton_attention", "fused_expert",
+                     "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),

@@ -56,8 +56,8 @@ OPTIONS = {
     "expertfp8": {"fused_expert": True, "expert_fp8": True},
     "cudaexpert": {"fused_expert": True, "expert_kernel": "cuda"},  # the loop on kernels/expert_flow.cu
     "tritonexpert": {"fused_expert": True, "expert_kernel": "triton"},  # the loop on kernels/expert_flow.py
-    "flexonly": {"split_attention": False},
-    "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue  # the whole prefill through flex attention, as before the split
+    "flexonly": {"split_attention": False},  # the whole prefill through flex attention, as before the split
+    "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue
 }
 BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "camera_height", "camera_width",
                "flow_steps", "max_instruction_tokens")
