@@ -3,6 +3,8 @@
 CPU tests run in CI. Tests marked `cuda` need a GPU (run them on the H200:
 `python3 -m pytest -q test/test_fast_path.py`) and skip elsewhere with the reason.
 """
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -59,7 +61,7 @@ def test_fused_projections_keep_keys_and_results(tmp_path):
     assert load_checkpoint(tmp_path).state_dict().keys() == a.keys()
 
 
-def test_context_kv_of_every_block_at_once_is_the_per_block_one():
+def test_context_kv_of_every_block_at_once_is_the_per_block_one_up_to_rounding():
     engine = PolicyEngine(EngineConfig.for_mode("ctxkv", fused=True))
     expert, batched = engine.model.expert, engine.static.context_kv
     assert isinstance(batched, BatchedContextKV)
@@ -68,7 +70,8 @@ def test_context_kv_of_every_block_at_once_is_the_per_block_one():
     state = torch.randn(2, engine.model.cfg.action.state_dim, generator=g)
     with torch.no_grad():
         for (k, v), (bk, bv) in zip(expert.context_kv(hidden, state), batched(hidden, state), strict=True):
-            assert torch.equal(k, bk) and torch.equal(v, bv) and k.stride() == bk.stride()
+            assert torch.allclose(k, bk, rtol=0, atol=1e-5) and torch.allclose(v, bv, rtol=0, atol=1e-5)
+            assert k.stride() == bk.stride() and v.stride() == bv.stride()  # the fused kernels' pack reads them
 
 
 def test_gelu_epilogue_keeps_the_vit_mlp():
@@ -190,7 +193,7 @@ def test_gelu_epilogue_matches_the_two_pass_vit_mlp_on_the_gpu(dtype):
     fc1 = torch.nn.Linear(1152, 4304).cuda().to(dtype)
     x = torch.randn(4, 729, 1152, device="cuda", dtype=dtype)
     with torch.no_grad():
-        ref = linear_gelu(x.float(), fc1.float())  # fp32 sums, the tanh GELU
+        ref = linear_gelu(x.float(), copy.deepcopy(fc1).float())  # fp32 sums, the tanh GELU
         got = linear_gelu_epilogue(x, fc1).float()
         two_pass = linear_gelu(x, fc1).float()
     err, err_two_pass = (got - ref).abs().max().item(), (two_pass - ref).abs().max().item()

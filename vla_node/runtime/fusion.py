@@ -39,32 +39,35 @@ def fuse_projections(model: nn.Module) -> int:
 
 class BatchedContextKV:
     """ActionExpert.context_kv for every block at once: the shared context projection and its norm
-    over all layers' hidden states in one GEMM and one pass, each block's K/V projection as one
-    batched GEMM. Per block these were 4 launches (36 x 21 us at DROID on the H200, BENCHMARKS.md).
-    The blocks' cross_kv weights become views of one [blocks, 2w, w] buffer (memory not doubled)."""
+    over all layers' hidden states in one GEMM and one pass, each block's K/V projection (bias
+    included) as one batched GEMM. Per block these were 4 launches (36 x 21 us at DROID on the H200,
+    BENCHMARKS.md). The bias rides in the GEMM as a weight column against a column of ones (the
+    tokens' rows padded to 16 bytes): a broadcast add after it, or a bias copied into its output
+    before it, took 85-107 us. Same sums, in another order: equal to the per-block K/V up to rounding.
+    The blocks' cross_kv weights become views of the one buffer (memory not doubled)."""
+
+    PAD = 8  # the ones column and 7 zero columns: rows of w + 8 bf16 stay 16-byte aligned
 
     @torch.no_grad()
     def __init__(self, expert: ActionExpert):
         self.expert = expert
-        projections = [blk.cross_kv for blk in expert.blocks]
-        self.weight = torch.stack([torch.cat([proj.k.weight, proj.v.weight]) for proj in projections])
-        self.bias = torch.stack([torch.cat([proj.k.bias, proj.v.bias]) for proj in projections])
         w = expert.cfg.width
-        for proj, weight, bias in zip(projections, self.weight, self.bias):
-            proj.k.weight, proj.v.weight = nn.Parameter(weight[:w], False), nn.Parameter(weight[w:], False)
-            proj.k.bias, proj.v.bias = nn.Parameter(bias[:w], False), nn.Parameter(bias[w:], False)
+        projections = [blk.cross_kv for blk in expert.blocks]
+        self.weight = projections[0].k.weight.new_zeros((len(projections), 2 * w, w + self.PAD))
+        for proj, rows in zip(projections, self.weight):
+            rows[:, :w] = torch.cat([proj.k.weight, proj.v.weight])
+            rows[:, w] = torch.cat([proj.k.bias, proj.v.bias])
+            proj.k.weight, proj.v.weight = nn.Parameter(rows[:w, :w], False), nn.Parameter(rows[w:, :w], False)
             if proj.fused_weight is not None:
-                proj.fused_weight, proj.fused_bias = weight, bias
+                proj.fused_weight = rows[:, :w]
 
     def __call__(self, llm_hidden: list[torch.Tensor], state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         blocks, (b, t, _), w = len(llm_hidden), llm_hidden[0].shape, self.expert.cfg.width
-        # The state token written into its row, not concatenated: a cat of the expanded token took
-        # 160 us at DROID, and a bias broadcast into the output before the GEMM 107 (H200 profile).
-        tokens = torch.empty((blocks, b, t + 1, w), dtype=self.weight.dtype, device=self.weight.device)
-        tokens[:, :, :t] = self.expert.context_tokens(torch.stack(llm_hidden))
-        tokens[:, :, t] = self.expert.state_token(state)[:, 0]
-        kv = torch.bmm(tokens.view(blocks, b * (t + 1), w), self.weight.transpose(1, 2)).add_(self.bias[:, None])
-        kv = kv.view(blocks, b, t + 1, 2 * w)
+        tokens = torch.zeros((blocks, b, t + 1, w + self.PAD), dtype=self.weight.dtype, device=self.weight.device)
+        tokens[..., w] = 1.0
+        tokens[:, :, :t, :w] = self.expert.context_tokens(torch.stack(llm_hidden))
+        tokens[:, :, t, :w] = self.expert.state_token(state)[:, 0]
+        kv = torch.bmm(tokens.view(blocks, b * (t + 1), -1), self.weight.transpose(1, 2)).view(blocks, b, t + 1, 2 * w)
         return [(blk._heads(kv[i, ..., :w]), blk._heads(kv[i, ..., w:])) for i, blk in enumerate(self.expert.blocks)]
 
 
