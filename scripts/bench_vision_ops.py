@@ -6,7 +6,8 @@ of replays; scripts/bench_prefill_attention.timed), its error against fp32 besid
 - attention: SDPA by each backend PyTorch has for head_dim 72 (cuDNN is what the engine gets), and
   with q/k/v zero-padded to head_dim 80 / 128 (the padding's copies not counted: what a layout the
   kernels like would buy);
-- LayerNorm over [images * 729, 1152]: eager, compiled, and compiled with the residual add before it;
+- LayerNorm over [images * 729, 1152]: kernels/layer_norm, eager, compiled, and compiled with the
+  residual add before it;
 - one compiled ViT block as the engine runs it (fused q/k/v, the GELU epilogue), and its GEMMs alone.
 
     PYTHONPATH=$PWD python3 scripts/bench_vision_ops.py [--images 4,8] [--json F]
@@ -23,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from vla_node.model import get_preset
 from vla_node.model.vision import ViTBlock
 from vla_node.runtime.fusion import fuse_projections, use_gelu_epilogues
+from vla_node.runtime.kernels.layer_norm import TritonLayerNorm, layer_norm_into
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -61,7 +63,12 @@ def layer_norm_rows(images: int, dev, dtype) -> dict[str, float]:
     add_norm = torch.compile(lambda a, b: (a + b, norm(a + b)), fullgraph=True, dynamic=False)
     with torch.no_grad():
         ref = F.layer_norm(x.float(), (cfg.width,), norm.weight.float(), norm.bias.float(), cfg.norm_eps)
-        return {"layernorm eager": (timed(lambda: norm(x)), (norm(x).float() - ref).abs().max().item()),
+        out = torch.empty_like(x)
+        triton_norm = layer_norm_into(x, out, norm.weight, norm.bias, norm.eps)
+        return {"layernorm triton (kernels/layer_norm)": (timed(lambda: layer_norm_into(x, out, norm.weight, norm.bias,
+                                                                                        norm.eps)),
+                                                           (triton_norm.float() - ref).abs().max().item()),
+                "layernorm eager": (timed(lambda: norm(x)), (norm(x).float() - ref).abs().max().item()),
                 "layernorm compiled": (timed(lambda: compiled(x)), (compiled(x).float() - ref).abs().max().item()),
                 "add + layernorm compiled": (timed(lambda: add_norm(x, r)), float("nan"))}
 
@@ -74,9 +81,12 @@ def block_rows(images: int, dev, dtype) -> dict[str, float]:
     x = torch.randn(images, cfg.grid * cfg.grid, cfg.width, device=dev, dtype=dtype)
     rows = {}
     with torch.no_grad():
-        for label in ("block compiled, GELU pass", "block compiled, GELU epilogue"):
+        for label in ("block compiled, GELU pass", "block compiled, GELU epilogue",
+                      "block compiled, GELU epilogue, Triton LayerNorms"):
             if "epilogue" in label:
                 use_gelu_epilogues(block)
+            if "Triton" in label:
+                block.norm1, block.norm2 = TritonLayerNorm(block.norm1), TritonLayerNorm(block.norm2)
             fn = torch.compile(block, fullgraph=True, dynamic=False)
             rows[label] = (timed(lambda fn=fn: fn(x)), float("nan"))
         h = block.norm2(x)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vla_node.runtime.kernels.few_query_attention import few_query_attention
+from vla_node.runtime.kernels.layer_norm import TritonLayerNorm, layer_norm_into
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -66,6 +67,38 @@ def test_engine_with_triton_attention_matches_sdpa():
     a = plain.predict(obs, noise=noise).normalized
     b = kernel.predict(obs, noise=noise).normalized
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < (1e-5 if DEVICE == "cpu" else 1e-2)
+
+
+@pytest.mark.parametrize("rows, n, affine", [(2916, 1152, True), (37, 768, False), (5, 64, True), (1, 40, False)])
+def test_layer_norm_rows_match_torch_into_a_wider_buffer(rows, n, affine):
+    g = torch.Generator().manual_seed(n)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = (torch.randn(rows, n, generator=g) * 3 + 1).to(DEVICE, dtype)
+    weight, bias = (torch.randn(n, generator=g).to(DEVICE, dtype) for _ in range(2)) if affine else (None, None)
+    wide = torch.full((rows, n + 8), 7.0, device=DEVICE, dtype=dtype)     # out: a row stride of n + 8
+    out = layer_norm_into(x, wide[:, :n], weight, bias, 1e-6)
+    ref = F.layer_norm(x.double(), (n,), None if weight is None else weight.double(),
+                       None if bias is None else bias.double(), 1e-6)
+    scale = ref.abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= (1e-5 if DEVICE == "cpu" else 8e-3) * scale
+    assert bool((wide[:, n:] == 7.0).all())   # nothing written past the rows
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        layer_norm_into(x.t(), wide[:, :n], weight, bias, 1e-6)
+
+
+def test_engine_with_triton_layer_norms_keeps_keys_and_results():
+    from vla_node.runtime import EngineConfig, PolicyEngine
+
+    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    plain = PolicyEngine(EngineConfig.for_mode("ctxkv", device=DEVICE, dtype=dtype))
+    kernel = PolicyEngine(EngineConfig.for_mode("ctxkv", device=DEVICE, dtype=dtype, triton_layer_norm=True))
+    assert isinstance(kernel.model.vision.encoder.blocks[0].norm1, TritonLayerNorm)
+    assert plain.model.state_dict().keys() == kernel.model.state_dict().keys()
+    obs = plain.dummy_observation()
+    noise = torch.randn(1, 16, 8, device=DEVICE)
+    a = plain.predict(obs, noise=noise).normalized
+    b = kernel.predict(obs, noise=noise).normalized
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < (1e-6 if DEVICE == "cpu" else 1e-2)
 
 
 def _pattern(image: torch.Tensor) -> torch.Tensor:

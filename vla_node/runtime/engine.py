@@ -95,6 +95,9 @@ class PolicyEngine:
             from .kernels.few_query_attention import few_query_attention
             for block in self.model.expert.blocks:
                 block.attend = few_query_attention
+        if config.triton_layer_norm:
+            from .kernels.layer_norm import use_triton_layer_norms
+            use_triton_layer_norms(self.model)
         if config.flex_attention:
             from .kernels.prefill_attention import flex_attend
             for layer in self.model.llm.layers:

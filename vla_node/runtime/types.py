@@ -102,8 +102,8 @@ BATCH_SIZES = (1, 2, 4, 8)
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
-                     "flex_attention", "split_attention", "cuda_graphs", "triton_attention", "fused_expert",
-                     "vision_cache")
+                     "flex_attention", "split_attention", "cuda_graphs", "triton_attention", "triton_layer_norm",
+                     "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
@@ -112,14 +112,15 @@ _LADDER = {
     "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
     "compile": ("compile", "flex_attention", "split_attention"),
     "graphs": ("cuda_graphs",),
-    "triton": ("triton_attention",),
+    "triton": ("triton_attention", "triton_layer_norm"),
     "fast": ("fused_expert", "vision_cache"),
 }
 MODES: dict[str, tuple[str, ...]] = {}
 for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
-GPU_FEATURES = ("flex_attention", "split_attention", "cuda_graphs", "triton_attention", "fused_expert")
+GPU_FEATURES = ("flex_attention", "split_attention", "cuda_graphs", "triton_attention", "triton_layer_norm",
+                "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -159,6 +160,7 @@ class EngineConfig:
     # (runtime/kernels/prefill_attention.SplitPattern); streaming steps keep flex.
     split_attention: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
+    triton_layer_norm: bool = False       # the ViT's and the context's LayerNorms in one pass (kernels/layer_norm)
     fused_expert: bool = False            # the whole flow loop in one persistent kernel (runtime/fused_expert)
     # Which kernel runs the fused loop: triton (kernels/expert_flow.py), cuda (kernels/expert_flow.cu,
     # compiled at start by NVRTC; bf16 weights, no expert_fp8; runtime/fused_expert_cuda.py) or auto
