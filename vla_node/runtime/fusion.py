@@ -73,7 +73,9 @@ class BatchedContextKV:
 
 @torch.library.custom_op("vla::linear_gelu", mutates_args=())
 def _linear_gelu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda and x.dtype != torch.float32:  # cuBLASLt's GELU_BIAS epilogue: the tanh GELU of the fp32 sums
+    # cuBLASLt's GELU_BIAS epilogue: the tanh GELU of the fp32 sums. Half types only: the engine's GPU
+    # dtype, the one measured against fp32 on the H200 (an fp32 engine keeps the two passes).
+    if x.is_cuda and x.dtype != torch.float32:
         rows = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
         return rows.view(*x.shape[:-1], weight.shape[0])
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")  # the CPU's _addmm_activation is erf-GELU
