@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from vla_node.runtime.kernels.few_query_attention import few_query_attention
 from vla_node.runtime.kernels.layer_norm import TritonLayerNorm, layer_norm_into
+from vla_node.runtime.kernels.split_merge import merge_split
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -101,6 +102,27 @@ def test_engine_with_triton_layer_norms_keeps_keys_and_results():
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < (1e-6 if DEVICE == "cpu" else 1e-2)
 
 
+def test_split_merge_kernel_is_the_torch_merge():
+    """kernels/split_merge's one pass (the interpreter on the CPU) against SplitPattern's torch merge,
+    on the two calls' real outputs: image tokens merged, the rest copied, the reserve rows unused."""
+    from vla_node.runtime.kernels.prefill_attention import SplitPattern, causal_attend_lse
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, 70, 16, generator=g).to(DEVICE, dtype) for h in (4, 2, 2))
+    image = torch.zeros(70, dtype=torch.bool, device=DEVICE)
+    image[3:21] = image[25:43] = True
+    split = SplitPattern(image, capacity=int(image.sum()) + 6)
+    ref = split.attend(q, k, v)
+    out, lse = causal_attend_lse(q, k, v)
+    rows, keys = split.order[1:], split.order[:-1]
+    extra, lse_extra = causal_attend_lse(q[:, :, rows], k[:, :, keys], v[:, :, keys])
+    y = merge_split(out, lse, extra, lse_extra, split.extra_row, split.unused)
+    assert y.shape == (2, 70, 4, 16) and y.is_contiguous()
+    assert (y.transpose(1, 2).float() - ref.float()).abs().max().item() <= (1e-6 if DEVICE == "cpu" else 1e-2)
+    assert torch.equal(y.transpose(1, 2)[:, :, ~image], out[:, :, ~image])   # text tokens: their causal result
+
+
 def _pattern(image: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(image.numel(), device=image.device)
     return (pos[None, :] <= pos[:, None]) | (image[:, None] & image[None, :])
@@ -109,7 +131,8 @@ def _pattern(image: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run is CI's")),
     pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_split_pattern_matches_the_dense_mask(device):
+@pytest.mark.parametrize("merge_kernel", [False, True])
+def test_split_pattern_matches_the_dense_mask(device, merge_kernel):
     """The prefill's pattern as two causal calls merged by log-sum-exp gives the dense-mask result
     (grouped heads, image runs with text between them, rows held in reserve), also after the image
     tokens change in place (a refresh into the same tensors, as captured graphs need), and
@@ -121,7 +144,7 @@ def test_split_pattern_matches_the_dense_mask(device):
     q, k, v = (torch.randn(1, h, 70, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
     image = torch.zeros(70, dtype=torch.bool, device=device)
     image[3:21] = image[25:43] = True
-    split = SplitPattern(image, capacity=int(image.sum()) + 6)
+    split = SplitPattern(image, capacity=int(image.sum()) + 6, merge_kernel=merge_kernel)
     order = split.order
     for typed in (None, 60, 61):  # special tokens typed into the instruction
         if typed is not None:

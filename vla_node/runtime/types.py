@@ -159,6 +159,9 @@ class EngineConfig:
     # The full prefill's pattern as two maskless causal calls merged by log-sum-exp instead
     # (runtime/kernels/prefill_attention.SplitPattern); streaming steps keep flex.
     split_attention: bool = False
+    # The split's merge as one Triton pass writing the output projection's layout (kernels/split_merge);
+    # off until timed on the GPU.
+    split_merge_kernel: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     triton_layer_norm: bool = False       # the ViT's and the context's LayerNorms in one pass (kernels/layer_norm)
     fused_expert: bool = False            # the whole flow loop in one persistent kernel (runtime/fused_expert)
@@ -200,6 +203,8 @@ class EngineConfig:
                              f"{_modes_with('static_shapes')}")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
+        if self.split_merge_kernel and not self.split_attention:
+            raise ValueError("split_merge_kernel needs split_attention (it is the split's merge)")
         if self.split_attention and not self.flex_attention:
             raise ValueError("split_attention needs flex_attention (streaming steps run the pattern through flex)")
         cams = {l.cameras for l in self.layouts}

@@ -57,6 +57,7 @@ OPTIONS = {
     "cudaexpert": {"fused_expert": True, "expert_kernel": "cuda"},  # the loop on kernels/expert_flow.cu
     "tritonexpert": {"fused_expert": True, "expert_kernel": "triton"},  # the loop on kernels/expert_flow.py
     "flexonly": {"split_attention": False},  # the whole prefill through flex attention, as before the split
+    "mergekernel": {"split_merge_kernel": True},  # the split prefill's merge as one Triton pass
     "torchnorms": {"triton_layer_norm": False},  # the ViT's and the context's LayerNorms as torch's / inductor's
     "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue
 }

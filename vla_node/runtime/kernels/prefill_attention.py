@@ -17,6 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from ...model.llm import sdpa_attend
+from .split_merge import merge_by_lse, merge_split_op
 
 _INDEX_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
                  "full_q_num_blocks", "full_q_indices")
@@ -84,11 +85,13 @@ class SplitPattern:
     rows see them; their results go to token 0 (BOS, never an image token) with weight 0 for the
     second part, so token 0 gets its causal result back."""
 
-    def __init__(self, image_token: torch.Tensor, capacity: Optional[int] = None):
+    def __init__(self, image_token: torch.Tensor, capacity: Optional[int] = None, merge_kernel: bool = False):
         self.capacity = max(2, capacity if capacity is not None else int(image_token.sum()))
+        self.merge_kernel = merge_kernel   # the merge as kernels/split_merge's one pass, not torch ops
         dev = image_token.device
         self.order = torch.zeros(self.capacity, dtype=torch.long, device=dev)   # reversed image positions, then 0
         self.unused = torch.zeros(self.capacity - 1, dtype=torch.float32, device=dev)  # -inf: no second part
+        self.extra_row = torch.zeros(image_token.numel(), dtype=torch.long, device=dev)  # a token's row in rows, -1
         self.refresh(image_token)
 
     def refresh(self, image_token: torch.Tensor) -> None:
@@ -103,15 +106,16 @@ class SplitPattern:
         unused = torch.zeros(self.capacity - 1, dtype=torch.float32, device=image_token.device)
         unused[max(pos.numel() - 1, 0):] = float("-inf")
         self.unused.copy_(unused)
+        extra_row = torch.full_like(self.extra_row, -1)
+        extra_row[pos[1:]] = torch.arange(max(pos.numel() - 1, 0), device=image_token.device)
+        self.extra_row.copy_(extra_row)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, T, D], k/v [B, KV, T, D] (grouped heads) -> [B, H, T, D]."""
         out, lse = causal_attend_lse(q, k, v)
         rows, keys = self.order[1:], self.order[:-1]  # a query (reversed index r + 1) sees keys 0 .. r
         extra, lse_extra = causal_attend_lse(q[:, :, rows], k[:, :, keys], v[:, :, keys])
-        lse_extra = lse_extra + self.unused
-        base, lse_base = out[:, :, rows].float(), lse[:, :, rows]
-        top = torch.maximum(lse_base, lse_extra)
-        w_base, w_extra = torch.exp(lse_base - top), torch.exp(lse_extra - top)
-        merged = (base * w_base[..., None] + extra.float() * w_extra[..., None]) / (w_base + w_extra)[..., None]
+        if self.merge_kernel:
+            return merge_split_op(out, lse, extra, lse_extra, self.extra_row, self.unused)
+        merged = merge_by_lse(out[:, :, rows], lse[:, :, rows], extra, lse_extra + self.unused)
         return out.index_copy(2, rows, merged.to(out.dtype))
