@@ -3,7 +3,8 @@ of every block in three batched ones, and the ViT's MLP input with its GELU in t
 
 The separate nn.Linear weights become views into one concatenated buffer, so the model's
 state_dict (and any checkpoint saved from it) keeps the separate keys and the memory is not
-doubled. Exact: each output row is the same dot product as before.
+doubled. The fused projections are exact (each output row is the same dot product as before); the
+batched context K/V and the GELU epilogue equal the per-block and two-pass ops up to rounding.
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class BatchedContextKV:
         w = expert.cfg.width
         projections = [blk.cross_kv for blk in expert.blocks]
         self.weight = projections[0].k.weight.new_zeros((len(projections), 2 * w, w + self.PAD))
+        self.pad_columns = self.weight.new_zeros(self.PAD)   # every token's (1, 0, ..., 0) past its width
+        self.pad_columns[0] = 1.0
         for proj, rows in zip(projections, self.weight):
             rows[:, :w] = torch.cat([proj.k.weight, proj.v.weight])
             rows[:, w] = torch.cat([proj.k.bias, proj.v.bias])
@@ -63,8 +66,8 @@ class BatchedContextKV:
 
     def __call__(self, llm_hidden: list[torch.Tensor], state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         blocks, (b, t, _), w = len(llm_hidden), llm_hidden[0].shape, self.expert.cfg.width
-        tokens = torch.zeros((blocks, b, t + 1, w + self.PAD), dtype=self.weight.dtype, device=self.weight.device)
-        tokens[..., w] = 1.0
+        tokens = self.weight.new_empty((blocks, b, t + 1, w + self.PAD))   # every column written below
+        tokens[..., w:] = self.pad_columns
         tokens[:, :, :t, :w] = self.expert.context_tokens(torch.stack(llm_hidden))
         tokens[:, :, t, :w] = self.expert.state_token(state)[:, 0]
         kv = torch.bmm(tokens.view(blocks, b * (t + 1), -1), self.weight.transpose(1, 2)).view(blocks, b, t + 1, 2 * w)
