@@ -84,6 +84,46 @@ def test_training_run_writes_a_loadable_checkpoint_and_resumes(demo_bags, tmp_pa
     assert np.isfinite(engine.predict(obs).actions).all()
 
 
+def test_weight_average_is_what_the_checkpoint_holds_and_resumes(demo_bags, tmp_path):
+    """--ema-decay: the checkpoint holds the running average (not the last step's weights), the
+    train state keeps both, and a resumed run continues the average it saved."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ema"
+    common = train_args(demo_bags, out) + ["--ema-decay", "0.5", "--lr", "1e-2", "--warmup", "1"]
+    assert train_main(common + ["--steps", "2"]) == 0
+    state = load_file(str(out / "train_state" / "state.safetensors"))
+    names = [n for n, _ in build_model(get_preset("sim")).named_parameters()]
+    saved = load_checkpoint(out).state_dict()
+    i = next(j for j, name in enumerate(names) if name.endswith("action_in.weight"))
+    own, average = state[f"param.{names[i]}"], state[f"ema.{i}"]
+    assert not torch.equal(own, average)                                   # the steps moved off the average
+    torch.testing.assert_close(saved[names[i]].float(), average.to(torch.bfloat16).float())
+    assert train_main(common + ["--steps", "3", "--resume"]) == 0
+    resumed = load_file(str(out / "train_state" / "state.safetensors"))
+    assert int(state["ema_updates"]) == 2
+    decay = min(0.5, (1 + 3) / (10 + 3))   # the resumed average's third update
+    torch.testing.assert_close(resumed[f"ema.{i}"], average + (1 - decay) * (resumed[f"param.{names[i]}"] - average))
+
+
+def test_weight_average_restores_the_model_after_use():
+    from vla_node.tools.train import WeightAverage
+
+    model = init_random_(build_model(get_preset("tiny")))
+    average = WeightAverage(model, decay=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    average.update(model)                  # first update: decay (1 + 1) / (10 + 1)
+    w = 2 / 11
+    with average.applied(model):
+        for p, b in zip(model.parameters(), before):
+            torch.testing.assert_close(p.detach(), b + (1 - w))
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), b + 1.0)
+
+
 @pytest.mark.cuda
 def test_compiled_steps_follow_the_eager_ones(demo_bags, tmp_path):
     """--compile compiles every window group on stand-in batches while the bags are read; its steps

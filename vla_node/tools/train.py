@@ -55,6 +55,7 @@ from .bag_io import DEMO_COMMAND_TOPIC, Bag, ObservationStream, resolve_inputs, 
 
 STATE_DIR = "train_state"
 SAVE_MARGIN_S = 30  # the final validation, save and plot
+FLOW_TIMES = FlowTimeSampler()
 
 
 @dataclass
@@ -197,9 +198,50 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+class WeightAverage:
+    """An exponential moving average of the weights (fp32), what the checkpoint and the validation
+    use when --ema-decay > 0: a flow policy's closed-loop success varies from one checkpoint to the
+    next more than its loss shows, and the average of the last ~1/(1 - decay) steps smooths that.
+    The decay ramps up as (1 + n) / (10 + n) so that a fresh run's average forgets its random start."""
+
+    def __init__(self, model: VLAPolicy, decay: float):
+        self.decay, self.updates = decay, 0
+        self.params = [p.detach().float().clone() for p in model.parameters()]
+
+    @torch.no_grad()
+    def update(self, model: VLAPolicy) -> None:
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(self.params, [p.detach() for p in model.parameters()], 1.0 - decay)
+
+    @contextmanager
+    def applied(self, model: VLAPolicy):
+        """The model with the averaged weights (in place: compiled code holds the parameters), then
+        its own weights again."""
+        own = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            torch._foreach_copy_([p.detach() for p in model.parameters()], self.params)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_([p.detach() for p in model.parameters()], own)
+
+
+@contextmanager
+def averaged(model: VLAPolicy, average: Optional[WeightAverage]):
+    """The weights the checkpoint and validation use: the average with --ema-decay, else the model's."""
+    if average is None:
+        yield model
+    else:
+        with average.applied(model):
+            yield model
+
+
 def save_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer, step: int, log: list[dict],
-               meta: dict) -> None:
-    """The checkpoint (bf16 weights, the node's format) and what resuming needs (fp32 + moments)."""
+               meta: dict, average: Optional[WeightAverage] = None) -> None:
+    """The checkpoint (bf16 weights, the node's format; the average with --ema-decay) and what
+    resuming needs (fp32 weights, moments and the average)."""
     state_dir = out / STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
     tensors = {f"param.{k}": v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -208,15 +250,22 @@ def save_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer, step: 
             if torch.is_tensor(value):
                 tensors[f"optim.{i}.{name}"] = value.detach().cpu().reshape(-1).contiguous() if value.dim() == 0 \
                     else value.detach().cpu().contiguous()
+    if average is not None:
+        tensors.update({f"ema.{i}": value.cpu().contiguous() for i, value in enumerate(average.params)})
+        tensors["ema_updates"] = torch.tensor([average.updates])
     save_file(tensors, str(state_dir / "state.safetensors"))
     (state_dir / "state.json").write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
     bf16 = build_model(model.cfg, dtype=torch.bfloat16)
-    bf16.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    with averaged(model, average):
+        bf16.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
     save_checkpoint(bf16, out, tokenizer_dir=TINY_TOKENIZER)
     (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
 
 
-def load_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer) -> tuple[int, list[dict]]:
+def load_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer,
+               average: Optional[WeightAverage] = None) -> tuple[int, list[dict]]:
+    """The weights, moments and step save_state wrote; the average too, where it holds one (a run
+    saved without --ema-decay starts its average at the resumed weights)."""
     state_dir = out / STATE_DIR
     tensors = load_file(str(state_dir / "state.safetensors"))
     model.load_state_dict({k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")})
@@ -226,6 +275,11 @@ def load_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer) -> tup
             _, i, name = key.split(".", 2)
             p = params[int(i)]
             optim.state[p][name] = value.to(p.device) if name != "step" else value.reshape(()).to(p.device)
+    if average is not None and "ema_updates" in tensors:
+        average.params = [tensors[f"ema.{i}"].to(p.device) for i in range(len(params))]
+        average.updates = int(tensors["ema_updates"])
+    elif average is not None:
+        average.params = [p.detach().float().clone() for p in params]
     log_path = out / "train_log.jsonl"
     log = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.is_file() else []
     return json.loads((state_dir / "state.json").read_text())["step"], log
@@ -263,6 +317,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup", type=int, default=500)
     ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--ema-decay", type=float, default=0.0,
+                    help="save (and validate) an exponential moving average of the weights with this decay "
+                         "(e.g. 0.999; 0: the last step's weights)")
     ap.add_argument("--shift-px", type=int, default=6, help="random translation of each image (augmentation)")
     ap.add_argument("--val-episodes", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=500)
@@ -368,6 +425,21 @@ def fit_to_data(args, model: VLAPolicy, train: Dataset, device: torch.device) ->
                              lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
+def training_step(args, model: VLAPolicy, optim: torch.optim.Optimizer, loss_fn, batch: tuple, prompt_of: dict,
+                  gen: torch.Generator, autocast) -> torch.Tensor:
+    """One AdamW step on a batch of windows (shifted images, fresh noise and flow times)."""
+    k, pixels, state, target, pad = batch
+    pixels = shift_augment(pixels, args.shift_px, gen)
+    noise = torch.randn(target.shape, generator=gen).to(target.device)
+    with autocast:
+        loss = loss_fn(model, pixels, prompt_of[k], state, target, pad, FLOW_TIMES(args.batch, target.device), noise)
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    return loss
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -392,14 +464,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         loss_fn = loss_function(args, model, prompt_of, len(layout.cameras), autocast, device)
         train, val = windows()
     optim = fit_to_data(args, model, train, device)
+    average = WeightAverage(model, args.ema_decay) if args.ema_decay > 0 else None
     step, log = 0, []
     if resuming(args):
-        step, log = load_state(out, model, optim)
+        step, log = load_state(out, model, optim, average)
         print(f"vla-train: resumed at step {step}", flush=True)
-    sampler = FlowTimeSampler()
     gen = torch.Generator().manual_seed(args.seed * 7919 + step)
     meta = {"preset": args.preset, "batch": args.batch, "lr": args.lr, "steps": args.steps, "seed": args.seed,
-            "bags": len(bags), "train_windows": len(train),
+            "ema_decay": args.ema_decay, "bags": len(bags), "train_windows": len(train),
             "command": "vla-train " + " ".join(sys.argv[1:] if argv is None else argv)}
     t_loop, start_step = time.perf_counter(), step
     while step < args.steps:
@@ -408,15 +480,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             break
         for g in optim.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        k, pixels, state, target, pad = train.batch(args.batch, gen)
-        pixels = shift_augment(pixels, args.shift_px, gen)
-        noise = torch.randn(target.shape, generator=gen).to(device)
-        with autocast:
-            loss = loss_fn(model, pixels, prompt_of[k], state, target, pad, sampler(args.batch, device), noise)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
+        loss = training_step(args, model, optim, loss_fn, train.batch(args.batch, gen), prompt_of, gen, autocast)
+        if average is not None:
+            average.update(model)
         step += 1
         if step == start_step + 50:
             t_steady = time.perf_counter()   # after the first steps' compilation and allocator warm-up
@@ -430,13 +496,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             log.append({"step": step, "loss": float(loss.detach()), "lr": optim.param_groups[0]["lr"],
                         "elapsed_s": time.perf_counter() - t_loop})
         if step % args.eval_every == 0 or step == args.steps:
-            log.append({"step": step, "val_loss": validation_loss(model, val, prompt_of, autocast, device,
-                                                                  args.batch, args.val_batches)})
+            with averaged(model, average):
+                log.append({"step": step, "val_loss": validation_loss(model, val, prompt_of, autocast, device,
+                                                                      args.batch, args.val_batches)})
             print(f"step {step}: loss {float(loss.detach()):.4f} val {log[-1]['val_loss']:.4f} "
                   f"({(time.perf_counter() - t_loop) / max(1, step):.3f} s/step)", flush=True)
         if step % args.save_every == 0:
-            save_state(out, model, optim, step, log, meta)
-    save_state(out, model, optim, step, log, meta)
+            save_state(out, model, optim, step, log, meta, average)
+    save_state(out, model, optim, step, log, meta, average)
     plot_curves(log, out / "train_curves.png")
     size_mb = (out / 'model.safetensors').stat().st_size / 1e6
     print(f"vla-train: step {step}/{args.steps}, checkpoint {out} ({size_mb:.1f} MB), "
