@@ -22,12 +22,12 @@ import argparse
 import dataclasses
 import json
 import math
+import multiprocessing
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from multiprocessing import Pool
 from pathlib import Path
 from typing import Optional
 
@@ -385,8 +385,10 @@ def _reading(args, params: dict, cfg, layout: WindowLayout, bags: list[Path], de
     returns the training and held-out windows: the caller compiles meanwhile."""
     # The node's topics are relative (namespaces); a bag records them under the root namespace.
     topics = tuple("/" + t.lstrip("/") for t in params["camera_topics"])
-    with tempfile.TemporaryDirectory(prefix="vla-train-frames-") as spill, \
-            Pool(args.workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    # Spawned, not forked: the caller has CUDA and compile threads running (a fork of such a process
+    # once left a frame file unreadable on the H200, in a test process after other CUDA tests).
+    with tempfile.TemporaryDirectory(prefix="vla-train-frames-") as spill, multiprocessing.get_context("spawn").Pool(
+            args.workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         jobs = [(str(b), f"{spill}/{i}.npy", layout, cfg.robot.history_offset_s, tuple(params["joint_names"]),
                  topics, cfg.vision.image_size, cfg.action.horizon, cfg.robot.control_rate_hz)
                 for i, b in enumerate(bags)]
