@@ -5,7 +5,9 @@
 # the INIT checkpoint folder when continuing a run from its weights. RESUME=1 continues from
 # /tmp/sim_policy/train_state, which a machine still warm from the last call holds (with /tmp/demos).
 #   EPISODES=100 BUDGET_S=430 [INIT=out/sim_policy | RESUME=1] [BATCH=64] [COMPILE=1] [EVAL_S=150]
-#   [TESTS="test/test_fused_expert_cuda.py"] [EVAL_INIT=1] [EMA=0.999] bash scripts/gpu_train.sh
+#   [TESTS="test/test_fused_expert_cuda.py"] [EVAL_INIT=1] [EMA=0.999] [CAUSAL=1 [OTHER_ATTENTION=1]] bash scripts/gpu_train.sh
+# CAUSAL=1 trains causal image attention (--causal-images); with OTHER_ATTENTION=1 from an INIT
+# checkpoint of bidirectional attention (--init-other-attention).
 # EVAL_INIT=1 evaluates the INIT checkpoint (sim_eval_init.json) while the new run's steps keep the
 # GPU busy and leave the CPU idle; the evaluation's latency is fixed in sim time, so sharing is safe.
 set -uo pipefail
@@ -21,7 +23,8 @@ echo "demos done after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
 train() {  # $1: the time budget in s; the rest: extra vla-train arguments
   python3 -m vla_node.tools.train --bags /tmp/demos --params config/sim.yaml --preset sim --out /tmp/sim_policy \
     --steps "${STEPS:-40000}" --batch "${BATCH:-64}" --lr "${LR:-3e-4}" --warmup "${WARMUP:-500}" --device cuda \
-    --workers 16 --seed "${SEED:-0}" ${INIT:+--init "$INIT"} ${RESUME:+--resume} ${EMA:+--ema-decay "$EMA"} --time-budget-s "$1" "${@:2}" 2>&1 \
+    --workers 16 --seed "${SEED:-0}" ${INIT:+--init "$INIT"} ${RESUME:+--resume} ${EMA:+--ema-decay "$EMA"} \
+    ${CAUSAL:+--causal-images} ${OTHER_ATTENTION:+--init-other-attention} --time-budget-s "$1" "${@:2}" 2>&1 \
     | grep -v Warning | tee -a "$OUT/train.log" | tail -14
 }
 [ -n "${EVAL_INIT:-}" ] && { ( timeout 400 sh -c "until grep -q s/step '$OUT/train.log'; do sleep 2; done"

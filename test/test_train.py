@@ -161,6 +161,10 @@ def test_causal_images_train_a_checkpoint_the_engine_loads_causal_and_streams(de
         train_main(common + ["--steps", "4", "--resume"])
     with pytest.raises(SystemExit, match="trained with causal image attention"):
         train_main(train_args(demo_bags, tmp_path / "other") + ["--init", str(out / "model.safetensors")])
+    # Fine-tuned to the other attention on purpose: its config says what it was trained with last.
+    assert train_main(train_args(demo_bags, tmp_path / "other") + ["--steps", "1", "--init", str(out),
+                                                                     "--init-other-attention"]) == 0
+    assert json.loads((tmp_path / "other" / "config.json").read_text())["prompt"]["bidirectional_images"] is True
 
     options = dict(checkpoint=str(out), camera_height=240, camera_width=320, vision_cache=True)
     streamed = PolicyEngine(EngineConfig.for_mode("ctxkv", streaming_kv=True, **options))

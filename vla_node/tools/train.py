@@ -339,6 +339,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--causal-images", action="store_true", help="image tokens attend causally, not both ways "
                     "as in the preset (the official variant without bi_directional_attn); the checkpoint's "
                     "config.json carries it, and --init/--resume must match the checkpoint's attention")
+    ap.add_argument("--init-other-attention", action="store_true", help="with --init: start from a checkpoint "
+                    "trained with the other image attention, to fine-tune it to this run's (a causal policy "
+                    "from a bidirectional one); the steps that follow are what make it a policy of that attention")
     return ap
 
 
@@ -359,10 +362,11 @@ def _model_config(args):
         return cfg
     folder = start.parent if start.is_file() else start   # --init names the folder or its model.safetensors
     both_ways = read_config(folder).prompt.bidirectional_images
-    if both_ways != cfg.prompt.bidirectional_images:
+    if both_ways != cfg.prompt.bidirectional_images and not (args.init and args.init_other_attention):
         fix = "without --causal-images" if args.causal_images else "with --causal-images"
+        also = " (or fine-tune it to the other with --init ... --init-other-attention)" if args.init else ""
         raise SystemExit(f"vla-train: {start} was trained with {'bidirectional' if both_ways else 'causal'} image "
-                         f"attention: run {fix}")
+                         f"attention: run {fix}{also}")
     return cfg
 
 
