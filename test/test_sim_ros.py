@@ -131,3 +131,60 @@ def test_the_shipped_policy_reaches_for_the_cube_over_ros(tmp_path):
     assert episode["commands"] == 200, episode
     assert episode["max_reward"] >= 1, episode
     assert episode["gripper_to_cube_min_m"] < episode["gripper_to_cube_start_m"] - 0.1, episode
+
+
+FAKE_POLICY = """
+import sys
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.node import Node
+from rosgraph_msgs.msg import Clock
+from sensor_msgs.msg import JointState
+from vla_node.sim.aloha import JOINT_NAMES
+
+rclpy.init(args=sys.argv)
+node = Node("vla_node")
+commands = node.create_publisher(JointState, "~/joint_command", 10)
+diagnostics = node.create_publisher(DiagnosticArray, "/diagnostics", 10)
+last = [None]
+
+def on_clock(msg):
+    ns = msg.clock.sec * 1_000_000_000 + msg.clock.nanosec
+    if last[0] is not None and ns < last[0] and sys.argv[1] == "report":
+        status = DiagnosticStatus(level=DiagnosticStatus.WARN, name="vla_node: policy",
+                                  message="holding: clock: clock jumped back by 1 s; inputs and plan discarded",
+                                  values=[KeyValue(key="state", value="active")])
+        diagnostics.publish(DiagnosticArray(status=[status]))
+    last[0] = ns
+    command = JointState(name=list(JOINT_NAMES), position=[0.0] * len(JOINT_NAMES))
+    command.header.stamp = msg.clock
+    commands.publish(command)
+
+node.create_subscription(Clock, "/clock", on_clock, 10)
+rclpy.spin(node)
+"""
+
+
+@pytest.mark.parametrize("reports_the_jump", [True, False])
+def test_lockstep_episodes_start_after_the_node_reports_the_clock_jump(tmp_path, reports_the_jump):
+    """An episode's first observation waits for the node's /diagnostics report of the hold that the
+    clock's jump back started: DDS keeps no order between topics, and an observation that reached
+    the node before the jump was forgotten with the old episode (the node then never commanded
+    its tick, and the run stopped). A stand-in node that answers every clock tick: it runs both
+    episodes when it reports the jump, and the run stops with that cause when it does not."""
+    namespace = f"/jump_{'report' if reports_the_jump else 'silent'}"
+    fake = subprocess.Popen([sys.executable, "-c", FAKE_POLICY, "report" if reports_the_jump else "silent",
+                             "--ros-args", "-r", f"__ns:={namespace}"], env=ros_env())
+    try:
+        sim = subprocess.run([sys.executable, "-m", "vla_node.sim", "run", "--lockstep", "--episodes", "2",
+                              "--ticks", "3", "--height", "48", "--width", "64", "--lockstep-timeout-s", "5",
+                              "--json", str(tmp_path / "run.json"), "--ros-args", "-r", f"__ns:={namespace}"],
+                             env=ros_env(), capture_output=True, text=True, timeout=240)
+    finally:
+        fake.terminate()
+        fake.wait(timeout=30)
+    if reports_the_jump:
+        assert sim.returncode == 0, sim.stdout + sim.stderr
+        assert [e["commands"] for e in json.loads((tmp_path / "run.json").read_text())["per_episode"]] == [3, 3]
+    else:
+        assert sim.returncode == 1 and "did not report the clock's jump back" in sim.stderr, sim.stdout + sim.stderr

@@ -186,6 +186,9 @@ class ControlLoop:
         self.telemetry.counts[Key.REQUESTS] += 1
 
 
+CLOCK_JUMPED_BACK = "clock jumped back"   # the hold's reason, which /diagnostics carries (vla-sim run waits for it)
+
+
 def clock_jumped_back(back_s: float, control: ChunkScheduler, faults: Faults, inputs=None, engine=None) -> None:
     """Time went backwards (a restarted simulation or bag): every stored stamp is from the future
     now. Forget the frames, the joints and the engine's stream state (`inputs`, `engine`: None
@@ -201,4 +204,4 @@ def clock_jumped_back(back_s: float, control: ChunkScheduler, faults: Faults, in
     # goes out at once, as after an activation, so an episode runs the same whatever the last
     # one left in flight (the engine answers that one first: stale, dropped).
     control.reset()
-    faults.set(FaultSource.CLOCK, f"clock jumped back by {duration_in_words(back_s)}; inputs and plan discarded")
+    faults.set(FaultSource.CLOCK, f"{CLOCK_JUMPED_BACK} by {duration_in_words(back_s)}; inputs and plan discarded")

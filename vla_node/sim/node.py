@@ -26,8 +26,12 @@ and publishes the tick's command, which the simulator holds for the tick. Two wa
   only, so that the node sends its engine nothing before it and every episode starts alike.
 
 Each episode restarts the clock at the same time (EPISODE_START_NS): the node sees the clock
-jump back and forgets the last episode's frames, joints, plan and command. Before the first
-episode the clock runs with the robot at rest until the node commands.
+jump back and forgets the last episode's frames, joints, plan and command. In lockstep the
+episode's first observation waits until the node's /diagnostics reports that hold: DDS keeps no
+order between topics, so an observation published right after the jump could reach the node
+before it and be forgotten with the old episode, and the node would never command its tick (seen
+once in 50 episodes on the busy 2-core VM). Before the first episode the clock runs with the
+robot at rest until the node commands.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Float64MultiArray, String
 
+from ..ros.loop import CLOCK_JUMPED_BACK
 from ..tools.node_process import frame_transport
 from .aloha import CONTROL_PERIOD_NS, GRIPPERS, JOINT_NAMES, RenderConfig, SimState, TransferCube
 from .closed_loop import ControlSettings, wilson_interval
@@ -96,6 +101,7 @@ class SimNode(Node):
         self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
         self.node_report: dict[str, str] = {}
         self.node_status = ""
+        self.clock_jumps_heard = 0   # the node's reports of a hold for a clock jump
         self.commands_received = 0
         self.command: Optional[np.ndarray] = None
         self.stamped: dict[int, np.ndarray] = {}   # lockstep: the node's commands by stamp (the tick's time)
@@ -130,6 +136,7 @@ class SimNode(Node):
             if status.name.split(":")[0].strip().endswith("vla_node") and status.values:
                 self.node_report = {kv.key: kv.value for kv in status.values}
                 self.node_status = status.message
+                self.clock_jumps_heard += status.message.startswith("holding") and CLOCK_JUMPED_BACK in status.message
 
     def publish_observation(self, state: SimState, images: Optional[dict[str, np.ndarray]]) -> None:
         """Joint state, then the cameras with the first camera last (its frame triggers the
@@ -192,6 +199,17 @@ class Simulation:
         self.node.stamped.clear()
         return command
 
+    def _wait_jump_heard(self, before: int, seed: int) -> None:
+        """Lockstep: until the node reports the hold for the clock jump (see the module's docstring)."""
+        deadline = time.monotonic() + self.args.lockstep_timeout_s
+        while self.node.clock_jumps_heard == before:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"--lockstep: the node did not report the clock's jump back before episode seed "
+                                   f"{seed} within {self.args.lockstep_timeout_s:g} s on /diagnostics; its last "
+                                   f"status: {self.node.node_status or 'none heard'}")
+            self.executor.spin_once(timeout_sec=left)
+
     def wait_for_node(self) -> None:
         """Run the clock with the robot at rest (seed of the first episode) until the node
         commands: it has configured, activated and seen joint states. In lockstep without camera
@@ -230,8 +248,11 @@ class Simulation:
         node.instruction_pub.publish(String(data=self.settings.instruction))
         # The clock jumps back one tick before the episode's first observation: the node forgets
         # the last episode on the jump, not the first observation of this one.
+        jumps = node.clock_jumps_heard
         node.publish_clock(state.stamp_ns - CONTROL_PERIOD_NS)
-        if not args.lockstep:
+        if args.lockstep:
+            self._wait_jump_heard(jumps, seed)
+        else:
             self._pace()
         t0 = time.monotonic()
         for tick in range(args.ticks):
