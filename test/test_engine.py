@@ -61,18 +61,24 @@ def test_a_known_prefix_starts_the_chunk_through_either_boundary(engine, referen
 
 def test_the_engine_process_predicts_what_the_engine_does():
     """Same seed, same observations: the same actions through the process boundary, query after
-    query (the noise stream), and frame ids carried across it (the stream reset keeps them apart)."""
+    query (the noise stream), and frame ids carried across it (the stream reset keeps them apart).
+    A reset restarts the noise stream on both sides: the next chunk is the first one again, so an
+    episode's chunks do not depend on the episodes before it."""
     local, process = PolicyEngine(EngineConfig(seed=4)), start_process(EngineConfig(seed=4))
     local.warmup()   # as the worker does before it serves
     try:
         obs = local.dummy_observation()
         obs.frame_ids = [("exo", 1), ("wrist", 1), ("exo", 2), ("wrist", 2)]
+        chunks = []
         for _ in range(2):
             a, b = local.predict(obs), process.predict(obs)
             assert np.array_equal(a.actions, b.actions) and np.array_equal(a.normalized, b.normalized)
+            chunks.append(a.actions)
+        assert not np.array_equal(chunks[0], chunks[1])    # the second query drew new noise
         local.reset_stream()
         process.reset_stream()
-        assert np.array_equal(local.predict(obs).actions, process.predict(obs).actions)
+        a, b = local.predict(obs), process.predict(obs)
+        assert np.array_equal(a.actions, b.actions) and np.array_equal(a.actions, chunks[0])
     finally:
         process.close()
 

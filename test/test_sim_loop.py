@@ -206,6 +206,25 @@ def random_sim_checkpoint(folder):
     return save_checkpoint(init_random_(build_model(config), 0), folder)
 
 
+def test_an_episode_commands_the_same_whatever_ran_before_it(env, settings, tmp_path):
+    """A policy's episode is a function of its seed: the engine's noise stream restarts with each
+    episode, so `vla-sim eval` gives the same per-seed results however its workers share the seeds
+    (and the ROS loop, one engine for every episode, the same as the engine-only loop)."""
+    from vla_node.runtime import EngineConfig, PolicyEngine
+
+    config = EngineConfig.for_mode("eager", checkpoint=str(random_sim_checkpoint(tmp_path / "policy")),
+                                   layout=settings.layout, camera_height=48, camera_width=64)
+    loop = lambda: ClosedLoop(env, PolicyEngine(config), settings, latency_s=0.04, ticks=30,  # noqa: E731
+                              stop_on_success=False)
+    alone = loop()
+    alone.run(1001)
+    first = np.stack(env.sent)
+    after_another = loop()
+    after_another.run(1000)
+    after_another.run(1001)
+    np.testing.assert_array_equal(np.stack(env.sent), first)
+
+
 def test_eval_writes_success_latency_and_handover_per_config(tmp_path):
     checkpoint = random_sim_checkpoint(tmp_path / "policy")
     report_path = tmp_path / "eval.json"

@@ -251,9 +251,13 @@ class PolicyEngine:
         return torch.randn((1, a.horizon, a.action_dim), generator=generator or self.generator, device=self.device)
 
     def reset_stream(self) -> None:
-        """Forget everything carried between calls (a new episode or robot)."""
+        """Forget everything carried between calls (a new episode or robot), the noise stream
+        included: it restarts from config.seed, so that an episode's chunks depend on its own
+        observations only, not on how many queries the episodes before it made (in `vla-sim eval`
+        on which worker ran them, and in what order)."""
         if self.static is not None:
             self.static.reset()
+        self.generator.manual_seed(self.config.seed)
 
     def close(self) -> None:
         """Release the model and device memory."""
