@@ -107,7 +107,7 @@ def test_weight_average_is_what_the_checkpoint_holds_and_resumes(demo_bags, tmp_
 
 
 def test_weight_average_restores_the_model_after_use():
-    from vla_node.tools.train import WeightAverage
+    from vla_node.tools.train import WeightAverage, averaged
 
     model = init_random_(build_model(get_preset("tiny")))
     average = WeightAverage(model, decay=0.9)
@@ -117,7 +117,7 @@ def test_weight_average_restores_the_model_after_use():
             p.add_(1.0)
     average.update(model)                  # first update: decay (1 + 1) / (10 + 1)
     w = 2 / 11
-    with average.applied(model):
+    with averaged(model, average):
         for p, b in zip(model.parameters(), before):
             torch.testing.assert_close(p.detach(), b + (1 - w))
     for p, b in zip(model.parameters(), before):

@@ -79,7 +79,6 @@ class Session:
     conn: Connection
     key: int                    # kept in its frame ids: two robots' (camera, stamp) may coincide
     generator: object           # torch.Generator: its noise stream
-    seed: int                   # where the stream restarts when the node resets it
     options: dict               # its run-time options (RUNTIME_OPTIONS -> value)
     frames: list = field(default_factory=list)   # the frame buffers it shared (mmap)
     pixels: Optional[np.ndarray] = None          # the last one, as uint8 frames
@@ -117,8 +116,7 @@ class Serving:
         self._keys = itertools.count()
 
     def add(self, conn: Connection, config: EngineConfig, generator) -> Session:
-        session = Session(conn, next(self._keys), generator, config.seed,
-                          {k: getattr(config, k) for k in RUNTIME_OPTIONS})
+        session = Session(conn, next(self._keys), generator, {k: getattr(config, k) for k in RUNTIME_OPTIONS})
         self.sessions[conn] = session
         return session
 
@@ -200,7 +198,7 @@ class Serving:
                     self.drop(session, f"bad frame buffer ({reason(e)})")
             case ResetStream():
                 self.engine.reset_stream()   # every session's cached frames: costs the others a re-encode
-                session.generator.manual_seed(session.seed)   # this session's noise, as PolicyEngine's own
+                session.generator.manual_seed(session.generator.initial_seed())   # its noise, as PolicyEngine's
             case Reconfigure(changes=changes):
                 self._send(session, self._reconfigure(session, changes))
             case Predict() as request:

@@ -176,39 +176,37 @@ class Simulation:
         while (wait := due - time.monotonic()) > 0:
             self.executor.spin_once(timeout_sec=wait)
 
-    def _wait_command(self, before: int, timeout_s: float) -> bool:
+    def _spin_until(self, done, timeout_s: float) -> bool:
+        """Spin the executor until done() or timeout_s of wall time has passed; whether done()."""
         deadline = time.monotonic() + timeout_s
-        while self.node.commands_received == before:
+        while not done():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             self.executor.spin_once(timeout_sec=left)
         return True
 
+    def _wait_command(self, before: int, timeout_s: float) -> bool:
+        return self._spin_until(lambda: self.node.commands_received != before, timeout_s)
+
+    def _lockstep_timeout(self, what: str) -> TimeoutError:
+        return TimeoutError(f"--lockstep: {what} within {self.args.lockstep_timeout_s:g} s (--lockstep-timeout-s); "
+                            f"the node's last status: {self.node.node_status or 'none heard'}")
+
     def _wait_stamped(self, stamp_ns: int, seed: int, tick: int) -> np.ndarray:
         """Lockstep: the node's command stamped `stamp_ns`, however long it takes up to
         lockstep_timeout_s (then TimeoutError); the commands of earlier ticks are dropped."""
-        deadline = time.monotonic() + self.args.lockstep_timeout_s
-        while (command := self.node.stamped.pop(stamp_ns, None)) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"--lockstep: no command stamped with tick {tick} of episode seed {seed} within "
-                                   f"{self.args.lockstep_timeout_s:g} s (--lockstep-timeout-s); the node's last "
-                                   f"status: {self.node.node_status or 'none heard'}")
-            self.executor.spin_once(timeout_sec=left)
+        if not self._spin_until(lambda: stamp_ns in self.node.stamped, self.args.lockstep_timeout_s):
+            raise self._lockstep_timeout(f"no command stamped with tick {tick} of episode seed {seed}")
+        command = self.node.stamped.pop(stamp_ns)
         self.node.stamped.clear()
         return command
 
     def _wait_jump_heard(self, before: int, seed: int) -> None:
         """Lockstep: until the node reports the hold for the clock jump (see the module's docstring)."""
-        deadline = time.monotonic() + self.args.lockstep_timeout_s
-        while self.node.clock_jumps_heard == before:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"--lockstep: the node did not report the clock's jump back before episode seed "
-                                   f"{seed} within {self.args.lockstep_timeout_s:g} s on /diagnostics; its last "
-                                   f"status: {self.node.node_status or 'none heard'}")
-            self.executor.spin_once(timeout_sec=left)
+        if not self._spin_until(lambda: self.node.clock_jumps_heard != before, self.args.lockstep_timeout_s):
+            raise self._lockstep_timeout(f"the node did not report the clock's jump back on /diagnostics before "
+                                         f"episode seed {seed}")
 
     def wait_for_node(self) -> None:
         """Run the clock with the robot at rest (seed of the first episode) until the node

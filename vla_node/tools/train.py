@@ -214,28 +214,23 @@ class WeightAverage:
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
         torch._foreach_lerp_(self.params, [p.detach() for p in model.parameters()], 1.0 - decay)
 
-    @contextmanager
-    def applied(self, model: VLAPolicy):
-        """The model with the averaged weights (in place: compiled code holds the parameters), then
-        its own weights again."""
-        own = [p.detach().clone() for p in model.parameters()]
-        with torch.no_grad():
-            torch._foreach_copy_([p.detach() for p in model.parameters()], self.params)
-        try:
-            yield model
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_([p.detach() for p in model.parameters()], own)
-
 
 @contextmanager
 def averaged(model: VLAPolicy, average: Optional[WeightAverage]):
-    """The weights the checkpoint and validation use: the average with --ema-decay, else the model's."""
+    """The weights the checkpoint and validation use: with --ema-decay the model holds the average
+    (copied in place: compiled code holds the parameters) until the block ends, then its own again."""
     if average is None:
         yield model
-    else:
-        with average.applied(model):
-            yield model
+        return
+    params = [p.detach() for p in model.parameters()]
+    own = [p.clone() for p in params]
+    with torch.no_grad():
+        torch._foreach_copy_(params, average.params)
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            torch._foreach_copy_(params, own)
 
 
 def save_state(out: Path, model: VLAPolicy, optim: torch.optim.Optimizer, step: int, log: list[dict],
