@@ -1,0 +1,78 @@
+"""Engine modes on the shipped simulation policy against eager, on the GPU: each mode's chunks for
+the same observations and noise (relative L2, non-finite values), then one closed-loop episode
+at a fixed latency (success, queries, refused chunks). Finds which feature breaks a checkpoint
+whose shapes the suite's random presets do not cover (horizon 32, 14 joints, head_dim 48).
+
+    source scripts/gpu_env.sh
+    python3 scripts/check_sim_modes.py --configs "graphs,triton,fast,fast:expert_kernel=triton"
+"""
+import argparse
+
+import numpy as np
+import torch
+
+from vla_node.runtime import EngineConfig, PolicyEngine
+from vla_node.sim.aloha import RenderConfig, TransferCube
+from vla_node.sim.closed_loop import ClosedLoop, ControlSettings
+from vla_node.tools.offline import parse_configs
+
+
+def engine_for(mode: str, overrides: dict, args, settings: ControlSettings) -> PolicyEngine:
+    config = EngineConfig.for_mode(mode, preset="sim", checkpoint=args.checkpoint, device=args.device,
+                                   dtype=args.dtype, layout=settings.layout, camera_height=settings.camera_height,
+                                   camera_width=settings.camera_width, **overrides)
+    return PolicyEngine(config, progress=lambda m: print(f"  {m}", flush=True))
+
+
+def chunks(engine: PolicyEngine, n: int) -> list[np.ndarray]:
+    a = engine.model_cfg.action
+    out = []
+    for i in range(n):
+        noise = torch.randn((1, a.horizon, a.action_dim), generator=torch.Generator().manual_seed(i)).to(engine.device)
+        out.append(engine.predict(engine.dummy_observation(seed=i), noise=noise).normalized)
+    return out
+
+
+def episode(engine: PolicyEngine, settings: ControlSettings, seed: int, latency_s: float) -> str:
+    render = RenderConfig(cameras=settings.camera_names, height=settings.camera_height, width=settings.camera_width)
+    with TransferCube(render) as env:
+        r = ClosedLoop(env, engine, settings, latency_s=latency_s).run(seed)
+    return (f"{'success' if r.success else 'fail'} reward {r.max_reward} ticks {r.ticks} queries {r.queries} "
+            f"chunks {r.chunks} late {r.late_chunks} non-finite {r.non_finite_chunks} discarded {r.discarded}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="vla_node/data/sim_policy")
+    ap.add_argument("--params", default="config/sim.yaml")
+    ap.add_argument("--configs", default="graphs,triton,fast")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--inputs", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1000, help="the closed-loop episode's seed (-1: none)")
+    ap.add_argument("--latency-ms", type=float, default=20.0)
+    args = ap.parse_args()
+    settings = ControlSettings.from_params_file(args.params)
+    eager = engine_for("eager", {}, args, settings)
+    reference = chunks(eager, args.inputs)
+    rows = [("eager", 0.0, 0, episode(eager, settings, args.seed, args.latency_ms / 1e3) if args.seed >= 0 else "")]
+    del eager
+    for spec in parse_configs(args.configs):
+        print(f"[{spec.label}]", flush=True)
+        engine = engine_for(spec.mode, spec.overrides, args, settings)
+        engine.warmup()
+        got = chunks(engine, args.inputs)
+        err = max(float(np.linalg.norm(g - r) / np.linalg.norm(r)) for g, r in zip(got, reference))
+        bad = sum(int((~np.isfinite(g)).sum()) for g in got)
+        run = episode(engine, settings, args.seed, args.latency_ms / 1e3) if args.seed >= 0 else ""
+        rows.append((spec.label, err, bad, run))
+        print(f"[{spec.label}] rel L2 {err:.2e}, non-finite {bad}, {run}", flush=True)
+        del engine
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    print(f"\n{'config':34} {'rel L2 vs eager':>16} {'non-finite':>10}  episode seed {args.seed} at {args.latency_ms:g} ms")
+    for label, err, bad, run in rows:
+        print(f"{label:34} {err:16.2e} {bad:10d}  {run}")
+
+
+if __name__ == "__main__":
+    main()
