@@ -33,6 +33,28 @@ def chunks(engine: PolicyEngine, n: int) -> list[np.ndarray]:
     return out
 
 
+def first_non_finite(engine: PolicyEngine) -> str:
+    """The first module (in call order) whose output holds a non-finite value while its inputs hold
+    none, over one query: where the NaN starts (uncompiled modules only)."""
+    found = []
+
+    def hook(module, inputs, output, name=None):
+        tensors = lambda xs: [x for x in xs if torch.is_tensor(x) and x.is_floating_point()]  # noqa: E731
+        outs = tensors(output if isinstance(output, (tuple, list)) else [output])
+        if not found and any(not torch.isfinite(o).all() for o in outs) and \
+                all(torch.isfinite(i).all() for i in tensors(inputs)):
+            found.append(f"{name} ({type(module).__name__}, input shapes {[tuple(i.shape) for i in tensors(inputs)]})")
+
+    handles = [m.register_forward_hook(lambda mod, i, o, n=n: hook(mod, i, o, n))
+               for n, m in engine.model.named_modules()]
+    try:
+        chunks(engine, 1)
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else "no module's output"
+
+
 def episode(engine: PolicyEngine, settings: ControlSettings, seed: int, latency_s: float) -> str:
     render = RenderConfig(cameras=settings.camera_names, height=settings.camera_height, width=settings.camera_width)
     with TransferCube(render) as env:
@@ -64,12 +86,15 @@ def main():
         got = chunks(engine, args.inputs)
         err = max(float(np.linalg.norm(g - r) / np.linalg.norm(r)) for g, r in zip(got, reference))
         bad = sum(int((~np.isfinite(g)).sum()) for g in got)
+        if bad and not engine.config.compile:
+            print(f"[{spec.label}] the first non-finite output: {first_non_finite(engine)}", flush=True)
         run = episode(engine, settings, args.seed, args.latency_ms / 1e3) if args.seed >= 0 else ""
         rows.append((spec.label, err, bad, run))
         print(f"[{spec.label}] rel L2 {err:.2e}, non-finite {bad}, {run}", flush=True)
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    print(f"\n{'config':34} {'rel L2 vs eager':>16} {'non-finite':>10}  episode seed {args.seed} at {args.latency_ms:g} ms")
+    print(f"\n{'config':34} {'rel L2 vs eager':>16} {'non-finite':>10}  "
+          f"episode seed {args.seed} at {args.latency_ms:g} ms")
     for label, err, bad, run in rows:
         print(f"{label:34} {err:16.2e} {bad:10d}  {run}")
 

@@ -61,13 +61,20 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def causal_attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal maskless attention (top-left aligned, equal lengths; k/v with fewer heads are read as
-    grouped heads) and its log-sum-exp [B, H, T] fp32: cuDNN's kernel on CUDA (on the H200 31 us
-    against the flash kernel's 54 at the DROID prompt, BENCHMARKS.md), the flash kernel on the CPU."""
+    grouped heads) and its log-sum-exp [B, H, T] fp32: cuDNN's kernel on CUDA in half precision
+    (on the H200 31 us against the flash kernel's 54 at the DROID prompt, BENCHMARKS.md), the
+    memory-efficient kernel on CUDA in fp32 (cuDNN's takes half precision only: given fp32 it
+    returned NaN without an error), the flash kernel on the CPU."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-    else:
+    elif q.dtype in (torch.float16, torch.bfloat16):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)[:2]
-    return out, lse.reshape(out.shape[:-1])
+    else:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[:2]
+    # cuDNN's is [B, H, T, 1], the memory-efficient kernel's [B, H, T rounded up to 32]
+    return out, lse.reshape(*out.shape[:2], -1)[..., :out.shape[2]]
 
 
 class SplitPattern:
