@@ -225,7 +225,7 @@ def test_an_episode_commands_the_same_whatever_ran_before_it(env, settings, tmp_
     np.testing.assert_array_equal(np.stack(env.sent), first)
 
 
-def test_eval_writes_success_latency_and_handover_per_config(tmp_path):
+def test_eval_writes_success_latency_and_handover_per_config(tmp_path, capsys):
     checkpoint = random_sim_checkpoint(tmp_path / "policy")
     report_path = tmp_path / "eval.json"
     code = main(["eval", "--checkpoint", str(checkpoint), "--configs", "eager,static", "--episodes", "1",
@@ -244,6 +244,11 @@ def test_eval_writes_success_latency_and_handover_per_config(tmp_path):
         assert entry["per_episode"][0]["seed"] == 1000
         assert (tmp_path / "videos").exists() and entry["per_episode"][0]["video"]
     assert "speedup_vs_first" in report["configs"]["static"]
+    rows = capsys.readouterr().out.split("report: ")[0].strip().splitlines()[-3:]   # the closing table
+    assert rows[0].split()[:3] == ["configuration", "latency", "success"]
+    assert [row.split()[:5] for row in rows[1:]] == [["eager", "40.0", "ms", "(2", "ticks)"],
+                                                     ["static", "40.0", "ms", "(2", "ticks)"]]
+    assert all("0/1 (0 %)" in row for row in rows[1:])
 
 
 def test_eval_fixes_the_latency_measured_alone_for_every_seed(tmp_path):

@@ -122,12 +122,12 @@ def run_record(args) -> int:
 
 # -- eval -------------------------------------------------------------------------------------
 def run_eval(args) -> int:
-    from .eval import evaluate
+    from .eval import evaluate, table
     args.workers = _workers(args.workers)
     args.checkpoint, args.preset = _eval_policy(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    evaluate(args, save=lambda report: Path(args.json).write_text(json.dumps(report, indent=2) + "\n"))
-    print(f"report: {args.json}")
+    report = evaluate(args, save=lambda report: Path(args.json).write_text(json.dumps(report, indent=2) + "\n"))
+    print(f"\n{table(report)}\nreport: {args.json}")
     return 0
 
 

@@ -170,3 +170,27 @@ def evaluate(args, progress=print, save=lambda report: None) -> dict:
             entry["speedup_vs_first"] = median(base) / median(entry)
     save(report)
     return report
+
+
+def table(report: dict) -> str:
+    """One row a configuration (and hand-over x latency variant): its latency in sim time, success
+    with the 95 % interval, speedup over the first configuration, chunks dropped late and the
+    command's step at chunk boundaries against inside them (p99, rad)."""
+    rows = [("configuration", "latency", "success", "95 %", "speedup", "late", "step p99 boundary / inside")]
+    for name, e in report["configs"].items():
+        alone = e.get("latency_alone_ms", {}).get("p50")
+        latency = "measured" if e["latency"] == "measured" else \
+            f"{'alone ' if e['latency'] == alone else ''}{e['latency']:.1f} ms"
+        ticks = e["latency_ticks"]["p50"]
+        low, high = e["success_ci95"]
+        steps = e["handover"]
+        inside, boundary = steps["command_step_rad_inside_chunks"], steps["command_step_rad_at_boundaries"]
+        speedup = e.get("speedup_vs_first")
+        rows.append((name, latency + (f" ({ticks:g} tick{'s' * (ticks != 1)})" if ticks is not None else ""),
+                     f"{e['successes']}/{e['episodes']} ({100 * e['success_rate']:.0f} %)",
+                     f"{100 * low:.0f}-{100 * high:.0f} %", f"{speedup:.2f}x" if speedup else "",
+                     str(e["late_chunks"]), f"{boundary.get('p99', float('nan')):.3f} / "
+                                            f"{inside.get('p99', float('nan')):.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
