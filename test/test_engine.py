@@ -118,6 +118,17 @@ def test_a_failed_start_arrives_with_the_workers_traceback():
     assert "Traceback (most recent call last)" in failed.value.trace
 
 
+@pytest.mark.parametrize("mode", ["eager", "ctxkv"])   # the reference loop; the static runner's buckets
+def test_an_engine_giving_non_finite_actions_fails_its_warm_up_in_one_line(mode):
+    """A feature broken on the device (fp32 split attention on CUDA returned NaN) stops the start
+    instead of having every chunk refused, and says what to try."""
+    engine = PolicyEngine(EngineConfig.for_mode(mode))
+    engine.model.expert.action_out.register_forward_hook(lambda module, inputs, out: out * float("nan"))
+    with pytest.raises(RuntimeError, match="warm-up gave non-finite actions") as failed:
+        engine.warmup()
+    assert "float32 on cpu" in str(failed.value) and "\n" not in str(failed.value)
+
+
 def test_deterministic_for_a_seed():
     a, b = PolicyEngine(EngineConfig(seed=5)), PolicyEngine(EngineConfig(seed=5))
     obs = a.dummy_observation()

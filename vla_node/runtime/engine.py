@@ -40,6 +40,16 @@ from .timing import StageTimer
 from .types import DEFAULT_CAMERAS, RUNTIME_OPTIONS, ActionChunk, EngineConfig, Observation, WindowLayout
 
 
+def require_finite(actions: torch.Tensor, config: EngineConfig, what: str) -> None:
+    """Warm-up's check of its own queries: an engine whose features give non-finite actions on this
+    device and dtype (fp32 attention once ran a half-precision-only kernel, returning NaN without an
+    error) fails at start, in one line, instead of having every chunk refused later."""
+    if not bool(torch.isfinite(actions).all()):
+        raise RuntimeError(f"warm-up gave non-finite actions ({what}; {config.dtype} on {config.device}): a feature "
+                           "of this engine mode is broken here; a lower engine mode (e.g. fused) or the other dtype "
+                           "may run, and this is a bug to report")
+
+
 @dataclass
 class EngineStats:
     ready_s: float = 0.0          # warm-up wall time (compile + capture)
@@ -138,7 +148,9 @@ class PolicyEngine:
             self.stats.graph_captures = self.static.graph_captures
         else:  # zero noise: warm-up must not advance the engine's noise stream
             a = self.model_cfg.action
-            self.predict(self.dummy_observation(), noise=torch.zeros((1, a.horizon, a.action_dim), device=self.device))
+            chunk = self.predict(self.dummy_observation(), noise=torch.zeros((1, a.horizon, a.action_dim),
+                                                                            device=self.device))
+            require_finite(torch.from_numpy(chunk.normalized), self.config, "the eager pass")
         self.stats.ready_s = time.perf_counter() - t0
         self.stats.queries = 0
         self.progress(f"ready in {self.stats.ready_s:.1f}s ({self.stats.compiled_graphs} compiled graphs, "

@@ -24,6 +24,7 @@ from ..model.action_expert import KnownActions, euler, flow_times
 from .action_cache import MAX_ADAPTIVE_REUSE, FlowSchedule
 from .bucket import Bucket
 from .compile import compile_count, compile_regions
+from .engine import require_finite
 from .frame_store import FrameStore
 from .fusion import BatchedContextKV
 from .graphs import capture
@@ -269,9 +270,10 @@ class StaticRunner:
                 for obs in self._warmup_windows(layout):
                     # Not from the engine's generator: warm-up must not shift the noise stream,
                     # so engines of any mode with the same seed see the same noise per query.
-                    self.predict([obs] * size, torch.zeros_like(b.noise), layout)
+                    require_finite(self.predict([obs] * size, torch.zeros_like(b.noise), layout)[0], e.config, name)
                 nothing_known = KnownActions(torch.zeros_like(b.noise), torch.zeros_like(b.known.known))
-                self.predict([obs] * size, torch.zeros_like(b.noise), layout, nothing_known)   # the inpainting loop
+                require_finite(self.predict([obs] * size, torch.zeros_like(b.noise), layout, nothing_known)[0],
+                               e.config, f"{name}, the inpainting loop")
                 for batch in self.vision_batches:
                     self._vision_stage(batch)
             e.progress(f"{name} ({b.length} tokens): eager/compile pass {time.perf_counter() - t0:.1f}s")
@@ -286,6 +288,8 @@ class StaticRunner:
                     if b.stream is not None:
                         b.graphs["stream"], _ = self._capture(lambda: self._stream_stage(b))
                     self._capture_action(b)
+                    replayed = self.predict([obs] * size, torch.zeros_like(b.noise), layout)[0]
+                require_finite(replayed, e.config, f"{name}, its CUDA graphs replayed")
                 e.progress(f"{name}: captured {len(b.graphs)} CUDA graphs in "
                            f"{time.perf_counter() - t0:.1f}s")
         self.compiled_graphs = compile_count() - compiled_before
