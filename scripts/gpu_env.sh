@@ -18,5 +18,5 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 evaluate() {
   timeout "$2" python3 -m vla_node.sim eval --checkpoint "$1" --configs "${EVAL_CONFIGS:-eager}" \
     --episodes 50 --first-seed "${FIRST_SEED:-1000}" --workers 16 --device cuda --dtype "${DTYPE:-float32}" --latency-ms "${LATENCY_MS:-40}" \
-    --json "$OUT/$3" 2>&1 | grep -v Warning | tee "$OUT/${3%.json}.log" | grep "success \|alone\|rror" | tail -20
+    --json "$OUT/$3" 2>&1 | grep -v Warning | tee "$OUT/${3%.json}.log" | grep "success \|alone\|rror\|configuration\| ms (" | tail -24
 }
