@@ -1,4 +1,5 @@
-"""A model whose output is not finite: the node holds, never publishes it, and says why once."""
+"""A model whose output is not finite: the node holds, never publishes it, and says why once; one
+whose network itself gives non-finite actions fails its configure (warm-up) in one line."""
 import time
 
 import numpy as np
@@ -8,17 +9,31 @@ import torch
 from ros_helpers import HOME, Harness, NodeProcess, Robot
 from vla_node.model import build_model, get_preset, init_random_, save_checkpoint
 from vla_node.ros.diagnostics import Key
+from vla_node.runtime import EngineConfig, PolicyEngine
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_non_finite_actions_are_never_published(tmp_path):
+def nan_on_instruction_checkpoint(folder, instruction: str) -> str:
+    """The tiny model with NaN embeddings for the tokens of `instruction` that warm-up's prompt does not
+    hold: finite through warm-up, non-finite on every query with that instruction."""
     model = init_random_(build_model(get_preset("tiny")), seed=0)
+    save_checkpoint(model, folder)
+    engine = PolicyEngine(EngineConfig(checkpoint=str(folder)))
+    images = len(engine.layout.cameras), engine.layout.frames
+    unseen = set(engine.prompts.build(*images, instruction).ids) - \
+        set(engine.prompts.build(*images, engine.dummy_observation().instruction).ids)
+    assert unseen
     with torch.no_grad():
-        model.expert.action_out.weight.fill_(float("nan"))
-    save_checkpoint(model, tmp_path / "nan")
+        model.llm.embed.weight[sorted(unseen)] = float("nan")
+    save_checkpoint(model, folder)
+    return str(folder)
 
-    node = NodeProcess({"autostart": True, "checkpoint": str(tmp_path / "nan")})
+
+def test_non_finite_actions_are_never_published(tmp_path):
+    instruction = "wipe the table with the sponge"
+    node = NodeProcess({"autostart": True, "instruction": instruction,
+                        "checkpoint": nan_on_instruction_checkpoint(tmp_path / "nan", instruction)})
     h = Harness(node)
     try:
         Robot(h)
@@ -34,6 +49,25 @@ def test_non_finite_actions_are_never_published(tmp_path):
         node.wait_for_line("holding: output: the chunk has non-finite actions")
         assert node.count("holding: output:") == 1
         assert node.proc.poll() is None
+    finally:
+        h.close()
+        node.stop_cleanly()
+
+
+def test_a_network_giving_non_finite_actions_fails_configure_in_one_line(tmp_path):
+    model = init_random_(build_model(get_preset("tiny")), seed=0)
+    with torch.no_grad():
+        model.expert.action_out.weight.fill_(float("nan"))
+    save_checkpoint(model, tmp_path / "nan")
+    node = NodeProcess({"autostart": True, "checkpoint": str(tmp_path / "nan")})
+    h = Harness(node)
+    try:
+        line = node.wait_for_line("configure failed", timeout=120)
+        assert "warm-up gave non-finite actions (the eager pass; float32 on cpu)" in line
+        d = h.wait_diagnostics(lambda d: "configure failed" in d["_message"], 30, "the failure on /diagnostics",
+                               since=0)
+        assert d["_level"] == 2 and d[Key.STATE] == "unconfigured" and "\n" not in d[Key.CONFIGURE_ERROR]
+        assert not h.messages("trajectory") and node.proc.poll() is None
     finally:
         h.close()
         node.stop_cleanly()

@@ -34,20 +34,10 @@ from .action_cache import FlowSchedule, is_adaptive
 from .fp8 import quantize_llm_
 from .fusion import fuse_projections, use_gelu_epilogues
 from .images import check_frames
-from .parts import EngineParts, Progress
+from .parts import EngineParts, Progress, require_finite
 from .preprocess import preprocess_reference
 from .timing import StageTimer
 from .types import DEFAULT_CAMERAS, RUNTIME_OPTIONS, ActionChunk, EngineConfig, Observation, WindowLayout
-
-
-def require_finite(actions: torch.Tensor, config: EngineConfig, what: str) -> None:
-    """Warm-up's check of its own queries: an engine whose features give non-finite actions on this
-    device and dtype (fp32 attention once ran a half-precision-only kernel, returning NaN without an
-    error) fails at start, in one line, instead of having every chunk refused later."""
-    if not bool(torch.isfinite(actions).all()):
-        raise RuntimeError(f"warm-up gave non-finite actions ({what}; {config.dtype} on {config.device}): a feature "
-                           "of this engine mode is broken here; a lower engine mode (e.g. fused) or the other dtype "
-                           "may run, and this is a bug to report")
 
 
 @dataclass

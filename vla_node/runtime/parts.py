@@ -16,6 +16,16 @@ from .types import EngineConfig, Observation, WindowLayout
 Progress = Callable[[str], None]
 
 
+def require_finite(actions: torch.Tensor, config: EngineConfig, what: str) -> None:
+    """Warm-up's check of its own queries' (normalised) actions: non-finite weights, or a feature
+    broken on this device and dtype (fp32 attention once ran a half-precision-only kernel, NaN
+    without an error), fail the start in one line instead of having every chunk refused later."""
+    if not bool(torch.isfinite(actions).all()):
+        raise RuntimeError(f"warm-up gave non-finite actions ({what}; {config.dtype} on {config.device}): the "
+                           "checkpoint's weights are not finite, or a feature of this engine mode is broken on this "
+                           "device (a lower engine mode, e.g. fused, or the other dtype tells which)")
+
+
 @dataclass(frozen=True)
 class EngineParts:
     model: VLAPolicy

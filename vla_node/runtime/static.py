@@ -24,11 +24,10 @@ from ..model.action_expert import KnownActions, euler, flow_times
 from .action_cache import MAX_ADAPTIVE_REUSE, FlowSchedule
 from .bucket import Bucket
 from .compile import compile_count, compile_regions
-from .engine import require_finite
 from .frame_store import FrameStore
 from .fusion import BatchedContextKV
 from .graphs import capture
-from .parts import EngineParts
+from .parts import EngineParts, require_finite
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
 from .streaming import StreamBuffers
 from .timing import StageTimer

@@ -181,7 +181,7 @@ def table(report: dict) -> str:
         alone = e.get("latency_alone_ms", {}).get("p50")
         latency = "measured" if e["latency"] == "measured" else \
             f"{'alone ' if e['latency'] == alone else ''}{e['latency']:.1f} ms"
-        ticks = e["latency_ticks"]["p50"]
+        ticks = e["latency_ticks"].get("p50")   # none without an answered query
         low, high = e["success_ci95"]
         steps = e["handover"]
         inside, boundary = steps["command_step_rad_inside_chunks"], steps["command_step_rad_at_boundaries"]
