@@ -14,9 +14,10 @@ export PYTHONPATH=/tmp/site:$PWD MUJOCO_GL=egl PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 # Closed loop, 50 held-out seeds on the GPU, 16 workers sharing it, so the latency is fixed in sim
 # time ($LATENCY_MS: ms, or `alone`: each configuration timed alone first; $FIRST_SEED: the first of
-# the 50 seeds). $1: checkpoint, $2: time limit in s, $3: report under $OUT (its full log beside it).
+# the 50 seeds; $PARAMS: the node's parameter file, default config/sim.yaml). $1: checkpoint, $2: time
+# limit in s, $3: report under $OUT (its full log beside it).
 evaluate() {
   timeout "$2" python3 -m vla_node.sim eval --checkpoint "$1" --configs "${EVAL_CONFIGS:-eager}" \
     --episodes 50 --first-seed "${FIRST_SEED:-1000}" --workers 16 --device cuda --dtype "${DTYPE:-float32}" --latency-ms "${LATENCY_MS:-40}" \
-    --json "$OUT/$3" 2>&1 | grep -v Warning | tee "$OUT/${3%.json}.log" | grep "success \|alone\|rror\|configuration\| ms (" | tail -24
+    ${PARAMS:+--params "$PARAMS"} --json "$OUT/$3" 2>&1 | grep -v Warning | tee "$OUT/${3%.json}.log" | grep "success \|alone\|rror\|configuration\| ms (" | tail -24
 }
