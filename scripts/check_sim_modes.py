@@ -11,17 +11,17 @@ import argparse
 import numpy as np
 import torch
 
-from vla_node.runtime import EngineConfig, PolicyEngine
-from vla_node.sim.aloha import RenderConfig, TransferCube
-from vla_node.sim.closed_loop import ClosedLoop, ControlSettings
-from vla_node.tools.offline import parse_configs
+from vla_node.runtime import PolicyEngine
+from vla_node.sim.aloha import TransferCube
+from vla_node.sim.closed_loop import ClosedLoop
+from vla_node.sim.eval import _engine_config, _render_and_settings
+from vla_node.tools.offline import ConfigSpec, parse_configs
 
 
-def engine_for(mode: str, overrides: dict, args, settings: ControlSettings) -> PolicyEngine:
-    config = EngineConfig.for_mode(mode, preset="sim", checkpoint=args.checkpoint, device=args.device,
-                                   dtype=args.dtype, layout=settings.layout, camera_height=settings.camera_height,
-                                   camera_width=settings.camera_width, **overrides)
-    return PolicyEngine(config, progress=lambda m: print(f"  {m}", flush=True))
+def engine_for(spec: ConfigSpec, args) -> PolicyEngine:
+    """The engine `vla-sim eval` builds for `spec` (its settings, cameras and image size)."""
+    render, settings = _render_and_settings(args)
+    return PolicyEngine(_engine_config(args, spec, settings, render), progress=lambda m: print(f"  {m}", flush=True))
 
 
 def chunks(engine: PolicyEngine, n: int) -> list[np.ndarray]:
@@ -55,10 +55,13 @@ def first_non_finite(engine: PolicyEngine) -> str:
     return found[0] if found else "no module's output"
 
 
-def episode(engine: PolicyEngine, settings: ControlSettings, seed: int, latency_s: float) -> str:
-    render = RenderConfig(cameras=settings.camera_names, height=settings.camera_height, width=settings.camera_width)
+def episode(engine: PolicyEngine, args) -> str:
+    """One closed-loop episode (args.episode_seed, at args.latency_ms fixed); "" for none."""
+    if args.episode_seed < 0:
+        return ""
+    render, settings = _render_and_settings(args)
     with TransferCube(render) as env:
-        r = ClosedLoop(env, engine, settings, latency_s=latency_s).run(seed)
+        r = ClosedLoop(env, engine, settings, latency_s=args.latency_ms / 1e3).run(args.episode_seed)
     return (f"{'success' if r.success else 'fail'} reward {r.max_reward} ticks {r.ticks} queries {r.queries} "
             f"chunks {r.chunks} late {r.late_chunks} non-finite {r.non_finite_chunks} discarded {r.discarded}")
 
@@ -71,30 +74,33 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--inputs", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=1000, help="the closed-loop episode's seed (-1: none)")
+    ap.add_argument("--episode-seed", type=int, default=1000, help="the closed-loop episode's seed (-1: none)")
     ap.add_argument("--latency-ms", type=float, default=20.0)
     args = ap.parse_args()
-    settings = ControlSettings.from_params_file(args.params)
-    eager = engine_for("eager", {}, args, settings)
+    # What vla-sim eval's engine and renderer read besides: the checkpoint's own cameras and size, seed 0.
+    args.preset, args.seed, args.overrides = "sim", 0, []
+    args.cameras = args.height = args.width = None
+    args.shadows = False
+    eager = engine_for(parse_configs("eager")[0], args)
     reference = chunks(eager, args.inputs)
-    rows = [("eager", 0.0, 0, episode(eager, settings, args.seed, args.latency_ms / 1e3) if args.seed >= 0 else "")]
+    rows = [("eager", 0.0, 0, episode(eager, args))]
     del eager
     for spec in parse_configs(args.configs):
         print(f"[{spec.label}]", flush=True)
-        engine = engine_for(spec.mode, spec.overrides, args, settings)
+        engine = engine_for(spec, args)
         engine.warmup()
         got = chunks(engine, args.inputs)
         err = max(float(np.linalg.norm(g - r) / np.linalg.norm(r)) for g, r in zip(got, reference))
         bad = sum(int((~np.isfinite(g)).sum()) for g in got)
         if bad and not engine.config.compile:
             print(f"[{spec.label}] the first non-finite output: {first_non_finite(engine)}", flush=True)
-        run = episode(engine, settings, args.seed, args.latency_ms / 1e3) if args.seed >= 0 else ""
+        run = episode(engine, args)
         rows.append((spec.label, err, bad, run))
         print(f"[{spec.label}] rel L2 {err:.2e}, non-finite {bad}, {run}", flush=True)
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     print(f"\n{'config':34} {'rel L2 vs eager':>16} {'non-finite':>10}  "
-          f"episode seed {args.seed} at {args.latency_ms:g} ms")
+          f"episode seed {args.episode_seed} at {args.latency_ms:g} ms")
     for label, err, bad, run in rows:
         print(f"{label:34} {err:16.2e} {bad:10d}  {run}")
 
