@@ -209,7 +209,8 @@ def test_fast_matches_eager_within_bf16_noise(dtype):
     fast.warmup()
     inputs = same_inputs(eager, 4)
     for a, b in zip(outputs(eager, inputs), outputs(fast, inputs)):
-        assert np.linalg.norm(b - a) / np.linalg.norm(a) < 1e-2
+        # fp32 within 1e-4: a TF32 dot anywhere (4e-2 once, the flow loop's attention) fails it
+        assert np.linalg.norm(b - a) / np.linalg.norm(a) < (1e-2 if dtype == "bfloat16" else 1e-4)
 
 
 @pytest.mark.cuda

@@ -103,7 +103,7 @@ BATCH_SIZES = (1, 2, 4, 8)
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
                      "flex_attention", "split_attention", "cuda_graphs", "triton_attention", "triton_layer_norm",
-                     "fused_expert", "vision_cache")
+                     "split_merge_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
@@ -112,7 +112,7 @@ _LADDER = {
     "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
     "compile": ("compile", "flex_attention", "split_attention"),
     "graphs": ("cuda_graphs",),
-    "triton": ("triton_attention", "triton_layer_norm"),
+    "triton": ("triton_attention", "triton_layer_norm", "split_merge_kernel"),
     "fast": ("fused_expert", "vision_cache"),
 }
 MODES: dict[str, tuple[str, ...]] = {}
@@ -120,7 +120,7 @@ for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
 GPU_FEATURES = ("flex_attention", "split_attention", "cuda_graphs", "triton_attention", "triton_layer_norm",
-                "fused_expert")
+                "split_merge_kernel", "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -159,8 +159,8 @@ class EngineConfig:
     # The full prefill's pattern as two maskless causal calls merged by log-sum-exp instead
     # (runtime/kernels/prefill_attention.SplitPattern); streaming steps keep flex.
     split_attention: bool = False
-    # The split's merge as one Triton pass writing the output projection's layout (kernels/split_merge);
-    # off until timed on the GPU.
+    # The split's merge as one Triton pass writing the output projection's layout (kernels/split_merge):
+    # the DROID LLM stage 14.36 against 14.69 ms with the compiled merge on the H200 (BENCHMARKS.md).
     split_merge_kernel: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     triton_layer_norm: bool = False       # the ViT's and the context's LayerNorms in one pass (kernels/layer_norm)

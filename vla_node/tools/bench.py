@@ -56,8 +56,8 @@ OPTIONS = {
     "expertfp8": {"fused_expert": True, "expert_fp8": True},
     "cudaexpert": {"fused_expert": True, "expert_kernel": "cuda"},  # the loop on kernels/expert_flow.cu
     "tritonexpert": {"fused_expert": True, "expert_kernel": "triton"},  # the loop on kernels/expert_flow.py
-    "flexonly": {"split_attention": False},  # the whole prefill through flex attention, as before the split
-    "mergekernel": {"split_merge_kernel": True},  # the split prefill's merge as one Triton pass
+    "flexonly": {"split_attention": False, "split_merge_kernel": False},  # the prefill through flex attention only
+    "torchmerge": {"split_merge_kernel": False},  # the split prefill's merge compiled from torch ops
     "torchnorms": {"triton_layer_norm": False},  # the ViT's and the context's LayerNorms as torch's / inductor's
     "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue
 }

@@ -38,16 +38,25 @@ def load_keys(K, V, Mask, skn, svn, start, hi, n_keys, offs_d, d_ok, BLOCK_N: tl
 
 @triton.jit
 def attend_chunk(q, k, v, n_ok, scale, acc, m_i, l_i):
-    """One chunk of keys (load_keys) into the online softmax state (acc, m_i, l_i) of queries q."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+    """One chunk of keys (load_keys) into the online softmax state (acc, m_i, l_i) of queries q.
+    fp32 dots run in full precision: tl.dot's default for them is TF32 (10 mantissa bits), which put
+    an fp32 `fast` engine 4 % (relative L2) off eager on the H200."""
+    s = precise_dot(q, tl.trans(k.to(q.dtype))) * scale
     s = tl.where(n_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key yet
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + precise_dot(p.to(q.dtype), v.to(q.dtype))
     return acc, m_new, l_i
+
+
+@triton.jit
+def precise_dot(a, b):
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit

@@ -49,6 +49,12 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Drop-in for llm.sdpa_attend that runs flex attention when given a BlockMask (and the split
     pattern's two calls when given a SplitPattern)."""
     if isinstance(mask, SplitPattern):
+        if q.is_cuda and q.dtype == torch.float32:
+            # Compiled on the H200, the split's fp32 calls given these strided views (rotary q/k
+            # transposed, v a slice of the fused projection's output) put an fp32 `compile` engine
+            # 4.5e-2 (relative L2) off eager; with contiguous copies 1.2e-7 (scripts/bisect_regions.py).
+            # Half precision takes cuDNN's kernel, which reads them right.
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return mask.attend(q, k, v)
     if isinstance(mask, BlockMask):
         # Contiguous copies: with fused q/k/v projections, v is a strided slice of one output

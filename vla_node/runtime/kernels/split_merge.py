@@ -4,7 +4,8 @@ causal result, merged for image tokens with its second part by their log-sum-exp
 
 Compiled, the same merge took three inductor kernels a layer on the H200 (5.3 + 5.9 + 6.1 us at
 DROID: the merged rows, the index copy, the transpose; BENCHMARKS.md, twelfth session's profile)
-for ~20 MB moved (~5 us at bandwidth). Behind `split_merge_kernel` (off) until timed on the GPU.
+for ~20 MB moved (~5 us at bandwidth); this pass took the DROID LLM stage from 14.69 to 14.36 ms
+(`split_merge_kernel`, the `triton` rung).
 Runs on the CPU under TRITON_INTERPRET=1 (the CI tests).
 """
 from __future__ import annotations
