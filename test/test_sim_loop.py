@@ -251,6 +251,26 @@ def test_eval_writes_success_latency_and_handover_per_config(tmp_path, capsys):
     assert all("0/1 (0 %)" in row for row in rows[1:])
 
 
+def test_eval_counts_the_queries_that_streamed(tmp_path, capsys):
+    """streaming_kv reuses KV only when consecutive windows share frames: here a query every frame
+    interval (horizon 16 at replan_threshold 8: every 8 ticks; frames 0.16 s = 8 ticks apart). The
+    shipped policy's horizon of 32 at the same threshold never shares one. The report and its
+    table say how many queries streamed, so a streaming row that measured nothing shows 0."""
+    params = tmp_path / "sim.yaml"
+    params.write_text(DEFAULT_PARAMS.read_text().replace("history_offset_s: 0.0 ", "history_offset_s: 0.16"))
+    report_path = tmp_path / "eval.json"
+    code = main(["eval", "--checkpoint", str(random_sim_checkpoint(tmp_path / "policy")), "--params", str(params),
+                 "--configs", "ctxkv,ctxkv:vision_cache=true:streaming_kv=true", "--episodes", "1", "--ticks", "40",
+                 "--latency-ms", "40", "--height", "48", "--width", "64", "--json", str(report_path)])
+    assert code == 0
+    plain, streaming = json.loads(report_path.read_text())["configs"].values()
+    assert plain["streamed"] == 0 and 1 <= streaming["streamed"] < streaming["queries"]   # the first one prefills
+    rows = capsys.readouterr().out.split("report: ")[0].strip().splitlines()[-3:]
+    assert rows[0].split()[-1] == "streamed"
+    assert rows[1].split()[-1] == f"0/{plain['queries']}"
+    assert rows[2].split()[-1] == f"{streaming['streamed']}/{streaming['queries']}"
+
+
 def test_eval_fixes_the_latency_measured_alone_for_every_seed(tmp_path):
     """--latency-ms alone: one process times the first seed by itself, then every seed (here two
     workers) runs with that median fixed, and speedups come from the medians measured alone."""

@@ -116,6 +116,12 @@ class PolicyEngine:
         return self.config.layout
 
     @property
+    def streamed_queries(self) -> int:
+        """Queries since warm-up whose LLM stage was a streaming step (streaming_kv reused the
+        surviving frames' KV): 0 when windows never slide by whole frames between queries."""
+        return self.static.stream_steps if self.static is not None else 0
+
+    @property
     def history_offset_s(self) -> float:
         """Seconds between consecutive frame times of a window, as in the training data."""
         return self.model_cfg.robot.history_offset_s

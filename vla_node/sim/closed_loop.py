@@ -110,6 +110,7 @@ class EpisodeResult:
     max_reward: int
     ticks: int
     queries: int = 0
+    streamed: int = 0             # queries whose LLM stage reused earlier frames' KV (streaming_kv)
     chunks: int = 0
     late_chunks: int = 0          # returned after their last action's tick: dropped, as in the node
     underruns: int = 0            # the plan ran out before the next chunk: held
@@ -139,6 +140,7 @@ class LatencyModel:
     def __init__(self, policy: Policy, instruction: str, latency_s: Optional[float], period_s: float):
         self.policy, self.instruction, self.latency_s, self.period_s = policy, instruction, latency_s, period_s
         self.predict_ms: list[float] = []
+        self.streamed = 0   # queries the policy answered with a streaming step (if it counts them)
         self._answer: Optional[Chunk] = None
         self._wall_s = 0.0
 
@@ -147,9 +149,11 @@ class LatencyModel:
         obs = Observation(images=[f.item for _, f in window.frames], state=window.state.astype(np.float32),
                           instruction=instruction, stamp=window.reference.stamp_ns / 1e9, frame_ids=window.frame_ids,
                           known_actions=known_actions)
+        streamed = getattr(self.policy, "streamed_queries", 0)
         t0 = time.perf_counter()
         chunk = self.policy.predict(obs)
         self._wall_s = time.perf_counter() - t0
+        self.streamed += getattr(self.policy, "streamed_queries", 0) - streamed
         self.predict_ms.append(self._wall_s * 1e3)
         self._answer = Chunk(request_id, chunk.actions, chunk.normalized, chunk.timings, predict_ms=self._wall_s * 1e3)
         return True
@@ -269,7 +273,7 @@ class ClosedLoop:
                 result.success, result.first_success_tick = True, state.tick
                 if self.stop_on_success:
                     break
-        result.predict_ms = engine.predict_ms
+        result.predict_ms, result.streamed = engine.predict_ms, engine.streamed
         result.discarded = telemetry.counts[Key.DISCARDED]
         result.holds = faults.events["output"]
         return result
@@ -327,6 +331,7 @@ def summarize(results: Sequence[EpisodeResult]) -> dict:
             "boundary_p99_over_inside_p99": (float(np.percentile(boundary, 99) / max(np.percentile(inside, 99), 1e-12))
                                              if boundary and inside else None),
         },
+        "queries": sum(r.queries for r in results), "streamed": sum(r.streamed for r in results),
         "chunks": sum(r.chunks for r in results), "late_chunks": sum(r.late_chunks for r in results),
         "underruns": sum(r.underruns for r in results),
         "per_episode": [r.summary() for r in results],

@@ -175,8 +175,11 @@ def evaluate(args, progress=print, save=lambda report: None) -> dict:
 def table(report: dict) -> str:
     """One row a configuration (and hand-over x latency variant): its latency in sim time, success
     with the 95 % interval, speedup over the first configuration, chunks dropped late and the
-    command's step at chunk boundaries against inside them (p99, rad)."""
-    rows = [("configuration", "latency", "success", "95 %", "speedup", "late", "step p99 boundary / inside")]
+    command's step at chunk boundaries against inside them (p99, rad); with streaming_kv in any
+    configuration, the queries that streamed (a row where none did measured nothing of it)."""
+    streaming = any("streaming_kv" in name or e.get("streamed") for name, e in report["configs"].items())
+    rows = [("configuration", "latency", "success", "95 %", "speedup", "late", "step p99 boundary / inside")
+            + (("streamed",) if streaming else ())]
     for name, e in report["configs"].items():
         alone = e.get("latency_alone_ms", {}).get("p50")
         latency = "measured" if e["latency"] == "measured" else \
@@ -190,7 +193,8 @@ def table(report: dict) -> str:
                      f"{e['successes']}/{e['episodes']} ({100 * e['success_rate']:.0f} %)",
                      f"{100 * low:.0f}-{100 * high:.0f} %", f"{speedup:.2f}x" if speedup else "",
                      str(e["late_chunks"]), f"{boundary.get('p99', float('nan')):.3f} / "
-                                            f"{inside.get('p99', float('nan')):.3f}"))
+                                            f"{inside.get('p99', float('nan')):.3f}")
+                    + ((f"{e.get('streamed', 0)}/{e.get('queries', 0)}",) if streaming else ()))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
