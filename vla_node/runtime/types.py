@@ -162,6 +162,10 @@ class EngineConfig:
     # The split's merge as one Triton pass writing the output projection's layout (kernels/split_merge):
     # the DROID LLM stage 14.36 against 14.69 ms with the compiled merge on the H200 (BENCHMARKS.md).
     split_merge_kernel: bool = False
+    # The compiled regions' GEMMs (and flex attention's tiles) autotuned by inductor at warm-up
+    # (mode max-autotune-no-cudagraphs: its Triton templates, with pointwise epilogues fused, timed
+    # against cuBLAS per shape); off until timed on the GPU (vla-bench ... --modes fast,fast+autotune).
+    gemm_autotune: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     triton_layer_norm: bool = False       # the ViT's and the context's LayerNorms in one pass (kernels/layer_norm)
     fused_expert: bool = False            # the whole flow loop in one persistent kernel (runtime/fused_expert)
@@ -201,6 +205,8 @@ class EngineConfig:
         if is_adaptive(self.action_cache) and not self.static_shapes:
             raise ValueError(f"the adaptive action cache needs static_shapes (its per-step buffers): engine_mode "
                              f"{_modes_with('static_shapes')}")
+        if self.gemm_autotune and not (self.compile and self.device.startswith("cuda")):
+            raise ValueError("gemm_autotune needs compile on a CUDA device (it picks the compiled regions' kernels)")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
         if self.split_merge_kernel and not self.split_attention:
