@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from vla_node.runtime.kernels.few_query_attention import few_query_attention
 from vla_node.runtime.kernels.layer_norm import TritonLayerNorm, layer_norm_into
+from vla_node.runtime.kernels.rotary_heads import rotary_heads_kernel
 from vla_node.runtime.kernels.split_merge import merge_split
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,3 +161,53 @@ def test_split_pattern_matches_the_dense_mask(device, dtype, merge_kernel):
     image[50:60] = True
     with pytest.raises(ValueError, match="image tokens, the bucket holds"):
         split.refresh(image)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (3, 1, 12)])   # 3 heads, half 6: masked lanes
+def test_rotary_heads_kernel_is_the_model_s(dtype, heads, kv_heads, head_dim):
+    """kernels/rotary_heads's one pass against model.llm.rotary_heads on views of one fused q/k/v
+    output: q and k normed and rotated, v copied, all as contiguous [B, heads, T, D]. bf16 runs on the
+    GPU only: the interpreter truncates fp32 to bf16 where the GPU rounds to nearest."""
+    import dataclasses
+
+    from vla_node.model import get_preset
+    from vla_node.model.layers import rope_tables
+    from vla_node.model.llm import Attention, rotary_heads
+
+    cfg = dataclasses.replace(get_preset("tiny").llm, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    attn = Attention(cfg).to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(heads)
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.copy_(torch.rand(head_dim, generator=g) + 0.5)
+    sizes = ((heads + 2 * kv_heads) * head_dim,)
+    fused = torch.randn(2, 7, *sizes, generator=g).to(DEVICE, dtype)
+    q, k, v = fused.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    cos, sin = rope_tables(head_dim, torch.arange(3, 10, device=DEVICE), cfg.rope_theta)
+    with torch.no_grad():
+        ref = rotary_heads(attn, q, k, v, cos, sin)
+        got = rotary_heads_kernel(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, heads, kv_heads,
+                                  cfg.norm_eps)
+    for a, b in zip(ref, got):
+        assert b.shape == a.shape and b.is_contiguous()
+        assert float((b.float() - a.float()).norm() / a.float().norm()) < (1e-6 if dtype == torch.float32 else 1e-3)
+    assert torch.equal(got[2], ref[2])   # v: copied
+
+
+def test_engine_with_the_rotary_kernel_matches_the_model_s_path_also_when_streaming():
+    """rotary_kernel in an engine: the same chunks as the model's path (fp32 on the CPU), for full
+    queries and for the streaming step (the new frames' rows, at their slots' positions)."""
+    from test_options import window_stream
+
+    from vla_node.runtime import EngineConfig, PolicyEngine
+
+    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    cfg = dict(device=DEVICE, dtype=dtype, vision_cache=True, streaming_kv=True)
+    plain = PolicyEngine(EngineConfig.for_mode("ctxkv", **cfg))
+    kernel = PolicyEngine(EngineConfig.for_mode("ctxkv", rotary_kernel=True, **cfg))
+    for obs in window_stream(3):
+        noise = torch.randn(1, 16, 8, generator=torch.Generator().manual_seed(len(obs.images))).to(DEVICE)
+        a, b = plain.predict(obs, noise=noise).normalized, kernel.predict(obs, noise=noise).normalized
+        assert np.linalg.norm(a - b) / np.linalg.norm(a) < (1e-6 if DEVICE == "cpu" else 1e-2)
+    assert kernel.static.stream_steps == plain.static.stream_steps == 2

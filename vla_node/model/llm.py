@@ -38,6 +38,16 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
 
+def rotary_heads(attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The projections [B, T, heads * head_dim] as heads [B, heads, T, head_dim]: q and k through
+    their per-head RMSNorm and RoPE (cos/sin [T, head_dim]), v as it is."""
+    b, t, _ = q.shape
+    q = apply_rope(attn.q_norm(q.view(b, t, attn.heads, attn.head_dim)).transpose(1, 2), cos, sin)
+    k = apply_rope(attn.k_norm(k.view(b, t, attn.kv_heads, attn.head_dim)).transpose(1, 2), cos, sin)
+    return q, k, v.view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
@@ -52,6 +62,9 @@ class Attention(nn.Module):
         # attend(q, k, v, mask) as sdpa_attend; the runtime may put a faster kernel here, with a
         # mask object of its own (runtime/kernels/prefill_attention.py).
         self.attend = sdpa_attend
+        # rotary_heads(self, q, k, v, cos, sin) with that function's meaning; the runtime may put one
+        # kernel here (runtime/kernels/rotary_heads.py).
+        self.rotary_heads = rotary_heads
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 slots: Optional[torch.Tensor] = None, attend_cache: bool = False) -> torch.Tensor:
@@ -59,10 +72,7 @@ class Attention(nn.Module):
         With a cache, x's keys/values are also written at `slots`; with `attend_cache` x attends
         to the whole cache (S = its length) instead of to its own keys only (S = T)."""
         b, t, _ = x.shape
-        q, k, v = self.qkv(x)
-        q = apply_rope(self.q_norm(q.view(b, t, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_norm(k.view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.rotary_heads(self, *self.qkv(x), cos, sin)
         if self.cache is not None and slots is not None:
             cache_k, cache_v = self.cache.update(slots, k, v)
             if attend_cache:

@@ -95,6 +95,9 @@ class PolicyEngine:
             from .kernels.few_query_attention import few_query_attention
             for block in self.model.expert.blocks:
                 block.attend = few_query_attention
+        if config.rotary_kernel:
+            from .kernels.rotary_heads import use_rotary_kernel
+            use_rotary_kernel(self.model.llm)
         if config.triton_layer_norm:
             from .kernels.layer_norm import use_triton_layer_norms
             use_triton_layer_norms(self.model)

@@ -166,6 +166,9 @@ class EngineConfig:
     # (mode max-autotune-no-cudagraphs: its Triton templates, with pointwise epilogues fused, timed
     # against cuBLAS per shape); off until timed on the GPU (vla-bench ... --modes fast,fast+autotune).
     gemm_autotune: bool = False
+    # The LLM attention's q/k norms, RoPE and head layout in one pass (runtime/kernels/rotary_heads):
+    # off until timed on the GPU (vla-bench ... --modes fast,fast+rotary).
+    rotary_kernel: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     triton_layer_norm: bool = False       # the ViT's and the context's LayerNorms in one pass (kernels/layer_norm)
     fused_expert: bool = False            # the whole flow loop in one persistent kernel (runtime/fused_expert)
@@ -218,7 +221,7 @@ class EngineConfig:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
-        for feature in ("triton_attention", "fused_expert"):
+        for feature in ("triton_attention", "rotary_kernel", "fused_expert"):
             interpreted = os.environ.get("TRITON_INTERPRET") == "1"
             if getattr(self, feature) and not (self.device.startswith("cuda") or interpreted):
                 raise ValueError(f"{feature} needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
