@@ -7,7 +7,7 @@ copy), uploads them without blocking, and resizes/normalises on the device.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -45,13 +45,19 @@ class DeviceStaging:
         pin = device.type == "cuda"
         self.host = torch.empty((capacity, height, width, 3), dtype=torch.uint8, pin_memory=pin)
         self.dev = torch.empty((capacity, height, width, 3), dtype=torch.uint8, device=device)
+        self.uploaded: Optional[torch.cuda.Event] = None   # the last upload's end (CUDA)
 
     def upload(self, images: Sequence[np.ndarray]) -> None:
         """Copy frames into the pinned buffer (the one host copy) and start the upload. Later
-        work on the current stream orders after it; the caller synchronises before the next
-        upload overwrites the pinned buffer."""
+        work on the current stream orders after it; the next upload waits for this one to have
+        left the pinned buffer before it writes there (a query of several vision batches)."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
         n = len(images)
         host = self.host.numpy()
         for i, img in enumerate(images):
             host[i] = img
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            self.uploaded = torch.cuda.Event()
+            self.uploaded.record()
