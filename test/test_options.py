@@ -40,7 +40,7 @@ def test_streaming_slots_get_full_recompute_positions():
     token itself, so there the streamed cache must equal a full recompute's (labels aside)."""
     cfg = dict(vision_cache=True)
     streamed = PolicyEngine(EngineConfig.for_mode("ctxkv", streaming_kv=True, **cfg))
-    full = PolicyEngine(EngineConfig.for_mode("ctxkv", **cfg))
+    full = PolicyEngine(EngineConfig.for_mode("ctxkv", streaming_kv=True, **cfg))  # its first query: a full prefill
     w1, w2 = list(window_stream(2))
     streamed.predict(w1)
     streamed.predict(w2)

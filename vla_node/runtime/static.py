@@ -81,7 +81,8 @@ class StaticRunner:
         self.expert_calls = 0
         longest = max(engine.prompts.build(len(l.cameras), l.frames, "x").instruction_start for l in layouts)
         self.cache_len = longest + cfg.max_instruction_tokens
-        m.llm.setup_caches(1, self.cache_len, engine.dtype, dev)   # one row: what a streaming step reads
+        if cfg.streaming_kv:   # one row: what a streaming step reads
+            m.llm.setup_caches(1, self.cache_len, engine.dtype, dev)
 
     def bucket(self, layout: WindowLayout, batch: int = 1) -> Bucket:
         if (layout, batch) not in self.buckets:
@@ -120,8 +121,8 @@ class StaticRunner:
         m = self.engine.model
         image_tokens = self.store.tokens.index_select(0, b.frame_rows).reshape(b.batch, -1, m.cfg.llm.dim)
         embeds = m.embed(b.ids, image_tokens, b.patch_positions)
-        # The KV cache has one row (streaming is one robot's): a batch's prefill leaves it alone.
-        b.hidden = m.llm(embeds, b.cos, b.sin, b.attn_mask, b.slots if b.batch == 1 else None)
+        # Only a streaming bucket (batch 1: streaming is one robot's) writes the KV cache its steps read.
+        b.hidden = m.llm(embeds, b.cos, b.sin, b.attn_mask, b.slots if b.stream is not None else None)
         b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
         if self.mod_table is not None:
             b.kv = self.context_kv(b.hidden, b.state_norm)
