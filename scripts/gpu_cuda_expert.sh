@@ -5,6 +5,8 @@
 #   variants  the loop under CudaTiling variants ($VARIANTS) at B = $VENTRIES (1,2,4) and the anatomy of
 #             $ANATOMY's tilings at B = $ANAT_ENTRIES (1), within $VTIMEOUT s (360)
 #   tests     the CUDA tests of the kernel (pytest -m cuda test/test_fused_expert_cuda.py)
+#   fastpath  the kernels' tests (test_kernels, natively), then the engine's other CUDA tests (test_fast_path,
+#             test_options, test_engine_batch; ~5 min: each case compiles its engines) within $FTIMEOUT s (330)
 #   check     the default kernel at B = 1, 2, 4, 8 against the fp32 expert (action caching,
 #             inpainting, 50 replays), two context lengths replayed A-B-A, the anatomy at B = 1, 4
 #   probe     clusters of the kernel the GPU holds at once (scripts/probe_clusters.py)
@@ -32,6 +34,12 @@ for part in $PARTS; do
     tests) say "CUDA tests"
       timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -m cuda test/test_fused_expert_cuda.py 2>&1 \
         | tee "$OUT/tests.log" | tail -3 ;;
+    fastpath) say "the engine's CUDA tests and the kernels'"
+      timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -W ignore test/test_kernels.py 2>&1 \
+        | tee "$OUT/kernels.log" | grep -a "passed\|failed\|^FAILED\|^E " | tail -6
+      timeout "${FTIMEOUT:-330}" python3 -m pytest -q -rs -p no:cacheprovider -W ignore -p no:logging -m cuda \
+        test/test_fast_path.py test/test_options.py test/test_engine_batch.py 2>&1 \
+        | tee "$OUT/fastpath.log" | grep -a "passed\|failed\|^FAILED\|^E " | tail -12 ;;
     check) say "CUDA kernel B=1,2,4,8, A-B-A, anatomy B=1,4"
       timeout 150 python3 scripts/check_cuda_expert.py --entries 1,2,4,8 --backends cuda --aba 1738 --anatomy 1,4 \
         --out "$OUT" 2>&1 | grep -av Warn > "$OUT/check.log"; grep -a "A-B-A\|^anatomy\|^  \|^cuda" "$OUT/check.log" ;;
