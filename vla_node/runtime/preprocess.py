@@ -53,11 +53,10 @@ class DeviceStaging:
         left the pinned buffer before it writes there (a query of several vision batches)."""
         if self.uploaded is not None:
             self.uploaded.synchronize()
-        n = len(images)
         host = self.host.numpy()
-        for i, img in enumerate(images):
+        for i, img in enumerate(images):   # frame by frame: one frame's upload runs while the next is copied
             host[i] = img
-        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            self.dev[i].copy_(self.host[i], non_blocking=True)
         if self.device.type == "cuda":
             self.uploaded = torch.cuda.Event()
             self.uploaded.record()
