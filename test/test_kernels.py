@@ -199,7 +199,6 @@ def test_engine_with_the_rotary_kernel_matches_the_model_s_path_also_when_stream
     """rotary_kernel in an engine: the same chunks as the model's path (fp32 on the CPU), for full
     queries and for the streaming step (the new frames' rows, at their slots' positions)."""
     from test_options import window_stream
-
     from vla_node.runtime import EngineConfig, PolicyEngine
 
     dtype = "bfloat16" if DEVICE == "cuda" else "float32"
