@@ -48,19 +48,18 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: Optional[Union[BlockMask, "SplitPattern", torch.Tensor]]) -> torch.Tensor:
     """Drop-in for llm.sdpa_attend that runs flex attention when given a BlockMask (and the split
     pattern's two calls when given a SplitPattern)."""
-    if isinstance(mask, SplitPattern):
-        if q.is_cuda and q.dtype == torch.float32:
-            # Compiled on the H200, the split's fp32 calls given these strided views (rotary q/k
-            # transposed, v a slice of the fused projection's output) put an fp32 `compile` engine
-            # 4.5e-2 (relative L2) off eager; with contiguous copies 1.2e-7 (scripts/bisect_regions.py).
-            # Half precision takes cuDNN's kernel, which reads them right.
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # Contiguous copies (~T*D elements each) of the strided views a layer makes (rotary q/k
+    # transposed, v a slice of the fused projection's output), for the kernels that misread them:
+    # torch 2.13's compiled CPU flex kernel (wrong results, seen in test_flex_prefill_matches_the_dense_mask),
+    # and the split's fp32 calls compiled on the H200 (an fp32 `compile` engine 4.5e-2 relative L2
+    # off eager; with the copies 1.2e-7, scripts/bisect_regions.py). The split's half-precision
+    # calls take cuDNN's kernel, which reads them right.
+    split = isinstance(mask, SplitPattern)
+    if isinstance(mask, BlockMask) or (split and q.is_cuda and q.dtype == torch.float32):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if split:
         return mask.attend(q, k, v)
     if isinstance(mask, BlockMask):
-        # Contiguous copies: with fused q/k/v projections, v is a strided slice of one output
-        # whose storage offset torch 2.13's compiled CPU flex kernel reads wrongly (wrong
-        # results, seen in test_flex_prefill_matches_the_dense_mask); the copy is ~T*D elements.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     return sdpa_attend(q, k, v, mask)
 

@@ -101,9 +101,8 @@ def _(q, k, v, q_weight, k_weight, cos, sin, heads, kv_heads, eps):
 
 def rotary_heads_one_pass(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """model.llm.rotary_heads as one kernel (an opaque op to a compiled region)."""
-    if attn.q_norm.eps != attn.k_norm.eps:
-        raise ValueError("rotary_heads_one_pass takes one eps for the q and k norms")
+    """model.llm.rotary_heads as one kernel (an opaque op to a compiled region; one eps for both
+    norms, which use_rotary_kernel checked)."""
     return _rotary_heads_op(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos.contiguous(), sin.contiguous(),
                             attn.heads, attn.kv_heads, attn.q_norm.eps)
 
@@ -111,5 +110,7 @@ def rotary_heads_one_pass(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: 
 def use_rotary_kernel(llm: LLM) -> int:
     """Every decoder layer's rotary_heads as the one-pass kernel; returns how many layers."""
     for layer in llm.layers:
+        if layer.attn.q_norm.eps != layer.attn.k_norm.eps:
+            raise ValueError("the rotary kernel takes one eps for the q and k norms")
         layer.attn.rotary_heads = rotary_heads_one_pass
     return len(llm.layers)
