@@ -1,22 +1,29 @@
 """Compile the fused expert's kernels for the H200 (sm_90) with no GPU: every kernel configuration a
-full-size molmobot-4b FusedExpert launches (the persistent loop, or each phase), through Triton's
-CUDA backend and ptxas. The interpreter accepts code the GPU compiler rejects (it ran a kernel
-that read a plain Python global), so the suite runs this; --ptxas also prints what each
-configuration costs a program: registers, spills, and in its SASS the CTA barriers, shared-memory
-stores, tensor-core instructions and global loads (the counts are static: a loop's body once).
+FusedExpert launches for one flow loop (the persistent loop, or each phase; with --inpaint also the
+inpainting loop's launch a step, which an engine's warm-up runs too), through Triton's CUDA backend
+and ptxas. Launches count as one configuration when Triton would key them alike (their constants and
+the specialisation of their other arguments: integers of value 1 and multiples of 16), so the count
+is the compiles a fresh machine's warm-up pays for. The interpreter accepts code the GPU compiler
+rejects (it ran a kernel that read a plain Python global), so the suite runs this; --ptxas also
+prints what each configuration costs a program: registers, spills, and in its SASS the CTA barriers,
+shared-memory stores, tensor-core instructions and global loads (the counts are static: a loop's
+body once).
 
     python scripts/compile_flow_kernel.py persistent [--entries 4] [--fp8] [--ptxas]
     python scripts/compile_flow_kernel.py per-phase --ptxas
+    python scripts/compile_flow_kernel.py persistent --preset sim --dtype float32 --inpaint   # vla-sim's `fast`
 """
 import argparse
 import os
 import re
 import subprocess
 import tempfile
+import time
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
 
@@ -25,50 +32,82 @@ TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "
 SASS_COUNTS = {"CTA barriers": r"BAR\.SYNC", "shared stores": r"\bSTS", "HMMA": r"HMMA", "global loads": r"\bLDG"}
 
 
-def recorded_launches(mode: str, entries: int, fp8: bool, num_warps: int) -> dict:
-    """{phase: (kernel, args, kwargs)} of one flow() call, recorded instead of launched (meta tensors)."""
-    launches = {}
+def recorded_launches(mode: str, preset: str, dtype: torch.dtype, entries: int, keys: int, fp8: bool,
+                      num_warps: int, inpaint: bool) -> list:
+    """[(kernel, args, kwargs)] of one flow() call (and one with a known prefix: --inpaint),
+    recorded instead of launched (meta tensors)."""
+    launches = []
 
     def record(self, *args, grid, warmup, **kwargs):
-        phase = kwargs["PHASE"]
-        launches.setdefault(int(getattr(phase, "value", phase)), (self, args, kwargs))
+        launches.append((self, args, kwargs))
 
     JITFunction.run = record
     from vla_node.model import get_preset
-    from vla_node.model.action_expert import ActionExpert
+    from vla_node.model.action_expert import ActionExpert, KnownActions
     from vla_node.runtime import fused_expert
 
+    cfg = get_preset(preset).action
     fused_expert.FusedExpert.persistent = mode == "persistent"
     with torch.device("meta"):
-        expert = ActionExpert(get_preset("molmobot-4b")).to(torch.bfloat16)
-        kv = [(torch.empty(entries, 8, 891, 96, dtype=torch.bfloat16),) * 2 for _ in expert.blocks]
-        mask = torch.empty(entries, 1, 1, 891, dtype=torch.bool)
+        expert = ActionExpert(get_preset(preset)).to(dtype)
+        depth, heads, hd = len(expert.blocks), cfg.heads, cfg.width // cfg.heads
+        kv = [(torch.empty(entries, heads, keys, hd, dtype=dtype),) * 2 for _ in expert.blocks]
+        mask = torch.empty(entries, 1, 1, keys, dtype=torch.bool)
         fused = fused_expert.FusedExpert(expert, fp8=fp8, tiling=fused_expert.Tiling(programs=132, num_warps=num_warps))
-        inputs = fused_expert.FlowInputs(torch.empty(2, 36, 9 * 768, dtype=torch.bfloat16),
-                                         torch.empty(2, 2 * 768, dtype=torch.bfloat16),
-                                         torch.empty(2, dtype=torch.int32), (-1, 0))
-        fused.flow(torch.empty(entries, 16, 8), inputs, kv, mask)
+        steps = cfg.flow_steps   # step 1 reuses step 0's velocity (action caching): every phase runs
+        inputs = fused_expert.FlowInputs(torch.empty(steps, depth, 9 * cfg.width, dtype=dtype),
+                                         torch.empty(steps, 2 * cfg.width, dtype=dtype),
+                                         torch.empty(steps, dtype=torch.int32), (-1, 0) + (-1,) * (steps - 2))
+        noise = torch.empty(entries, cfg.horizon, cfg.action_dim)
+        fused.flow(noise, inputs, kv, mask)
+        if inpaint:
+            known = KnownActions(torch.empty_like(noise), torch.empty(entries, cfg.horizon, 1, dtype=torch.bool))
+            fused.flow(noise, inputs, kv, mask, known)
     return launches
 
 
+def specialization(kernel, args, kwargs) -> tuple:
+    """What Triton keys a launch's compile on: its constants, and for each other argument its type and
+    what it is specialised on (a tensor: its dtype; an integer: value 1, a multiple of 16, or
+    nothing; an argument marked do_not_specialize: nothing)."""
+    params = [p for p in kernel.params if p.name not in kwargs]
+    spec = []
+    for param, value in zip(params, args):
+        if isinstance(value, torch.Tensor):
+            spec.append((TYPES[value.dtype], "D"))   # the launch's tensors are 16-byte aligned
+        elif isinstance(value, float) or param.do_not_specialize:
+            spec.append(("fp32" if isinstance(value, float) else "i32", ""))
+        else:
+            spec.append(native_specialize_impl(BaseBackend, value, False, True, True)[:2])
+    constants = tuple(sorted((k, str(v)) for k, v in kwargs.items()))
+    return kernel.fn.__name__, constants, tuple(spec)
+
+
+def configurations(launches: list) -> dict:
+    """{specialization: the first launch of it}: the compiles the launches need."""
+    unique = {}
+    for kernel, args, kwargs in launches:
+        unique.setdefault(specialization(kernel, args, kwargs), (kernel, args, kwargs))
+    return unique
+
+
 def compile_for_hopper(kernel, args, kwargs):
-    """The kernel compiled for sm_90, with the divisibility a launch would specialise on (tensors and
-    integers that are multiples of 16)."""
+    """The kernel compiled for sm_90 as a launch with these arguments would specialise it."""
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_cooperative_grid") if k in kwargs}
-    signature, attrs, values = {}, {}, iter(args)
+    _, _, spec = specialization(kernel, args, kwargs)
+    signature, attrs, constants, values = {}, {}, dict(kwargs), iter(zip(args, spec))
     for i, name in enumerate(kernel.arg_names):
         if name in kwargs:
             signature[name] = "constexpr"
             continue
-        value = next(values)
-        if isinstance(value, torch.Tensor):
-            signature[name] = TYPES[value.dtype]
-        else:
-            signature[name] = "fp32" if isinstance(value, float) else "i32"
-        if isinstance(value, torch.Tensor) or (isinstance(value, int) and value and value % 16 == 0):
+        value, (kind, hint) = next(values)
+        signature[name] = kind
+        if kind == "constexpr":
+            constants[name] = value
+        elif hint == "D":
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return compile(ASTSource(kernel, signature, kwargs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    return compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_report(ptx: str) -> str:
@@ -97,19 +136,27 @@ def fused_expert_default_warps() -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=("persistent", "per-phase"))
+    ap.add_argument("--preset", default="molmobot-4b", help="model preset whose expert is compiled")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--entries", type=int, default=1, help="observations in the batch")
+    ap.add_argument("--keys", type=int, default=891, help="context keys of the cross-attention")
     ap.add_argument("--fp8", action="store_true", help="e4m3 weights (a superset of the bf16 paths)")
+    ap.add_argument("--inpaint", action="store_true", help="also the inpainting loop (one launch a flow step)")
     ap.add_argument("--num-warps", type=int, default=fused_expert_default_warps(), help="warps per program")
     ap.add_argument("--ptxas", action="store_true", help="print registers, spills and SASS counts per kernel")
     args = ap.parse_args()
-    launches = recorded_launches(args.mode, args.entries, args.fp8, args.num_warps)
+    launches = recorded_launches(args.mode, args.preset, getattr(torch, args.dtype), args.entries, args.keys,
+                                 args.fp8, args.num_warps, args.inpaint)
     from vla_node.runtime.kernels.expert_flow import PHASE_NAMES
-    for phase, (kernel, kargs, kwargs) in launches.items():
+    unique = configurations(launches)
+    for kernel, kargs, kwargs in unique.values():
+        t0 = time.perf_counter()
         compiled = compile_for_hopper(kernel, kargs, kwargs)
-        if args.ptxas:
-            name = "persistent" if phase < 0 else PHASE_NAMES[phase]
-            print(f"{name:10s} B={args.entries}: {ptxas_report(compiled.asm['ptx'])}", flush=True)
-    print(len(launches), "kernel configurations compiled for sm_90")
+        phase = int(getattr(kwargs["PHASE"], "value", kwargs["PHASE"]))
+        name = "persistent" if phase < 0 else PHASE_NAMES[phase]
+        report = f": {ptxas_report(compiled.asm['ptx'])}" if args.ptxas else ""
+        print(f"{name:10s} B={args.entries} compiled in {time.perf_counter() - t0:.1f}s{report}", flush=True)
+    print(f"{len(launches)} launches, {len(unique)} kernel configurations compiled for sm_90")
 
 
 if __name__ == "__main__":

@@ -617,7 +617,15 @@ def _program_rows(M, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.co
     return tl.program_id(0), tl.num_programs(0), rows, rows < M, qi, qi < TOKENS
 
 
-@triton.jit
+# Triton compiles a kernel once per specialisation of its integer arguments (value 1, multiples of
+# 16): the step range and block index would make the inpainting loop's launches a step (steps 0-1,
+# 1-2, 2-3 ...) and the per-phase launches' blocks compile apart from the loop's one launch (4
+# configurations of the persistent kernel a bucket, ~22 s each for the sim expert in fp32:
+# scripts/compile_flow_kernel.py --inpaint). They only offset loads and bound loops.
+UNSPECIALIZED = ("step_lo", "step_hi", "block")
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
                 Win, Bin, Pos, Wout, Bout, Mods, FMods, KV, Mask, msb,
                 X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter, Bar, Err, Trace,
@@ -687,7 +695,7 @@ def flow_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco
         seg += 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def phase_kernel(XA, Vel, Reuse, Wqkv, Bqkv, Sqkv, Wso, Bso, Sso, Wq, Bq, Sq, Wco, Bco, Sco, W1, B1, S1, W2, B2, S2,
                 Win, Bin, Pos, Wout, Bout, Mods, FMods, KV, Mask, msb,
                 X, Stats, QkvBuf, Q, Y, Hid, OPart, MPart, LPart, Part, Counter, Bar, Err, Trace,
