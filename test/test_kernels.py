@@ -88,13 +88,43 @@ def test_layer_norm_rows_match_torch_into_a_wider_buffer(rows, n, affine):
         layer_norm_into(x.t(), wide[:, :n], weight, bias, 1e-6)
 
 
-def test_engine_with_triton_layer_norms_keeps_keys_and_results():
+@pytest.mark.parametrize("rows, n", [(2916, 1152), (5, 64)])
+def test_layer_norm_with_a_residual_is_the_add_then_the_norm(rows, n):
+    """The ViT block's add_norm in one pass: x + delta rounded as the add it replaces (bit for bit)
+    and written out, and its LayerNorm as the norm of that sum; the op and the model's function agree."""
+    from vla_node.model.vision import add_norm
+    from vla_node.runtime.kernels.layer_norm import add_norm_one_pass
+
+    g = torch.Generator().manual_seed(rows)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x, delta = ((torch.randn(rows, n, generator=g) * 3 + 1).to(DEVICE, dtype) for _ in range(2))
+    norm = torch.nn.LayerNorm(n, eps=1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=g))
+        norm.bias.copy_(torch.randn(n, generator=g))
+        total = torch.empty_like(x)
+        out = layer_norm_into(x, torch.empty_like(x), norm.weight, norm.bias, 1e-6, (delta, total))
+        assert torch.equal(total, x + delta)
+        ref = F.layer_norm((x + delta).double(), (n,), norm.weight.double(), norm.bias.double(), 1e-6)
+        assert (out.double() - ref).abs().max().item() <= (1e-5 if DEVICE == "cpu" else 8e-3) * ref.abs().max().item()
+        (t1, h1), (t2, h2) = add_norm(x, delta, norm), add_norm_one_pass(x, delta, norm)
+        assert torch.equal(t1, t2)
+        tolerance = (1e-5 if DEVICE == "cpu" else 8e-3) * h1.abs().max().item()
+        assert (h1.float() - h2.float()).abs().max().item() <= tolerance
+    with pytest.raises(ValueError, match="residual and its total"):
+        layer_norm_into(x, torch.empty_like(x), None, None, 1e-6, (delta[:, :n // 2], total))
+
+
+@pytest.mark.parametrize("options", [{"triton_layer_norm": True}, {"triton_layer_norm": True, "add_norm_kernel": True}])
+def test_engine_with_triton_layer_norms_keeps_keys_and_results(options):
     from vla_node.runtime import EngineConfig, PolicyEngine
+    from vla_node.runtime.kernels.layer_norm import add_norm_one_pass
 
     dtype = "bfloat16" if DEVICE == "cuda" else "float32"
     plain = PolicyEngine(EngineConfig.for_mode("ctxkv", device=DEVICE, dtype=dtype))
-    kernel = PolicyEngine(EngineConfig.for_mode("ctxkv", device=DEVICE, dtype=dtype, triton_layer_norm=True))
+    kernel = PolicyEngine(EngineConfig.for_mode("ctxkv", device=DEVICE, dtype=dtype, **options))
     assert isinstance(kernel.model.vision.encoder.blocks[0].norm1, TritonLayerNorm)
+    assert (kernel.model.vision.encoder.blocks[0].add_norm is add_norm_one_pass) == ("add_norm_kernel" in options)
     assert plain.model.state_dict().keys() == kernel.model.state_dict().keys()
     obs = plain.dummy_observation()
     noise = torch.randn(1, 16, 8, device=DEVICE)

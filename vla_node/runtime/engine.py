@@ -101,6 +101,9 @@ class PolicyEngine:
         if config.triton_layer_norm:
             from .kernels.layer_norm import use_triton_layer_norms
             use_triton_layer_norms(self.model)
+        if config.add_norm_kernel:
+            from .kernels.layer_norm import use_add_norm_kernel
+            use_add_norm_kernel(self.model)
         if config.flex_attention:
             from .kernels.prefill_attention import flex_attend
             for layer in self.model.llm.layers:

@@ -5,7 +5,10 @@ On the H200 the ViT's LayerNorm over [4 x 729, 1152] bf16 took 14.8 us compiled 
 looped reduction) and 9.6 eager, for 13.4 MB moved (3.1 us at bandwidth), 25 blocks x 2 a query;
 the expert's context norm over [36 x 891, 768] 69 us eager (scripts/bench_vision_ops.py,
 BENCHMARKS.md). `TritonLayerNorm` takes an nn.LayerNorm's place (the `triton_layer_norm` rung);
-compiled regions see it as one opaque op. Runs on the CPU under TRITON_INTERPRET=1 (the CI tests).
+compiled regions see it as one opaque op. With a residual, the same pass first adds it (the ViT
+block's x + attention, model.vision.add_norm: `add_norm_kernel`), where compiled the add was a
+pass of its own (6.3 us a block at DROID, the twelfth session's profile) before the norm read its
+output again. Runs on the CPU under TRITON_INTERPRET=1 (the CI tests).
 """
 from __future__ import annotations
 
@@ -19,12 +22,19 @@ from torch import nn
 
 
 @triton.jit
-def _layer_norm_rows(X, W, B, Out, rows, n, sx, so, eps,
-                     AFFINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _layer_norm_rows(X, D, Sum, W, B, Out, rows, n, sx, so, eps,
+                     AFFINE: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """RESIDUAL: the rows normalised are X + D (rounded to X's dtype, as the add it replaces), also
+    written to Sum (rows sx apart, as X and D)."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
     ok = (r < rows)[:, None] & (c < n)[None, :]
-    x = tl.load(X + r.to(tl.int64)[:, None] * sx + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    at = r.to(tl.int64)[:, None] * sx + c[None, :]
+    x = tl.load(X + at, mask=ok, other=0.0)
+    if RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(D + at, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(Sum + at, x, mask=ok)
+    x = x.to(tl.float32)
     mean = tl.sum(x, axis=1) / n
     d = tl.where(ok, x - mean[:, None], 0.0)
     y = d * tl.rsqrt(tl.sum(d * d, axis=1) / n + eps)[:, None]
@@ -36,19 +46,25 @@ def _layer_norm_rows(X, W, B, Out, rows, n, sx, so, eps,
 
 
 def layer_norm_into(x: torch.Tensor, out: torch.Tensor, weight: Optional[torch.Tensor],
-                    bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+                    bias: Optional[torch.Tensor], eps: float,
+                    residual: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """out[i] = LayerNorm(x[i]) for the rows of x [rows, n] (last dim contiguous) into out [rows, n]
-    (any row stride, last dim contiguous: a slice of a wider buffer). Returns out."""
+    (any row stride, last dim contiguous: a slice of a wider buffer). residual (delta, total), both
+    of x's shape and strides: the rows normalised are x + delta, written to total too. Returns out."""
     rows, n = x.shape
     if x.stride(1) != 1 or out.stride(1) != 1 or out.shape != x.shape:
         raise ValueError(f"layer_norm_into needs rows with a contiguous last dim and out of x's shape, "
                          f"got {tuple(x.shape)} / {tuple(out.shape)}")
+    if residual is not None and any(t.shape != x.shape or t.stride() != x.stride() for t in residual):
+        raise ValueError("layer_norm_into's residual and its total need x's shape and strides")
+    delta, total = residual if residual is not None else (x, x)
     block_n = triton.next_power_of_2(n)
     block_m = max(1, min(16, 4096 // block_n))   # ~4096 values a program: registers, not spills
     affine = weight is not None
     _layer_norm_rows[(triton.cdiv(rows, block_m),)](
-        x, weight if affine else x, bias if affine else x, out, rows, n, x.stride(0), out.stride(0), eps,
-        AFFINE=affine, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_n <= 1024 else 8)
+        x, delta, total, weight if affine else x, bias if affine else x, out, rows, n, x.stride(0), out.stride(0),
+        eps, AFFINE=affine, RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=4 if block_n <= 1024 else 8)
     return out
 
 
@@ -77,6 +93,36 @@ class TritonLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _layer_norm_op(x.contiguous(), self.weight, self.bias, self.eps)
+
+
+@torch.library.custom_op("vla::add_layer_norm", mutates_args=())
+def _add_layer_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: Optional[torch.Tensor],
+                       bias: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not x.is_cuda:   # the engine's CPU runs never take this rung; a traced CPU call stays exact
+        total = x + delta
+        return total, F.layer_norm(total, total.shape[-1:], weight, bias, eps)
+    rows, deltas = x.reshape(-1, x.shape[-1]), delta.reshape(-1, x.shape[-1])
+    total = torch.empty_like(rows)
+    out = layer_norm_into(rows, torch.empty_like(rows), weight, bias, eps, (deltas, total))
+    return total.view(x.shape), out.view(x.shape)
+
+
+@_add_layer_norm_op.register_fake
+def _(x, delta, weight, bias, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def add_norm_one_pass(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """model.vision.add_norm as one kernel (an opaque op to a compiled region): x + delta and its
+    LayerNorm, each row read once. `norm`: an nn.LayerNorm or TritonLayerNorm."""
+    return _add_layer_norm_op(x.contiguous(), delta.contiguous(), norm.weight, norm.bias, norm.eps)
+
+
+def use_add_norm_kernel(model: nn.Module) -> int:
+    """Every ViT block's add_norm as the one-pass kernel; returns how many blocks."""
+    for block in model.vision.encoder.blocks:
+        block.add_norm = add_norm_one_pass
+    return len(model.vision.encoder.blocks)
 
 
 def use_triton_layer_norms(model: nn.Module) -> int:
