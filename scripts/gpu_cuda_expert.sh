@@ -12,7 +12,7 @@
 #   probe     clusters of the kernel the GPU holds at once (scripts/probe_clusters.py)
 #   bench     vla-bench DROID: $BENCH_MODES (eager,fast; on Hopper fast takes the CUDA loop: expert_kernel auto)
 #   soak      vla-soak engine, fast, 1000 queries (recompiles, memory)
-#   bench8    vla-bench 8 images: fast
+#   bench8    vla-bench 8 images: $BENCH8_MODES (fast)
 #   profile   one warm DROID `fast` query's kernels under the CUDA profiler (scripts/profile_query.py)
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
 #   first compile of molmobot-4b `fast` on a fresh machine takes ~130-240 s, soak then reuses it)
@@ -52,9 +52,9 @@ for part in $PARTS; do
     soak) say "vla-soak engine, fast, 1000 queries"
       timeout 200 python3 -m vla_node.tools.soak engine --preset molmobot-4b --device cuda --mode fast \
         --queries 1000 --json "$OUT/soak_fast.json" 2>&1 | grep -av Warning > "$OUT/soak.log"; tail -8 "$OUT/soak.log" ;;
-    bench8) say "vla-bench 8 images: fast"
+    bench8) say "vla-bench 8 images: ${BENCH8_MODES:-fast}"
       timeout 400 python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout 8img --iters 10 \
-        --dev-windows 1 --modes fast --json "$OUT/bench_8img.json" 2>&1 \
+        --dev-windows 1 --modes "${BENCH8_MODES:-fast}" --json "$OUT/bench_8img.json" 2>&1 \
         | grep -av Warning > "$OUT/bench_8img.log"; tail -6 "$OUT/bench_8img.log" ;;
     profile) say "one DROID fast query's kernels"
       timeout 200 python3 scripts/profile_query.py --mode fast --layout droid --out "$OUT" 2>&1 \
