@@ -22,6 +22,9 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def main(args=None) -> int:
+    # A crash in native code (rcl, Fast DDS) prints every thread's Python stack to stderr, where
+    # the process would otherwise end with -11 and nothing said (once seen at Ctrl-C in CI).
+    faulthandler.enable()
     # SIGTERM (systemd, docker stop, a launch file's escalation) ends the node as Ctrl-C does, also
     # while configure loads the model. rclpy's own handler, installed by init, shuts the context
     # down and then calls this one.
