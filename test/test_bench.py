@@ -17,3 +17,25 @@ def test_bench_times_batches_and_compares_each_entry_with_its_query_alone(tmp_pa
         assert b["per_observation_ms"] * int(n) == pytest.approx(b["total_ms"])
         assert b["max_abs_dev_vs_alone"] < 1e-5       # fp32: an entry's actions are its own query's
     assert "batches of observations" in capsys.readouterr().out
+
+
+def test_a_mode_that_fails_costs_its_own_row_only(tmp_path, capsys, monkeypatch):
+    """A mode whose engine fails (a kernel that does not build on that machine) is reported with its
+    error; the modes after it still run, and the exit code says one failed."""
+    from vla_node.tools import bench
+
+    real = bench.run_mode
+
+    def run_mode(spec, *args, **kwargs):
+        if spec == "static":
+            raise RuntimeError("the kernel did not build")
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    out = tmp_path / "bench.json"
+    assert main(["--preset", "tiny", "--device", "cpu", "--modes", "static,eager", "--iters", "1", "--dev-windows", "1",
+                 "--json", str(out)]) == 1
+    results = json.loads(out.read_text())
+    assert list(results["modes"]) == ["eager"]
+    assert results["failed"] == {"static": "RuntimeError: the kernel did not build"}
+    assert "static    failed: RuntimeError: the kernel did not build" in capsys.readouterr().out

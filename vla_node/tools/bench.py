@@ -12,6 +12,7 @@ import json
 import platform
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -304,7 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     del probe
     reference = None
     for name in modes:
-        res, outs = run_mode(name, base, args.iters, inputs, bool(args.stream), progress, batches)
+        try:
+            res, outs = run_mode(name, base, args.iters, inputs, bool(args.stream), progress, batches)
+        except Exception as err:   # a kernel that fails to build or run costs its own row, not the others'
+            traceback.print_exc()
+            results.setdefault("failed", {})[name] = f"{type(err).__name__}: {err}"
+            progress(f"[{name}] failed: {results['failed'][name]}")
+            gc.collect()
+            save(results, args)
+            continue
         if reference is None and name == "eager":
             reference = outs
         if reference is not None:
@@ -321,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                                           results["tokens"], args.iters)
         save(results, args)
     print_table(results)
-    return 0
+    return 1 if results.get("failed") else 0
 
 
 def save(results: dict, args) -> None:
@@ -336,7 +345,7 @@ def save(results: dict, args) -> None:
 def print_table(results: dict) -> None:
     print(f"\n{results['preset']} {results['layout']} ({results['images']} images, {results['tokens']} tokens, "
           f"{results['flow_steps']} flow steps) on {results['device']} {results['dtype']}")
-    w = max(9, max(len(n) for n in results["modes"]) + 1)
+    w = max(9, max(len(n) for n in [*results["modes"], *results.get("failed", {})]) + 1)
     print(f"scenario: {results.get('scenario', 'full queries')}")
     head = (f"{'mode':<{w}}{'total':>9}{'min':>9}" + "".join(f"{s:>11}" for s in STAGES)
             + f"{'ready s':>9}{'max|dev|':>10}{'relL2':>9}{'wt GB':>8}")
@@ -366,6 +375,8 @@ def print_table(results: dict) -> None:
                 print(f"{n:>7}{b['total_ms']:>9.2f}{b['per_observation_ms']:>9.2f}"
                       + "".join(f"{b['stages'][s]['median']:>11.2f}" for s in STAGES[1:])
                       + f"{b['total_ms'] / one:>11.2f}{b['max_abs_dev_vs_alone']:>10.2e}")
+    for name, error in results.get("failed", {}).items():
+        print(f"{name:<{w}} failed: {error}")
     if "baseline" in results:
         b = results["baseline"]
         print(f"{'hf-base':<{w}}{b['total_ms']:>9.2f}   (transformers {b['transformers']}: vision "
