@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             results.setdefault("failed", {})[name] = f"{type(err).__name__}: {err}"
             progress(f"[{name}] failed: {results['failed'][name]}")
-            gc.collect()
+        if name in results.get("failed", {}):
+            gc.collect()   # here, not in the except block: its traceback held the failed engine (device memory)
             save(results, args)
             continue
         if reference is None and name == "eager":
