@@ -19,7 +19,7 @@ from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow
 from vla_node.runtime.fused_expert import FusedExpert
 from vla_node.runtime.fused_expert_cuda import CudaTiling, fragments_b, plan_of
 from vla_node.runtime.fusion import fuse_projections
-from vla_node.runtime.kernels.pack_kv import pack_kv
+from vla_node.runtime.kernels.pack_kv import block_stride, pack_kv
 
 MOLMOBOT_4B = types.SimpleNamespace(width=768, heads=8, head_dim=96, mlp=3072, action_dim=8, depth=36)
 H200_SMS = 132
@@ -37,12 +37,16 @@ def test_weights_are_laid_out_in_the_mma_b_fragment_order():
 
 
 @pytest.mark.parametrize("hd", [32, 96])   # 96: molmobot-4b's, a lane's 48 values not a power of two
-def test_context_kv_is_packed_in_the_fragment_orders_of_qk_and_pv_with_zero_padding(hd):
-    depth, b, h, keys = 2, 2, 2, 20
+@pytest.mark.parametrize("one_buffer", [False, True])   # True: BatchedContextKV's views, one launch
+def test_context_kv_is_packed_in_the_fragment_orders_of_qk_and_pv_with_zero_padding(hd, one_buffer):
+    depth, b, h, keys = 3, 2, 2, 20
     g0 = torch.Generator().manual_seed(0)
-    # K and V as the model makes them: head views of one projection's output [B, keys, 2 (k, v), heads, hd]
-    projected = [torch.randn(b, keys, 2, h, hd, generator=g0) for _ in range(depth)]
+    # K and V as the model makes them: head views of one projection's output [B, keys, 2 (k, v), heads, hd],
+    # a tensor a block, or (BatchedContextKV) one for every block
+    projected = (list(torch.randn(depth, b, keys, 2, h, hd, generator=g0)) if one_buffer
+                 else [torch.randn(b, keys, 2, h, hd, generator=g0) for _ in range(depth)])
     kv = [(t[:, :, 0].transpose(1, 2), t[:, :, 1].transpose(1, 2)) for t in projected]
+    assert (block_stride([k for k, _ in kv]) is not None) == one_buffer
     tiles = 2
     out = torch.full((depth, b, h, tiles, 2, 32, hd // 2), float("nan"))
     pack_kv(kv, out)

@@ -88,6 +88,30 @@ def test_layer_norm_rows_match_torch_into_a_wider_buffer(rows, n, affine):
         layer_norm_into(x.t(), wide[:, :n], weight, bias, 1e-6)
 
 
+def test_layer_norm_into_rows_of_groups_with_other_rows_between():
+    """The expert's context tokens (runtime/fusion.BatchedContextKV): each (block, entry)'s t rows
+    normalised straight into a buffer of t + 1 rows a group (the state token's row between), n + 8
+    columns (the bias column and padding); norm_into is the norm, one pass for a TritonLayerNorm."""
+    from vla_node.runtime.kernels.layer_norm import TritonLayerNorm, norm_into
+
+    groups, t, n = 6, 37, 96
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = (torch.randn(3, 2, t, n, generator=g) * 3 + 1).to(DEVICE, dtype)
+    ref = F.layer_norm(x.double(), (n,), None, None, 1e-5)
+    tolerance = (1e-5 if DEVICE == "cpu" else 8e-3) * ref.abs().max().item()
+    wide = torch.full((3, 2, t + 1, n + 8), 7.0, device=DEVICE, dtype=dtype)
+    layer_norm_into(x.view(-1, n), wide.view(groups, t + 1, n + 8)[:, :t, :n], None, None, 1e-5)
+    assert (wide[:, :, :t, :n].double() - ref).abs().max().item() <= tolerance
+    assert bool((wide[:, :, t] == 7.0).all()) and bool((wide[..., n:] == 7.0).all())   # the other rows, columns
+    wide.fill_(7.0)
+    norm_into(TritonLayerNorm(torch.nn.LayerNorm(n, eps=1e-5, elementwise_affine=False)), x, wide[:, :, :t, :n])
+    assert (wide[:, :, :t, :n].double() - ref).abs().max().item() <= tolerance
+    assert bool((wide[:, :, t] == 7.0).all()) and bool((wide[..., n:] == 7.0).all())
+    with pytest.raises(ValueError, match="out of x's rows"):
+        layer_norm_into(x.view(-1, n), wide.view(groups, t + 1, n + 8)[:, :t - 1, :n], None, None, 1e-5)
+
+
 @pytest.mark.parametrize("rows, n", [(2916, 1152), (5, 64)])
 def test_layer_norm_with_a_residual_is_the_add_then_the_norm(rows, n):
     """The ViT block's add_norm in one pass: x + delta rounded as the add it replaces (bit for bit)
