@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from vla_node.runtime.kernels.few_query_attention import few_query_attention
 from vla_node.runtime.kernels.layer_norm import TritonLayerNorm, layer_norm_into
 from vla_node.runtime.kernels.rotary_heads import rotary_heads_kernel
+from vla_node.runtime.kernels.split_gather import split_gather
 from vla_node.runtime.kernels.split_merge import merge_split
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -178,6 +179,29 @@ def test_split_merge_kernel_is_the_torch_merge():
     assert torch.equal(y.transpose(1, 2)[:, :, ~image], out[:, :, ~image])   # text tokens: their causal result
 
 
+def test_split_gather_kernel_is_torch_indexing():
+    """kernels/split_gather's one pass (the interpreter on the CPU) against indexing, on the strided
+    head views a decoder layer makes (q, k, v slices of one projection's output, transposed) and
+    grouped heads of a width that is not a power of two; the reserve rows (token 0) gathered too."""
+    from vla_node.runtime.kernels.prefill_attention import SplitPattern
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, d, t = 3, 1, 24, 70
+    projected = torch.randn(2, t, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE, dtype)
+    widths = [heads * d, kv_heads * d, kv_heads * d]
+    q, k, v = (x.view(2, t, -1, d).transpose(1, 2) for x in projected.split(widths, -1))
+    image = torch.zeros(t, dtype=torch.bool, device=DEVICE)
+    image[3:21] = image[25:43] = True
+    split = SplitPattern(image, capacity=int(image.sum()) + 6)
+    rows, keys = split.order[1:], split.order[:-1]
+    got = split_gather(q, k, v, rows, keys)
+    for x, want in zip(got, (q[:, :, rows], k[:, :, keys], v[:, :, keys]), strict=True):
+        assert x.is_contiguous() and torch.equal(x, want)
+    with pytest.raises(ValueError, match="head dim contiguous"):
+        split_gather(q.transpose(2, 3), k, v, rows, keys)
+
+
 def _pattern(image: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(image.numel(), device=image.device)
     return (pos[None, :] <= pos[:, None]) | (image[:, None] & image[None, :])
@@ -188,8 +212,8 @@ def _pattern(image: torch.Tensor) -> torch.Tensor:
                                                                  reason="the CPU run is CI's")),
     pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda),
     pytest.param("cuda", torch.float32, marks=pytest.mark.cuda)])   # not cuDNN's kernel: half precision only
-@pytest.mark.parametrize("merge_kernel", [False, True])
-def test_split_pattern_matches_the_dense_mask(device, dtype, merge_kernel):
+@pytest.mark.parametrize("merge_kernel, gather_kernel", [(False, False), (True, False), (True, True)])
+def test_split_pattern_matches_the_dense_mask(device, dtype, merge_kernel, gather_kernel):
     """The prefill's pattern as two causal calls merged by log-sum-exp gives the dense-mask result
     (grouped heads, image runs with text between them, rows held in reserve), also after the image
     tokens change in place (a refresh into the same tensors, as captured graphs need), and
@@ -201,7 +225,8 @@ def test_split_pattern_matches_the_dense_mask(device, dtype, merge_kernel):
     q, k, v = (torch.randn(1, h, 70, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
     image = torch.zeros(70, dtype=torch.bool, device=device)
     image[3:21] = image[25:43] = True
-    split = SplitPattern(image, capacity=int(image.sum()) + 6, merge_kernel=merge_kernel)
+    split = SplitPattern(image, capacity=int(image.sum()) + 6, merge_kernel=merge_kernel,
+                         gather_kernel=gather_kernel)
     order = split.order
     for typed in (None, 60, 61):  # special tokens typed into the instruction
         if typed is not None:

@@ -48,7 +48,8 @@ class Bucket:
                 # Room for every instruction token to be an image token (special tokens typed in).
                 capacity = int(self.image_token.sum()) + self.length - self.instruction_start
                 self.attn_mask = SplitPattern(self.image_token_dev[:self.length], capacity,
-                                              merge_kernel=engine.config.split_merge_kernel)
+                                              merge_kernel=engine.config.split_merge_kernel,
+                                              gather_kernel=engine.config.split_gather_kernel)
         self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
         self.slots = torch.arange(self.length, device=dev)
         llm = m.cfg.llm

@@ -162,6 +162,9 @@ class EngineConfig:
     # The split's merge as one Triton pass writing the output projection's layout (kernels/split_merge):
     # the DROID LLM stage 14.36 against 14.69 ms with the compiled merge on the H200 (BENCHMARKS.md).
     split_merge_kernel: bool = False
+    # The split's second call's gathers (image rows of q, k, v, reversed) as one Triton pass
+    # (kernels/split_gather): off until timed on the GPU (vla-bench ... --modes fast,fast+gather).
+    split_gather_kernel: bool = False
     # The compiled regions' GEMMs (and flex attention's tiles) autotuned by inductor at warm-up
     # (mode max-autotune-no-cudagraphs: its Triton templates, with pointwise epilogues fused, timed
     # against cuBLAS per shape); off until timed on the GPU (vla-bench ... --modes fast,fast+autotune).
@@ -215,8 +218,9 @@ class EngineConfig:
             raise ValueError("gemm_autotune needs compile on a CUDA device (it picks the compiled regions' kernels)")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
-        if self.split_merge_kernel and not self.split_attention:
-            raise ValueError("split_merge_kernel needs split_attention (it is the split's merge)")
+        for feature in ("split_merge_kernel", "split_gather_kernel"):
+            if getattr(self, feature) and not self.split_attention:
+                raise ValueError(f"{feature} needs split_attention (it is one of the split's passes)")
         if self.split_attention and not self.flex_attention:
             raise ValueError("split_attention needs flex_attention (streaming steps run the pattern through flex)")
         cams = {l.cameras for l in self.layouts}

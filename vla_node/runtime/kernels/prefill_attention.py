@@ -17,6 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from ...model.llm import sdpa_attend
+from .split_gather import split_gather_op
 from .split_merge import merge_by_lse, merge_split_op
 
 _INDEX_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
@@ -97,9 +98,11 @@ class SplitPattern:
     rows see them; their results go to token 0 (BOS, never an image token) with weight 0 for the
     second part, so token 0 gets its causal result back."""
 
-    def __init__(self, image_token: torch.Tensor, capacity: Optional[int] = None, merge_kernel: bool = False):
+    def __init__(self, image_token: torch.Tensor, capacity: Optional[int] = None, merge_kernel: bool = False,
+                 gather_kernel: bool = False):
         self.capacity = max(2, capacity if capacity is not None else int(image_token.sum()))
         self.merge_kernel = merge_kernel   # the merge as kernels/split_merge's one pass, not torch ops
+        self.gather_kernel = gather_kernel   # the second call's gathers as kernels/split_gather's one pass
         dev = image_token.device
         self.order = torch.zeros(self.capacity, dtype=torch.long, device=dev)   # reversed image positions, then 0
         self.unused = torch.zeros(self.capacity - 1, dtype=torch.float32, device=dev)  # -inf: no second part
@@ -126,7 +129,9 @@ class SplitPattern:
         """q [B, H, T, D], k/v [B, KV, T, D] (grouped heads) -> [B, H, T, D]."""
         out, lse = causal_attend_lse(q, k, v)
         rows, keys = self.order[1:], self.order[:-1]  # a query (reversed index r + 1) sees keys 0 .. r
-        extra, lse_extra = causal_attend_lse(q[:, :, rows], k[:, :, keys], v[:, :, keys])
+        gathered = split_gather_op(q, k, v, rows, keys) if self.gather_kernel else \
+            (q[:, :, rows], k[:, :, keys], v[:, :, keys])
+        extra, lse_extra = causal_attend_lse(*gathered)
         if self.merge_kernel:
             return merge_split_op(out, lse, extra, lse_extra, self.extra_row, self.unused)
         merged = merge_by_lse(out[:, :, rows], lse[:, :, rows], extra, lse_extra + self.unused)
