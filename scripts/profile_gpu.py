@@ -71,7 +71,7 @@ def main():
                                                         for _ in range(36)])
         vit = m.vision.encoder.blocks[0]
         xi = torch.randn(8, 729, 1152, device=dev, dtype=dt)
-        res["vit_block_ms"] = graph_ms(lambda: vit(xi))
+        res["vit_block_ms"] = graph_ms(lambda: vit(xi, xi))   # a middle block: the MLP output before it added in
         layer = m.llm.layers[0]
         xl = torch.randn(1, b.length, 2560, device=dev, dtype=dt)
         res["llm_layer_ms"] = graph_ms(lambda: layer(xl, b.cos, b.sin, b.slots))

@@ -5,6 +5,8 @@ that frame alone: the runtime's per-frame vision cache relies on this.
 """
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,9 +48,13 @@ class ViTBlock(nn.Module):
         self.fc1_gelu = linear_gelu
         self.add_norm = add_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, h = self.add_norm(x, self.attn(self.norm1(x)), self.norm2)
-        return x + self.fc2(self.fc1_gelu(h, self.fc1))
+    def forward(self, x: torch.Tensor, mlp_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x + mlp_out (the block before's MLP output, or None) -> (this block's
+        stream before its MLP output, that output): the block's output is their sum. Each add is
+        left to the norm after it, so that the runtime can make the two one pass."""
+        x, h = (x, self.norm1(x)) if mlp_out is None else self.add_norm(x, mlp_out, self.norm1)
+        x, h = self.add_norm(x, self.attn(h), self.norm2)
+        return x, self.fc2(self.fc1_gelu(h, self.fc1))
 
 
 def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
@@ -71,20 +77,23 @@ class VisionEncoder(nn.Module):
         # Layers past the deepest feature layer are never run, so they are not built either.
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.layers_run))
 
-    def layer_outputs(self, pixels: torch.Tensor) -> list[torch.Tensor]:
-        """pixels: [B, 3, S, S] normalised to [-1, 1]. Output of every block that runs."""
+    def layer_outputs(self, pixels: torch.Tensor, layers: Optional[Sequence[int]] = None) -> dict[int, torch.Tensor]:
+        """pixels: [B, 3, S, S] normalised to [-1, 1]. Output of each block in `layers` (default:
+        every block that runs), by block index."""
         size = self.cfg.image_size
         if pixels.dim() != 4 or pixels.shape[1] != 3 or pixels.shape[-2:] != (size, size):
             raise ValueError(f"vision encoder expects images [B, 3, {size}, {size}], got {tuple(pixels.shape)}")
-        x = self.patch_embed(patchify(pixels, self.cfg.patch_size)) + self.pos_embed
-        outs = []
-        for block in self.blocks:
-            x = block(x)
-            outs.append(x)
+        layers = range(len(self.blocks)) if layers is None else layers
+        x, mlp_out = self.patch_embed(patchify(pixels, self.cfg.patch_size)) + self.pos_embed, None
+        outs = {}
+        for i, block in enumerate(self.blocks):
+            x, mlp_out = block(x, mlp_out)
+            if i in layers:
+                outs[i] = x + mlp_out
         return outs
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        outs = self.layer_outputs(pixels)
+        outs = self.layer_outputs(pixels, self.cfg.feature_layers)
         return torch.cat([outs[i] for i in self.cfg.feature_layers], dim=-1)
 
 

@@ -174,8 +174,8 @@ class EngineConfig:
     rotary_kernel: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     triton_layer_norm: bool = False       # the ViT's and the context's LayerNorms in one pass (kernels/layer_norm)
-    # The ViT block's residual add and the LayerNorm after it in one pass (kernels/layer_norm.add_norm_one_pass):
-    # off until timed on the GPU (vla-bench ... --modes fast,fast+addnorm).
+    # The ViT blocks' residual adds and the LayerNorms after them in one pass each
+    # (kernels/layer_norm.add_norm_one_pass): off until timed on the GPU (vla-bench ... --modes fast,fast+addnorm).
     add_norm_kernel: bool = False
     fused_expert: bool = False            # the whole flow loop in one persistent kernel (runtime/fused_expert)
     # Which kernel runs the fused loop: triton (kernels/expert_flow.py), cuda (kernels/expert_flow.cu,

@@ -6,9 +6,10 @@ looped reduction) and 9.6 eager, for 13.4 MB moved (3.1 us at bandwidth), 25 blo
 the expert's context norm over [36 x 891, 768] 69 us eager (scripts/bench_vision_ops.py,
 BENCHMARKS.md). `TritonLayerNorm` takes an nn.LayerNorm's place (the `triton_layer_norm` rung);
 compiled regions see it as one opaque op. With a residual, the same pass first adds it (the ViT
-block's x + attention, model.vision.add_norm: `add_norm_kernel`), where compiled the add was a
-pass of its own (6.3 us a block at DROID, the twelfth session's profile) before the norm read its
-output again. Runs on the CPU under TRITON_INTERPRET=1 (the CI tests).
+block's x + attention before norm2, and x + the block before's MLP output before norm1:
+model.vision.add_norm, `add_norm_kernel`), where compiled each add was a pass of its own (6.1-6.3 us
+a block at DROID, the twelfth session's profile) before the norm read its output again.
+Runs on the CPU under TRITON_INTERPRET=1 (the CI tests).
 """
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def add_norm_one_pass(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> 
 
 
 def use_add_norm_kernel(model: nn.Module) -> int:
-    """Every ViT block's add_norm as the one-pass kernel; returns how many blocks."""
+    """Every ViT block's add_norm (both of its norms but the first block's norm1) as the one-pass
+    kernel; returns how many blocks."""
     for block in model.vision.encoder.blocks:
         block.add_norm = add_norm_one_pass
     return len(model.vision.encoder.blocks)
