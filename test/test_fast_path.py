@@ -288,3 +288,40 @@ def test_flex_prefill_matches_the_dense_mask(split):
         a, b = dense.predict(obs, noise=noise).normalized, flex.predict(obs, noise=noise).normalized
         assert np.abs(a - b).max() < 1e-5, (ids, text)
     assert flex.static.stream_steps == dense.static.stream_steps >= 1
+
+
+@pytest.mark.cuda
+def test_page_locked_frames_upload_straight_from_the_caller_with_the_same_actions():
+    """Frames in page-locked memory (the engine server's registered shared buffer; vla-bench's
+    default) skip the copy into the staging buffer, and the query's actions are the same."""
+    engine = PolicyEngine(gpu_config("fused"))
+    obs = engine.dummy_observation()
+    noise = torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    pageable = engine.predict(obs, noise=noise).normalized
+    obs.images = [torch.from_numpy(image).pin_memory().numpy() for image in obs.images]
+    staging = engine.static.staging
+    staging.host.fill_(7)
+    assert np.array_equal(engine.predict(obs, noise=noise).normalized, pageable)
+    assert bool((staging.host == 7).all())   # nothing copied through it
+
+
+@pytest.mark.cuda
+def test_page_lock_registers_a_shared_frame_buffer_and_unregisters_it():
+    import mmap
+    import os
+
+    from vla_node.runtime.preprocess import page_lock, page_unlock
+
+    torch.cuda.synchronize()   # CUDA's context current on this thread, as the engine server's is
+    fd = os.memfd_create("frames")
+    shape = (2, 480, 640, 3)
+    os.ftruncate(fd, int(np.prod(shape)))
+    buffer = mmap.mmap(fd, 0)
+    os.close(fd)
+    pixels = np.ndarray(shape, dtype=np.uint8, buffer=buffer)
+    assert not torch.from_numpy(pixels).is_pinned()
+    assert page_lock(pixels) and torch.from_numpy(pixels).is_pinned()
+    page_unlock(pixels)
+    assert not torch.from_numpy(pixels).is_pinned()
+    del pixels
+    buffer.close()

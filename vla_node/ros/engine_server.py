@@ -82,6 +82,7 @@ class Session:
     options: dict               # its run-time options (RUNTIME_OPTIONS -> value)
     frames: list = field(default_factory=list)   # the frame buffers it shared (mmap)
     pixels: Optional[np.ndarray] = None          # the last one, as uint8 frames
+    page_locked: list = field(default_factory=list)   # those of its pixels registered page-locked
 
 
 @dataclass
@@ -194,6 +195,11 @@ class Serving:
                     session.frames.append(mmap.mmap(fd, 0))
                     os.close(fd)
                     session.pixels = np.ndarray(shape, dtype=np.uint8, buffer=session.frames[-1])
+                    if self.engine.device.type == "cuda":   # frames upload straight from it, not copied first
+                        from ..runtime.preprocess import page_lock
+
+                        if page_lock(session.pixels):
+                            session.page_locked.append(session.pixels)
                 except (OSError, TypeError, ValueError) as e:
                     self.drop(session, f"bad frame buffer ({reason(e)})")
             case ResetStream():
@@ -323,7 +329,7 @@ class Serving:
         """End a session (its node left, or sent what the server cannot take): nothing else changes."""
         self.sessions.pop(session.conn, None)
         session.conn.close()
-        _close_frames(session.frames)
+        _close_frames(session)
         if self.listener is not None:
             self.log(f"session {session.key} ended{': ' + reason if reason else ''} ({len(self.sessions)} left)")
 
@@ -331,13 +337,20 @@ class Serving:
         for session in list(self.sessions.values()):
             self.sessions.pop(session.conn)
             session.conn.close()
-            _close_frames(session.frames)
+            _close_frames(session)
         if self.engine is not None:
             self.engine.close()
 
 
-def _close_frames(frames: list) -> None:
-    for buffer in frames:
+def _close_frames(session: Session) -> None:
+    if session.page_locked:
+        from ..runtime.preprocess import page_unlock
+
+        for pixels in session.page_locked:
+            page_unlock(pixels)
+    session.page_locked.clear()
+    session.pixels = None
+    for buffer in session.frames:
         try:
             buffer.close()
         except BufferError:   # a view of it is still alive (an exception's frame): exiting frees it

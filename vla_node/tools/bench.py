@@ -7,6 +7,7 @@ the same inputs and noise, memory, ready time, and a transformers ViT+LLM baseli
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -102,6 +103,18 @@ def synthetic_stream(layout, windows: int) -> list:
         out.append((Observation(images=[frames[i] for i in ids], state=state, instruction="put the red cup in the bowl",
                                 stamp=times[-1] / CAMERA_HZ, frame_ids=ids), noise))
     return out
+
+
+def page_locked(inputs: list) -> list:
+    """The observations with their frames in page-locked host memory (each distinct frame once), as
+    the engine process of a node has them: the node's shared frame buffer, registered."""
+    pinned: dict = {}
+
+    def lock(image: np.ndarray) -> np.ndarray:
+        if id(image) not in pinned:
+            pinned[id(image)] = torch.from_numpy(image).pin_memory().numpy()
+        return pinned[id(image)]
+    return [(dataclasses.replace(obs, images=[lock(i) for i in obs.images]), noise) for obs, noise in inputs]
 
 
 def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool,
@@ -273,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG stage breakdown (default: next to --json)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--frames", default="page-locked", choices=("page-locked", "pageable"),
+                    help="on CUDA, where the camera frames lie: page-locked memory, as in the engine process "
+                    "of a node (its shared frame buffer, registered), or pageable (an engine in the node's "
+                    "own process: each frame copied into a pinned buffer first)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -296,9 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         inputs = [(probe.dummy_observation(seed=i), torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(i)))
                   for i in range(args.dev_windows)]
+    frames = args.frames if args.device.startswith("cuda") else "pageable"
+    if frames == "page-locked":
+        inputs = page_locked(inputs)
     prompt = probe.prompts.build(len(base.layout.cameras), base.layout.frames, inputs[0][0].instruction)
     results = {"machine": machine(), "preset": args.preset, "device": args.device, "dtype": dtype,
-               "layout": args.layout, "images": base.layout.images, "tokens": len(prompt),
+               "layout": args.layout, "images": base.layout.images, "tokens": len(prompt), "frames": frames,
                "flow_steps": probe.flow_steps, "iters": args.iters,
                "scenario": f"stream of {args.stream} sliding windows" if args.stream else "full queries",
                "modes": {}}
@@ -348,7 +368,7 @@ def print_table(results: dict) -> None:
     print(f"\n{results['preset']} {results['layout']} ({results['images']} images, {results['tokens']} tokens, "
           f"{results['flow_steps']} flow steps) on {results['device']} {results['dtype']}")
     w = max(9, max(len(n) for n in [*results["modes"], *results.get("failed", {})]) + 1)
-    print(f"scenario: {results.get('scenario', 'full queries')}")
+    print(f"scenario: {results.get('scenario', 'full queries')}, frames {results.get('frames', 'pageable')}")
     head = (f"{'mode':<{w}}{'total':>9}{'min':>9}" + "".join(f"{s:>11}" for s in STAGES)
             + f"{'ready s':>9}{'max|dev|':>10}{'relL2':>9}{'wt GB':>8}")
     print(head)
