@@ -13,6 +13,7 @@
 #   bench     vla-bench DROID: $BENCH_MODES (eager,fast; on Hopper fast takes the CUDA loop: expert_kernel auto)
 #   soak      vla-soak engine, fast, 1000 queries (recompiles, memory)
 #   bench8    vla-bench 8 images: $BENCH8_MODES (fast)
+#             (both benches take $BENCH_ARGS too, e.g. "--frames pageable")
 #   profile   one warm DROID `fast` query's kernels under the CUDA profiler (scripts/profile_query.py)
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
 #   first compile of molmobot-4b `fast` on a fresh machine takes ~130-240 s, soak then reuses it)
@@ -47,14 +48,14 @@ for part in $PARTS; do
       timeout 30 python3 scripts/probe_clusters.py 2>&1 | tee "$OUT/probe.log" | tail -6 ;;
     bench) say "vla-bench DROID: ${BENCH_MODES:-eager,fast}"
       timeout "${BENCH_TIMEOUT:-300}" python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout droid \
-        --iters 10 --dev-windows 3 --modes "${BENCH_MODES:-eager,fast}" --json "$OUT/bench_droid.json" 2>&1 \
+        --iters 10 --dev-windows 3 --modes "${BENCH_MODES:-eager,fast}" ${BENCH_ARGS:-} --json "$OUT/bench_droid.json" 2>&1 \
         | grep -av Warning > "$OUT/bench_droid.log"; tail -9 "$OUT/bench_droid.log" ;;
     soak) say "vla-soak engine, fast, 1000 queries"
       timeout 200 python3 -m vla_node.tools.soak engine --preset molmobot-4b --device cuda --mode fast \
         --queries 1000 --json "$OUT/soak_fast.json" 2>&1 | grep -av Warning > "$OUT/soak.log"; tail -8 "$OUT/soak.log" ;;
     bench8) say "vla-bench 8 images: ${BENCH8_MODES:-fast}"
       timeout 400 python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout 8img --iters 10 \
-        --dev-windows 1 --modes "${BENCH8_MODES:-fast}" --json "$OUT/bench_8img.json" 2>&1 \
+        --dev-windows 1 --modes "${BENCH8_MODES:-fast}" ${BENCH_ARGS:-} --json "$OUT/bench_8img.json" 2>&1 \
         | grep -av Warning > "$OUT/bench_8img.log"; tail -6 "$OUT/bench_8img.log" ;;
     profile) say "one DROID fast query's kernels"
       timeout 200 python3 scripts/profile_query.py --mode fast --layout droid --out "$OUT" 2>&1 \
