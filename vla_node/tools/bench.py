@@ -267,7 +267,7 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--checkpoint", default=None)
@@ -290,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="on CUDA, where the camera frames lie: page-locked memory, as in the engine process "
                     "of a node (its shared frame buffer, registered), or pageable (an engine in the node's "
                     "own process: each frame copied into a pinned buffer first)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
