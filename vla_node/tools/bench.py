@@ -287,9 +287,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", default=None, help="PNG stage breakdown (default: next to --json)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--frames", default="page-locked", choices=("page-locked", "pageable"),
-                    help="on CUDA, where the camera frames lie: page-locked memory, as in the engine process "
-                    "of a node (its shared frame buffer, registered), or pageable (an engine in the node's "
-                    "own process: each frame copied into a pinned buffer first)")
+                    help="on CUDA, where the camera frames lie: page-locked memory, as in a node's engine "
+                    "process (the node's shared frame buffer, registered), or pageable (a program calling the "
+                    "engine itself with numpy frames: each frame copied into a pinned buffer first)")
     return ap
 
 
