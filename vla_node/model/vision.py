@@ -88,8 +88,9 @@ class VisionEncoder(nn.Module):
         outs = {}
         for i, block in enumerate(self.blocks):
             x, mlp_out = block(x, mlp_out)
-            if i in layers:
-                outs[i] = x + mlp_out
+            if i in layers:   # the block's output, which the next block then takes whole
+                x, mlp_out = x + mlp_out, None
+                outs[i] = x
         return outs
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
