@@ -83,6 +83,25 @@ def test_gelu_epilogue_keeps_the_vit_mlp():
         assert np.array_equal(x, y)  # the CPU runs the same two ops
 
 
+def test_window_attention_as_plain_ops_is_sdpa():
+    """The vision pool's one-query window attention as plain fp32 ops (runtime/fusion) against SDPA,
+    padding patches masked, and an engine with it against one without."""
+    from vla_node.model.vision import window_sdpa
+    from vla_node.runtime.fusion import window_attention_ops
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(50, 4, n, 18, generator=g) for n in (1, 4, 4))
+    mask = torch.rand(50, 1, 1, 4, generator=g) > 0.4
+    mask[..., 0] = True   # a window's first patch is always real
+    assert (window_attention_ops(q, k, v, mask) - window_sdpa(q, k, v, mask)).abs().max().item() < 1e-6
+    plain = PolicyEngine(EngineConfig.for_mode("fused"))
+    ops = PolicyEngine(EngineConfig.for_mode("fused", window_attention_ops=True))
+    assert ops.model.vision.pool.attend is window_attention_ops
+    inputs = same_inputs(plain, 2)
+    for x, y in zip(outputs(plain, inputs), outputs(ops, inputs)):
+        assert np.abs(x - y).max() < 1e-5
+
+
 def test_vision_cache_reuses_frames_exactly_once():
     layout = LAYOUTS["droid"]
     cached = PolicyEngine(EngineConfig.for_mode("ctxkv", vision_cache=True))
@@ -207,7 +226,8 @@ def test_gelu_epilogue_matches_the_two_pass_vit_mlp_on_the_gpu(dtype):
 @pytest.mark.parametrize("dtype, options", [
     ("bfloat16", {}), ("float32", {}),   # fp32: once NaN, once 4e-2 off
     ("bfloat16", {"gemm_autotune": True}), ("bfloat16", {"rotary_kernel": True}), ("float32", {"rotary_kernel": True}),
-    ("bfloat16", {"add_norm_kernel": True}), ("bfloat16", {"split_gather_kernel": True})])
+    ("bfloat16", {"add_norm_kernel": True}), ("bfloat16", {"split_gather_kernel": True}),
+    ("bfloat16", {"window_attention_ops": True})])
 def test_fast_matches_eager_within_bf16_noise(dtype, options):
     eager = PolicyEngine(gpu_config("eager", dtype=dtype))
     fast = PolicyEngine(gpu_config("fast", dtype=dtype, **options))

@@ -112,6 +112,12 @@ def pooling_windows(grid: int, window: int) -> tuple[torch.Tensor, torch.Tensor]
     return idx.reshape(n, window * window), valid.reshape(n, window * window)
 
 
+def window_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each window's query [N, heads, 1, d] over its patches' keys/values [N, heads, w, d]; mask
+    [N, 1, 1, w] (True: a real patch)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class AttentionPool(nn.Module):
     """Multi-head attention over each 2x2 window with the mean of the window's real patches as
     the query (the padding row/column of the 27 -> 28 grid is masked out). Heads as in the ViT."""
@@ -127,6 +133,8 @@ class AttentionPool(nn.Module):
         # Built once at construction, on whatever device the module moves to.
         self.register_buffer("window_idx", idx, persistent=False)
         self.register_buffer("window_valid", valid, persistent=False)
+        # attend(q, k, v, mask) with window_sdpa's meaning; the runtime may put plain ops here.
+        self.attend = window_sdpa
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         """feats [B, grid*grid, feature_dim] -> [B, windows, width]."""
@@ -138,7 +146,7 @@ class AttentionPool(nn.Module):
         q = self.q(mean).view(b * n, 1, self.heads, -1).transpose(1, 2)
         k, v = (y.view(b * n, w, self.heads, -1).transpose(1, 2) for y in self.kv(windows))
         mask = self.window_valid[None, None, :, None, :].expand(b, 1, n, 1, w).reshape(b * n, 1, 1, w)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = self.attend(q, k, v, mask)
         return self.out(y.reshape(b, n, -1))
 
 

@@ -32,7 +32,7 @@ from ..model.action_expert import KnownActions, euler, flow_times
 from ..model.layers import rope_tables
 from .action_cache import FlowSchedule, is_adaptive
 from .fp8 import quantize_llm_
-from .fusion import fuse_projections, use_gelu_epilogues
+from .fusion import fuse_projections, use_gelu_epilogues, use_window_attention_ops
 from .images import check_frames
 from .parts import EngineParts, Progress, require_finite
 from .preprocess import preprocess_reference
@@ -89,6 +89,8 @@ class PolicyEngine:
             fuse_projections(self.model)
         if config.gelu_epilogue:
             use_gelu_epilogues(self.model)
+        if config.window_attention_ops:
+            use_window_attention_ops(self.model)
         if config.fp8 != "off":
             self.stats.fp8_weight_bytes = quantize_llm_(self.model, config.fp8)
         if config.triton_attention:

@@ -113,3 +113,19 @@ def use_gelu_epilogues(model: nn.Module) -> int:
     for block in blocks:
         block.fc1_gelu = linear_gelu_epilogue
     return len(blocks)
+
+
+def window_attention_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """model.vision.window_sdpa as plain ops in fp32 (a product and a sum over the head dim, a
+    softmax over the window's few keys, a weighted sum), which a compiled region fuses into a few
+    passes over k and v: SDPA ran one cuDNN kernel of 152 us at DROID on the H200 for 784 problems
+    of one query and four keys (an sm80 kernel of 64 x 32 tiles; the twelfth session's profile),
+    ~14 MB of keys and values (~3.5 us at bandwidth)."""
+    scores = (q.float() * k.float()).sum(-1) * q.shape[-1] ** -0.5          # [N, heads, w]
+    weights = scores.masked_fill(~mask[:, :, 0], float("-inf")).softmax(-1)
+    return (weights[..., None] * v.float()).sum(-2, keepdim=True).to(q.dtype)
+
+
+def use_window_attention_ops(model: nn.Module) -> None:
+    """The vision pool's window attention as window_attention_ops."""
+    model.vision.pool.attend = window_attention_ops

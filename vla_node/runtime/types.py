@@ -162,6 +162,9 @@ class EngineConfig:
     # The split's merge as one Triton pass writing the output projection's layout (kernels/split_merge):
     # the DROID LLM stage 14.36 against 14.69 ms with the compiled merge on the H200 (BENCHMARKS.md).
     split_merge_kernel: bool = False
+    # The vision pool's one-query window attention as plain ops a compiled region fuses
+    # (runtime/fusion.window_attention_ops), not SDPA: off until timed (vla-bench ... +windowops).
+    window_attention_ops: bool = False
     # The split's second call's gathers (image rows of q, k, v, reversed) as one Triton pass
     # (kernels/split_gather): off until timed on the GPU (vla-bench ... --modes fast,fast+gather).
     split_gather_kernel: bool = False

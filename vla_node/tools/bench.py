@@ -61,6 +61,7 @@ OPTIONS = {
     "flexonly": {"split_attention": False, "split_merge_kernel": False},  # the prefill through flex attention only
     "torchmerge": {"split_merge_kernel": False},  # the split prefill's merge compiled from torch ops
     "gather": {"split_gather_kernel": True},  # the split's second call's gathers in one Triton pass
+    "windowops": {"window_attention_ops": True},  # the vision pool's window attention as plain fused ops
     "addnorm": {"add_norm_kernel": True},  # the ViT blocks' residual adds and LayerNorms in one Triton pass each
     "rotary": {"rotary_kernel": True},  # the LLM's q/k norms + RoPE + head layout in one Triton pass
     "autotune": {"gemm_autotune": True},  # inductor's max-autotune GEMM templates against cuBLAS, per shape
