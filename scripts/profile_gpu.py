@@ -74,7 +74,7 @@ def main():
         res["vit_block_ms"] = graph_ms(lambda: vit(xi, xi))   # a middle block: the MLP output before it added in
         layer = m.llm.layers[0]
         xl = torch.randn(1, b.length, 2560, device=dev, dtype=dt)
-        res["llm_layer_ms"] = graph_ms(lambda: layer(xl, b.cos, b.sin, b.slots))
+        res["llm_layer_ms"] = graph_ms(lambda: layer(xl, b.cos, b.sin, b.attn_mask, mlp_out=xl))   # a middle layer
         res["vision_stage_ms"] = graph_ms(lambda: st._vision_stage(8))
         res["prefill_stage_ms"] = graph_ms(lambda: st._prefill_stage(b))
     json.dump(res, open(os.path.join(args.out, "micro.json"), "w"), indent=2)

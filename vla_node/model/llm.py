@@ -90,9 +90,17 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.dim, cfg.mlp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                slots: Optional[torch.Tensor] = None, attend_cache: bool = False) -> torch.Tensor:
+                slots: Optional[torch.Tensor] = None, attend_cache: bool = False,
+                mlp_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual stream x + mlp_out (the layer before's MLP output, or None) -> (that sum, the
+        layer before's output; this layer's stream before its MLP output; that output): the layer's
+        output is the sum of the last two. Each add is left to the norm after it, so that a compiled
+        layer makes the two one pass."""
+        if mlp_out is not None:
+            x = x + mlp_out
+        x_in = x
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, slots, attend_cache)
-        return x + self.mlp(self.mlp_norm(x))
+        return x_in, x, self.mlp(self.mlp_norm(x))
 
 
 class LLM(nn.Module):
@@ -117,8 +125,10 @@ class LLM(nn.Module):
         use as in Attention.forward. Returns the output hidden state of every layer, each
         [B, T, dim] (before any final norm: the action expert reads these)."""
         hidden = []
-        x = embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, slots, attend_cache)
-            hidden.append(x)
+        x, mlp_out = embeds, None
+        for i, layer in enumerate(self.layers):
+            x_in, x, mlp_out = layer(x, cos, sin, mask, slots, attend_cache, mlp_out=mlp_out)
+            if i:   # the layer before's output, which this one added
+                hidden.append(x_in)
+        hidden.append(x + mlp_out)
         return hidden
