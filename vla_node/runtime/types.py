@@ -102,25 +102,28 @@ BATCH_SIZES = (1, 2, 4, 8)
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
-                     "flex_attention", "split_attention", "cuda_graphs", "triton_attention", "triton_layer_norm",
-                     "split_merge_kernel", "fused_expert", "vision_cache")
+                     "flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
+                     "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel",
+                     "rotary_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
     "static": ("static_shapes",),
     "ctxkv": ("ctx_kv_once",),
     "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
-    "compile": ("compile", "flex_attention", "split_attention"),
+    "compile": ("compile", "flex_attention", "split_attention", "window_attention_ops"),
     "graphs": ("cuda_graphs",),
-    "triton": ("triton_attention", "triton_layer_norm", "split_merge_kernel"),
+    "triton": ("triton_attention", "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel",
+               "rotary_kernel"),
     "fast": ("fused_expert", "vision_cache"),
 }
 MODES: dict[str, tuple[str, ...]] = {}
 for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
-GPU_FEATURES = ("flex_attention", "split_attention", "cuda_graphs", "triton_attention", "triton_layer_norm",
-                "split_merge_kernel", "fused_expert")
+GPU_FEATURES = ("flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
+                "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel", "rotary_kernel",
+                "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -163,22 +166,22 @@ class EngineConfig:
     # the DROID LLM stage 14.36 against 14.69 ms with the compiled merge on the H200 (BENCHMARKS.md).
     split_merge_kernel: bool = False
     # The vision pool's one-query window attention as plain ops a compiled region fuses
-    # (runtime/fusion.window_attention_ops), not SDPA: off until timed (vla-bench ... +windowops).
+    # (runtime/fusion.window_attention_ops), not SDPA: the DROID vision stage 5.77 -> 5.55 ms on the H200.
     window_attention_ops: bool = False
     # The split's second call's gathers (image rows of q, k, v, reversed) as one Triton pass
-    # (kernels/split_gather): off until timed on the GPU (vla-bench ... --modes fast,fast+gather).
+    # (kernels/split_gather): the DROID LLM stage 14.15 -> 14.00 ms on the H200.
     split_gather_kernel: bool = False
     # The compiled regions' GEMMs (and flex attention's tiles) autotuned by inductor at warm-up
     # (mode max-autotune-no-cudagraphs: its Triton templates, with pointwise epilogues fused, timed
     # against cuBLAS per shape); off until timed on the GPU (vla-bench ... --modes fast,fast+autotune).
     gemm_autotune: bool = False
     # The LLM attention's q/k norms, RoPE and head layout in one pass (runtime/kernels/rotary_heads):
-    # off until timed on the GPU (vla-bench ... --modes fast,fast+rotary).
+    # the DROID LLM stage 14.15 -> 13.73 ms on the H200.
     rotary_kernel: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     triton_layer_norm: bool = False       # the ViT's and the context's LayerNorms in one pass (kernels/layer_norm)
     # The ViT blocks' residual adds and the LayerNorms after them in one pass each
-    # (kernels/layer_norm.add_norm_one_pass): off until timed on the GPU (vla-bench ... --modes fast,fast+addnorm).
+    # (kernels/layer_norm.add_norm_one_pass): the DROID vision stage 5.77 -> 5.55 ms on the H200.
     add_norm_kernel: bool = False
     fused_expert: bool = False            # the whole flow loop in one persistent kernel (runtime/fused_expert)
     # Which kernel runs the fused loop: triton (kernels/expert_flow.py), cuda (kernels/expert_flow.cu,

@@ -58,12 +58,13 @@ OPTIONS = {
     "expertfp8": {"fused_expert": True, "expert_fp8": True},
     "cudaexpert": {"fused_expert": True, "expert_kernel": "cuda"},  # the loop on kernels/expert_flow.cu
     "tritonexpert": {"fused_expert": True, "expert_kernel": "triton"},  # the loop on kernels/expert_flow.py
-    "flexonly": {"split_attention": False, "split_merge_kernel": False},  # the prefill through flex attention only
+    # the prefill through flex attention only
+    "flexonly": {"split_attention": False, "split_merge_kernel": False, "split_gather_kernel": False},
     "torchmerge": {"split_merge_kernel": False},  # the split prefill's merge compiled from torch ops
-    "gather": {"split_gather_kernel": True},  # the split's second call's gathers in one Triton pass
-    "windowops": {"window_attention_ops": True},  # the vision pool's window attention as plain fused ops
-    "addnorm": {"add_norm_kernel": True},  # the ViT blocks' residual adds and LayerNorms in one Triton pass each
-    "rotary": {"rotary_kernel": True},  # the LLM's q/k norms + RoPE + head layout in one Triton pass
+    "torchgather": {"split_gather_kernel": False},  # the split's second call's gathers compiled from indexing
+    "poolsdpa": {"window_attention_ops": False},  # the vision pool's window attention through SDPA
+    "addpass": {"add_norm_kernel": False},  # the ViT blocks' residual adds as passes of their own
+    "torchrotary": {"rotary_kernel": False},  # the LLM's q/k norms, RoPE and head layout compiled from torch ops
     "autotune": {"gemm_autotune": True},  # inductor's max-autotune GEMM templates against cuBLAS, per shape
     "torchnorms": {"triton_layer_norm": False},  # the ViT's and the context's LayerNorms as torch's / inductor's
     "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue
