@@ -136,8 +136,9 @@ def add_norm_one_pass(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> 
 
 
 def use_add_norm_kernel(model: nn.Module) -> int:
-    """Every ViT block's add_norm (both of its norms but the first block's norm1) as the one-pass
-    kernel; returns how many blocks."""
+    """Every ViT block's add_norm as the one-pass kernel (both of its norms, but norm1 where the
+    block takes the stream whole: the first block, and the one after each feature layer); returns
+    how many blocks."""
     for block in model.vision.encoder.blocks:
         block.add_norm = add_norm_one_pass
     return len(model.vision.encoder.blocks)
