@@ -2,6 +2,9 @@
 only the Policy protocol (predict, reset_stream, history_offset_s) run twice: on PolicyEngine in
 this process, and through the engine process's boundary (ros.engine_process.EngineProcess: the
 typed messages, the shared-memory frames, the worker), as the node runs it, without DDS."""
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -116,6 +119,22 @@ def test_a_failed_start_arrives_with_the_workers_traceback():
     process.close()
     assert "/nonexistent/checkpoint" in str(failed.value) and "\n" not in str(failed.value)
     assert "Traceback (most recent call last)" in failed.value.trace
+
+
+def test_a_killed_worker_is_named_by_its_exit_code_whether_a_send_or_a_receive_finds_it():
+    """SIGKILL breaks the pipe: the next send (a submit, a reset, a reconfigure) fails before any
+    poll sees the exit, and says the same thing a poll would (the node reports either alike)."""
+    process = start_process(EngineConfig(seed=0))
+    try:
+        os.kill(process.info.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, process.info.pid, os.WEXITED | os.WNOWAIT)   # all its threads gone; not reaped
+        for send in (process.reset_stream, lambda: process.reconfigure({"action_cache": "3-6:2"})):
+            with pytest.raises(EngineError, match=r"^engine process exited \(code -9\)$"):
+                send()
+        with pytest.raises(EngineError, match=r"^engine process exited \(code -9\)$"):
+            process.poll(START_TIMEOUT_S)
+    finally:
+        process.close()
 
 
 @pytest.mark.parametrize("mode", ["eager", "ctxkv"])   # the reference loop; the static runner's buckets

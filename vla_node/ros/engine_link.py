@@ -75,8 +75,8 @@ class EngineLink:
         try:
             self.process.submit(Predict(request_id, window.slots, window.frame_ids, window.state.astype(np.float32),
                                         instruction, window.stamp_ns / 1e9, known_actions, time.perf_counter()))
-        except OSError as e:
-            self.lose(f"engine process unreachable: {e}")
+        except EngineError as e:
+            self.lose(str(e))
             return False
         logger = self._ctx.logger
         if logger.is_enabled_for(LoggingSeverity.DEBUG):   # what the policy is shown, for replays
@@ -130,7 +130,10 @@ class EngineLink:
     def reset_stream(self) -> None:
         """A new timeline: the engine's cached frames may carry stamps the new frames will reuse."""
         if self.serving:
-            self.process.reset_stream()
+            try:
+                self.process.reset_stream()
+            except EngineError as e:
+                self.lose(str(e))
 
     def settings_changed(self, names: set[str], control) -> None:
         """Parameters `names` changed: the run-time engine options go to the engine, the
@@ -146,8 +149,11 @@ class EngineLink:
         changes = {name: getattr(wanted, name) for name in RUNTIME_OPTIONS
                    if getattr(wanted, name) != getattr(self.process.config, name)}
         if self.serving and changes:
-            self.process.reconfigure(changes)
-            self._reconfiguring += 1
+            try:
+                self.process.reconfigure(changes)
+                self._reconfiguring += 1
+            except EngineError as e:
+                self.lose(str(e))
 
     def _reconfigured(self, answer: Reconfigured) -> None:
         """params.validate already refused malformed values; the engine checks again against the

@@ -210,29 +210,41 @@ class EngineProcess:
 
     def send_frames(self) -> None:
         """Give the worker the frame buffer: after share_frames(), and to a worker started again."""
-        self._conn.send(FrameBuffer(self._frames_shape))
+        self._send(FrameBuffer(self._frames_shape))
         reduction.send_handle(self._conn, self._frames_fd, self.info.pid)
+
+    def _broken(self) -> EngineError:
+        """The error for a connection that broke, sending or receiving: which end went away (a
+        worker killed mid-send breaks the pipe before a poll sees it exit; both say the same)."""
+        if self._process is None:
+            return EngineError(f"engine server {self.server} closed the connection")
+        self._process.join(1.0)
+        return EngineError(f"engine process exited (code {self._process.exitcode})")
 
     def _receive(self):
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            if self._process is None:
-                raise EngineError(f"engine server {self.server} closed the connection") from None
-            self._process.join(1.0)
-            raise EngineError(f"engine process exited (code {self._process.exitcode})") from None
+            raise self._broken() from None
+
+    def _send(self, message) -> None:
+        try:
+            self._conn.send(message)
+        except OSError:
+            raise self._broken() from None
 
     def submit(self, request: Predict) -> None:
-        """Send one observation (its frames already in the shared buffer); poll() answers it."""
-        self._conn.send(request)
+        """Send one observation (its frames already in the shared buffer); poll() answers it.
+        Raises EngineError if the worker is gone."""
+        self._send(request)
 
     def reset_stream(self) -> None:
-        self._conn.send(ResetStream())
+        self._send(ResetStream())
 
     def reconfigure(self, changes: dict) -> None:
         """Change run-time options between predictions; poll() returns the Reconfigured answer,
         and `config` is the engine's configuration from then on (unchanged after an error)."""
-        self._conn.send(Reconfigure(dict(changes)))
+        self._send(Reconfigure(dict(changes)))
 
     def poll(self, timeout_s: float = 0.0) -> Optional[Answer]:
         """An answer if one is waiting or comes within timeout_s. Raises EngineError if the worker
