@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vla_node.model import load_checkpoint, save_checkpoint
-from vla_node.model.layers import linear_gelu
+from vla_node.model.layers import linear_gelu, rope_tables
 from vla_node.runtime import LAYOUTS, EngineConfig, Observation, PolicyEngine
 from vla_node.runtime.compile import uncompile
 from vla_node.runtime.fusion import BatchedContextKV, linear_gelu_epilogue
@@ -72,6 +72,32 @@ def test_context_kv_of_every_block_at_once_is_the_per_block_one_up_to_rounding()
         for (k, v), (bk, bv) in zip(expert.context_kv(hidden, state), batched(hidden, state), strict=True):
             assert torch.allclose(k, bk, rtol=0, atol=1e-5) and torch.allclose(v, bv, rtol=0, atol=1e-5)
             assert k.stride() == bk.stride() and v.stride() == bv.stride()  # the fused kernels' pack reads them
+        for (k, v), (sk, sv) in zip(batched(hidden, state), batched(torch.stack(hidden), state), strict=True):
+            assert torch.equal(k, sk) and torch.equal(v, sv)   # the layers' one buffer: no stack, same numbers
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_llm_writes_its_layers_outputs_into_one_buffer_unchanged(compiled):
+    """LLM.forward's hidden_out (the fused engine's, for BatchedContextKV): each layer's output is
+    written there by the pass that makes it, the same numbers as without it, eager and compiled."""
+    engine = PolicyEngine(EngineConfig.for_mode("ctxkv"))
+    llm = engine.model.llm
+    regions = list(llm.layers) if compiled else []
+    for layer in regions:
+        layer.compile(fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    t = 11
+    embeds = torch.randn(2, t, llm.cfg.dim, generator=g)
+    cos, sin = rope_tables(llm.cfg.head_dim, torch.arange(t), llm.cfg.rope_theta)
+    try:
+        with torch.no_grad():
+            plain = llm(embeds, cos, sin)
+            buffer = embeds.new_full((llm.cfg.layers, 2, t, llm.cfg.dim), float("nan"))
+            kept = llm(embeds, cos, sin, hidden_out=buffer)
+    finally:
+        uncompile(regions)
+    for i, (a, b) in enumerate(zip(plain, kept, strict=True)):
+        assert torch.equal(a, b) and torch.equal(buffer[i], a)
 
 
 def test_gelu_epilogue_keeps_the_vit_mlp():

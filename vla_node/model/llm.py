@@ -91,13 +91,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 slots: Optional[torch.Tensor] = None, attend_cache: bool = False,
-                mlp_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                mlp_out: Optional[torch.Tensor] = None,
+                keep: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The residual stream x + mlp_out (the layer before's MLP output, or None) -> (that sum, the
         layer before's output; this layer's stream before its MLP output; that output): the layer's
         output is the sum of the last two. Each add is left to the norm after it, so that a compiled
-        layer makes the two one pass."""
+        layer makes the two one pass. `keep` [B, T, dim]: where that sum is written (LLM.forward's
+        hidden_out), by the same pass."""
         if mlp_out is not None:
             x = x + mlp_out
+            if keep is not None:
+                x = keep.copy_(x)
         x_in = x
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, slots, attend_cache)
         return x_in, x, self.mlp(self.mlp_norm(x))
@@ -120,15 +124,19 @@ class LLM(nn.Module):
             layer.attn.cache = None
 
     def forward(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                slots: Optional[torch.Tensor] = None, attend_cache: bool = False) -> list[torch.Tensor]:
+                slots: Optional[torch.Tensor] = None, attend_cache: bool = False,
+                hidden_out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """embeds [B, T, dim]; cos/sin [T, head_dim] for the tokens' positions; mask and cache
         use as in Attention.forward. Returns the output hidden state of every layer, each
-        [B, T, dim] (before any final norm: the action expert reads these)."""
+        [B, T, dim] (before any final norm: the action expert reads these). `hidden_out` [layers,
+        B, T, dim]: the layers write their outputs there as they make them, and the returned
+        states are its rows (a consumer of all of them at once then needs no stack of its own)."""
         hidden = []
         x, mlp_out = embeds, None
         for i, layer in enumerate(self.layers):
-            x_in, x, mlp_out = layer(x, cos, sin, mask, slots, attend_cache, mlp_out=mlp_out)
+            keep = hidden_out[i - 1] if hidden_out is not None and i else None
+            x_in, x, mlp_out = layer(x, cos, sin, mask, slots, attend_cache, mlp_out=mlp_out, keep=keep)
             if i:   # the layer before's output, which this one added
                 hidden.append(x_in)
-        hidden.append(x + mlp_out)
+        hidden.append(x + mlp_out if hidden_out is None else torch.add(x, mlp_out, out=hidden_out[-1]))
         return hidden

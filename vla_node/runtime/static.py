@@ -122,10 +122,13 @@ class StaticRunner:
         image_tokens = self.store.tokens.index_select(0, b.frame_rows).reshape(b.batch, -1, m.cfg.llm.dim)
         embeds = m.embed(b.ids, image_tokens, b.patch_positions)
         # Only a streaming bucket (batch 1: streaming is one robot's) writes the KV cache its steps read.
-        b.hidden = m.llm(embeds, b.cos, b.sin, b.attn_mask, b.slots if b.stream is not None else None)
+        # The fused context K/V reads every layer's output at once: the layers write them into one buffer.
+        stacked = embeds.new_empty(m.cfg.llm.layers, *embeds.shape) if self.engine.config.fused else None
+        b.hidden = m.llm(embeds, b.cos, b.sin, b.attn_mask, b.slots if b.stream is not None else None,
+                         hidden_out=stacked)
         b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
         if self.mod_table is not None:
-            b.kv = self.context_kv(b.hidden, b.state_norm)
+            b.kv = self.context_kv(b.hidden if stacked is None else stacked, b.state_norm)
             if b.stream is not None:  # the streaming step updates these in place
                 b.stream.store_full(b.kv)
                 b.kv = b.stream.kv
