@@ -65,20 +65,6 @@ def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
     return pixels.view(b, c, g, patch, g, patch).permute(0, 2, 4, 3, 5, 1).reshape(b, g * g, patch * patch * c)
 
 
-class PatchEmbedding(nn.Module):
-    """pixels [B, 3, S, S] -> patch embeddings + positions [B, patches, width], with the encoder's
-    weights passed in. A module of its own so that the runtime compiles it as a region (patchify's
-    copy, the embedding GEMM, whose K = 3 x patch^2 rows are not 16-byte aligned in bf16, and the
-    position add in one graph); it holds no weights, so the checkpoint's names stay the encoder's."""
-
-    def __init__(self, patch: int):
-        super().__init__()
-        self.patch = patch
-
-    def forward(self, pixels: torch.Tensor, linear: nn.Linear, pos: torch.Tensor) -> torch.Tensor:
-        return linear(patchify(pixels, self.patch)) + pos
-
-
 class VisionEncoder(nn.Module):
     """Patch embedding + learned positions + the first `layers_run` blocks; returns the
     configured layers' outputs concatenated on the channel axis: [B, grid*grid, feature_dim]."""
@@ -88,7 +74,6 @@ class VisionEncoder(nn.Module):
         self.cfg = cfg
         self.patch_embed = nn.Linear(3 * cfg.patch_size ** 2, cfg.width)
         self.pos_embed = nn.Parameter(torch.zeros(cfg.grid * cfg.grid, cfg.width))
-        self.embed = PatchEmbedding(cfg.patch_size)
         # Layers past the deepest feature layer are never run, so they are not built either.
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.layers_run))
 
@@ -99,7 +84,7 @@ class VisionEncoder(nn.Module):
         if pixels.dim() != 4 or pixels.shape[1] != 3 or pixels.shape[-2:] != (size, size):
             raise ValueError(f"vision encoder expects images [B, 3, {size}, {size}], got {tuple(pixels.shape)}")
         layers = range(len(self.blocks)) if layers is None else layers
-        x, mlp_out = self.embed(pixels, self.patch_embed, self.pos_embed), None
+        x, mlp_out = self.patch_embed(patchify(pixels, self.cfg.patch_size)) + self.pos_embed, None
         outs = {}
         for i, block in enumerate(self.blocks):
             x, mlp_out = block(x, mlp_out)

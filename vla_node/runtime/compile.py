@@ -20,15 +20,12 @@ RECOMPILE_LIMIT = 64
 
 
 def compile_regions(model: VLAPolicy, autotune: bool = False) -> list[nn.Module]:
-    """Compile every repeated block in place, and the patch embedding (inductor pads its K = 588
-    GEMM, which cuBLAS ran as a 30 us sm80 kernel of 2-element alignment on the H200, and fuses the
-    patches' copy); `autotune`: inductor times its GEMM templates against cuBLAS per shape
-    (EngineConfig.gemm_autotune)."""
+    """Compile every repeated block in place; `autotune`: inductor times its GEMM templates against
+    cuBLAS per shape (EngineConfig.gemm_autotune)."""
     for name in ("recompile_limit", "cache_size_limit"):  # the name differs between torch versions
         if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
             setattr(dynamo_config, name, RECOMPILE_LIMIT)
-    regions: list[nn.Module] = [model.vision.encoder.embed, *model.vision.encoder.blocks, model.vision.pool,
-                                model.vision.projector,
+    regions: list[nn.Module] = [*model.vision.encoder.blocks, model.vision.pool, model.vision.projector,
                                 *model.llm.layers, *model.expert.blocks]
     for module in regions:
         module.compile(fullgraph=True, dynamic=False, mode="max-autotune-no-cudagraphs" if autotune else None)
