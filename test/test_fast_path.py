@@ -234,6 +234,17 @@ def test_gpu_preprocess_matches_cpu_within_one_uint8_step():
 
 
 @pytest.mark.cuda
+def test_chunks_denormalised_on_the_host_are_the_devices_bit_for_bit():
+    """PolicyEngine denormalises each chunk on the host after one copy: the same fp32 ops as the
+    model's denormalize_actions on the device, so the same actions."""
+    engine = PolicyEngine(EngineConfig(device="cuda", seed=0))
+    chunk = engine.predict(engine.dummy_observation())
+    with torch.no_grad():
+        on_device = engine.model.denormalize_actions(torch.from_numpy(chunk.normalized).cuda()).cpu().numpy()
+    assert np.array_equal(chunk.actions, on_device)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_epilogue_matches_the_two_pass_vit_mlp_on_the_gpu(dtype):
     torch.manual_seed(0)
