@@ -107,6 +107,25 @@ def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
         out["sdpa dense mask, cuDNN"] = cudnn
         out["split, compiled"] = torch.compile(split.attend, fullgraph=True, dynamic=False)
         out["cuDNN causal + lse (not the pattern)"] = lambda q, k, v: causal_attend_lse(q, k, v)[0]
+        # The split's two causal calls alone (the image rows' call as long as the bucket's capacity),
+        # then as one call of batch 2, the second sequence padded at its end to the first's length
+        # (a causal row never sees the padding after it): whether one launch fills the SMs better.
+        inputs: dict[str, list[torch.Tensor]] = {}
+
+        def split_inputs(q, k, v) -> list[torch.Tensor]:
+            if not inputs:   # made once, outside the timed calls
+                inputs["rows"] = [x[:, :, :capacity - 1].contiguous() for x in (q, k, v)]
+                inputs["batch2"] = [torch.cat([x, F.pad(r, (0, 0, 0, x.shape[2] - r.shape[2]))])
+                                    for x, r in zip((q, k, v), inputs["rows"])]
+            return inputs
+
+        def two_calls(q, k, v):
+            causal_attend_lse(q, k, v)
+            return causal_attend_lse(*split_inputs(q, k, v)["rows"])[0]
+
+        out["cuDNN causal, the split's two calls alone (not the pattern)"] = two_calls
+        out["cuDNN causal, the two as one call of batch 2 (not the pattern)"] = \
+            lambda q, k, v: causal_attend_lse(*split_inputs(q, k, v)["batch2"])[0][:1]
         for name, opts in {"flex 128x64 w8 s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                            "flex 128x128 w8 s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
                            "flex 64x64 w4 s3": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
