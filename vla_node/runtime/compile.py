@@ -19,16 +19,17 @@ from ..model.policy import VLAPolicy
 RECOMPILE_LIMIT = 64
 
 
-def compile_regions(model: VLAPolicy, autotune: bool = False) -> list[nn.Module]:
-    """Compile every repeated block in place; `autotune`: inductor times its GEMM templates against
-    cuBLAS per shape (EngineConfig.gemm_autotune)."""
+def compile_regions(model: VLAPolicy) -> list[nn.Module]:
+    """Compile every repeated block in place. With cuBLAS's GEMMs: inductor's max-autotune Triton
+    templates were slower in the query where its own timing chose them, and took over 5 minutes of
+    warm-up on the H200 (BENCHMARKS.md, the eighteenth session)."""
     for name in ("recompile_limit", "cache_size_limit"):  # the name differs between torch versions
         if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
             setattr(dynamo_config, name, RECOMPILE_LIMIT)
     regions: list[nn.Module] = [*model.vision.encoder.blocks, model.vision.pool, model.vision.projector,
                                 *model.llm.layers, *model.expert.blocks]
     for module in regions:
-        module.compile(fullgraph=True, dynamic=False, mode="max-autotune-no-cudagraphs" if autotune else None)
+        module.compile(fullgraph=True, dynamic=False)
     return regions
 
 

@@ -73,7 +73,7 @@ class StaticRunner:
         if cfg.ctx_kv_once:
             self._make_modulation_table()
         self.context_kv = BatchedContextKV(m.expert) if cfg.fused else m.expert.context_kv
-        self.regions = compile_regions(m, autotune=cfg.gemm_autotune) if cfg.compile else []
+        self.regions = compile_regions(m) if cfg.compile else []
         self.graphs_on = cfg.cuda_graphs
         self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
         self.stream_layout: WindowLayout | None = None  # whose KV the LLM caches hold

@@ -171,10 +171,6 @@ class EngineConfig:
     # The split's second call's gathers (image rows of q, k, v, reversed) as one Triton pass
     # (kernels/split_gather): the DROID LLM stage 14.15 -> 14.00 ms on the H200.
     split_gather_kernel: bool = False
-    # The compiled regions' GEMMs (and flex attention's tiles) autotuned by inductor at warm-up
-    # (mode max-autotune-no-cudagraphs: its Triton templates, with pointwise epilogues fused, timed
-    # against cuBLAS per shape); off until timed on the GPU (vla-bench ... --modes fast,fast+autotune).
-    gemm_autotune: bool = False
     # The LLM attention's q/k norms, RoPE and head layout in one pass (runtime/kernels/rotary_heads):
     # the DROID LLM stage 14.15 -> 13.73 ms on the H200.
     rotary_kernel: bool = False
@@ -220,8 +216,6 @@ class EngineConfig:
         if is_adaptive(self.action_cache) and not self.static_shapes:
             raise ValueError(f"the adaptive action cache needs static_shapes (its per-step buffers): engine_mode "
                              f"{_modes_with('static_shapes')}")
-        if self.gemm_autotune and not (self.compile and self.device.startswith("cuda")):
-            raise ValueError("gemm_autotune needs compile on a CUDA device (it picks the compiled regions' kernels)")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
         for feature in ("split_merge_kernel", "split_gather_kernel"):

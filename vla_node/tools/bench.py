@@ -65,7 +65,6 @@ OPTIONS = {
     "poolsdpa": {"window_attention_ops": False},  # the vision pool's window attention through SDPA
     "addpass": {"add_norm_kernel": False},  # the ViT blocks' residual adds as passes of their own
     "torchrotary": {"rotary_kernel": False},  # the LLM's q/k norms, RoPE and head layout compiled from torch ops
-    "autotune": {"gemm_autotune": True},  # inductor's max-autotune GEMM templates against cuBLAS, per shape
     "torchnorms": {"triton_layer_norm": False},  # the ViT's and the context's LayerNorms as torch's / inductor's
     "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue
 }
