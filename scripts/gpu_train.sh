@@ -5,7 +5,7 @@
 # the INIT checkpoint folder when continuing a run from its weights. RESUME=1 continues from
 # /tmp/sim_policy/train_state, which a machine still warm from the last call holds (with /tmp/demos).
 #   EPISODES=100 BUDGET_S=430 [INIT=out/sim_policy | RESUME=1] [BATCH=64] [COMPILE=1] [EVAL_S=150]
-#   [TESTS="test/test_fused_expert_cuda.py"] [EVAL_INIT=1] [EMA=0.999] [CAUSAL=1 [OTHER_ATTENTION=1]] bash scripts/gpu_train.sh
+#   [TESTS="test/test_fused_expert_cuda.py"] [EVAL_INIT=1 [EVAL_INIT_S=200]] [EMA=0.999] [CAUSAL=1 [OTHER_ATTENTION=1]] bash scripts/gpu_train.sh
 # CAUSAL=1 trains causal image attention (--causal-images); with OTHER_ATTENTION=1 from an INIT
 # checkpoint of bidirectional attention (--init-other-attention).
 # EVAL_INIT=1 evaluates the INIT checkpoint (sim_eval_init.json) while the new run's steps keep the
@@ -28,7 +28,7 @@ train() {  # $1: the time budget in s; the rest: extra vla-train arguments
     | grep -v Warning | tee -a "$OUT/train.log" | tail -14
 }
 [ -n "${EVAL_INIT:-}" ] && { ( timeout 400 sh -c "until grep -q s/step '$OUT/train.log'; do sleep 2; done"
-  evaluate "$INIT" 200 sim_eval_init.json | sed 's/^/init checkpoint: /' ) & }
+  evaluate "$INIT" "${EVAL_INIT_S:-200}" sim_eval_init.json | sed 's/^/init checkpoint: /' ) & }
 t_train=$(date +%s)
 # COMPILE=1: the compiled step; if it fails, the rest of the budget trains eagerly.
 train "${BUDGET_S:-430}" ${COMPILE:+--compile} || { [ -n "${COMPILE:-}" ] && \

@@ -3,6 +3,7 @@ through the node's Plan and SafetyFilter, with latency in sim time; and the comm
 its report with a random-weight engine."""
 import dataclasses
 import json
+import os
 import time
 
 import numpy as np
@@ -288,6 +289,7 @@ def test_eval_fixes_the_latency_measured_alone_for_every_seed(tmp_path):
         taken = entry["latency_ticks"]   # none when a busy machine's median outlasts the 30 ticks
         assert taken["n"] == 0 or taken["mean"] == taken["max"] == ticks   # one fixed latency
     eager, static = report["configs"]["eager"], report["configs"]["static"]
+    assert eager["threads_per_worker"] == [max(1, (os.cpu_count() or 1) // 2)]   # each worker its share of the cores
     speedup = eager["latency_alone_ms"]["p50"] / static["latency_alone_ms"]["p50"]
     assert static["speedup_vs_first"] == pytest.approx(speedup)
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..runtime import EngineConfig, PolicyEngine
 from ..tools.offline import file_label, parse_configs, parse_overrides
@@ -106,9 +108,13 @@ def run_seeds(args, spec, seeds: list[int], progress=print) -> tuple[float, dict
     return ready_s, out
 
 
-def _worker(job) -> tuple[float, dict[str, list]]:
-    args, spec, seeds = job
-    return run_seeds(args, spec, seeds, progress=lambda m: print(m, flush=True))
+def _worker(job) -> tuple[float, dict[str, list], int]:
+    """run_seeds in a pool process with `threads` intra-op threads (None: torch's default, every
+    core): (ready_s, results, the threads it ran with)."""
+    args, spec, seeds, threads = job
+    if threads:
+        torch.set_num_threads(threads)
+    return (*run_seeds(args, spec, seeds, progress=lambda m: print(m, flush=True)), torch.get_num_threads())
 
 
 def latency_alone(args, spec) -> dict:
@@ -118,7 +124,7 @@ def latency_alone(args, spec) -> dict:
 
     alone = argparse.Namespace(**{**vars(args), "latency_ms": ["measured"], "handover": None, "video_dir": None})
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        _, results = pool.apply(_worker, ((alone, spec, [args.first_seed]),))
+        _, results, _ = pool.apply(_worker, ((alone, spec, [args.first_seed], None),))
     return summarize(results[""])["predict_ms"]
 
 
@@ -141,19 +147,23 @@ def evaluate(args, progress=print, save=lambda report: None) -> dict:
             args = argparse.Namespace(**{**vars(args), "alone_ms": alone["p50"]})
             progress(f"[{spec.label}] latency alone: median {alone['p50']:.1f} ms over {alone['n']} queries")
         if workers == 1:
-            parts = [run_seeds(args, spec, seeds, progress)]
+            parts = [(*run_seeds(args, spec, seeds, progress), torch.get_num_threads())]
         else:
             import multiprocessing
 
+            # Each worker its share of the cores: sixteen workers of torch's default (every core each)
+            # contend for them on the CPU side of every tick.
+            threads = max(1, (os.cpu_count() or 1) // workers)
             shares = [seeds[i::workers] for i in range(workers)]
             with multiprocessing.get_context("spawn").Pool(workers) as pool:
-                parts = pool.map(_worker, [(args, spec, share) for share in shares])
+                parts = pool.map(_worker, [(args, spec, share, threads) for share in shares])
         for suffix, handover, latency_s in variants(args, settings):
-            results = sorted((r for _, part in parts for r in part[suffix]), key=lambda r: r.seed)
+            results = sorted((r for _, part, _ in parts for r in part[suffix]), key=lambda r: r.seed)
             name = spec.label + suffix
             entry = {"mode": spec.mode, "overrides": {k: str(v) for k, v in spec.overrides.items()},
                      "handover_mode": handover, "latency": "measured" if latency_s is None else latency_s * 1e3,
-                     "ready_s": max(ready for ready, _ in parts), "wall_s": time.perf_counter() - t0,
+                     "ready_s": max(ready for ready, _, _ in parts), "wall_s": time.perf_counter() - t0,
+                     "threads_per_worker": sorted({threads for _, _, threads in parts}),
                      **summarize(results)}
             if alone:
                 entry["latency_alone_ms"] = alone
