@@ -294,6 +294,17 @@ def test_eval_fixes_the_latency_measured_alone_for_every_seed(tmp_path):
     assert static["speedup_vs_first"] == pytest.approx(speedup)
 
 
+def test_eval_refuses_a_bad_configuration_before_any_runs(tmp_path, capsys):
+    """The fifth of five configurations refused after four had run lost the speedups (seen on the
+    H200): every one is checked first, the action cache against the checkpoint's flow steps."""
+    report_path = tmp_path / "eval.json"
+    code = main(["eval", "--configs", "eager,eager:action_cache=flashdrive", "--episodes", "1", "--ticks", "1",
+                 "--json", str(report_path)])
+    assert code == 1 and not report_path.exists()
+    out, err = capsys.readouterr()
+    assert "action cache 'flashdrive' is defined for 8 flow steps, not 10" in err and "loading" not in out
+
+
 def test_eval_without_a_checkpoint_evaluates_the_shipped_policy(tmp_path):
     """`vla-sim eval` as a new user types it: the trained policy, not random weights (one query)."""
     report_path = tmp_path / "eval.json"

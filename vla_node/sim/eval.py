@@ -22,7 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..model.config import get_preset
+from ..model.convert import resolve_checkpoint
+from ..model.weights import read_config
 from ..runtime import EngineConfig, PolicyEngine
+from ..runtime.action_cache import FlowSchedule
 from ..tools.offline import file_label, parse_configs, parse_overrides
 from .aloha import CONTROL_PERIOD_NS, RenderConfig, TransferCube
 from .closed_loop import ClosedLoop, ControlSettings, summarize
@@ -67,6 +71,16 @@ def _engine_config(args, spec, settings: ControlSettings, render: RenderConfig) 
                   seed=args.seed, layout=settings.layout, camera_height=render.height, camera_width=render.width)
     common.update(parse_overrides(args.overrides))
     return EngineConfig.for_mode(spec.mode, **{**common, **spec.overrides})
+
+
+def check_configs(args, specs, settings: ControlSettings, render: RenderConfig) -> None:
+    """Every configuration checked before the first one runs (EngineConfig's rules, the action cache
+    against its flow steps): one refused late in the list would otherwise end the evaluation after
+    the ones before it had spent their time, and before the speedups are computed."""
+    policy = read_config(resolve_checkpoint(args.checkpoint)) if args.checkpoint else get_preset(args.preset)
+    for spec in specs:
+        config = _engine_config(args, spec, settings, render)
+        FlowSchedule.parse(config.action_cache, config.flow_steps or policy.action.flow_steps)
 
 
 def run_seeds(args, spec, seeds: list[int], progress=print) -> tuple[float, dict[str, list]]:
@@ -134,6 +148,7 @@ def evaluate(args, progress=print, save=lambda report: None) -> dict:
     it, which slows each query: compare predict times from one worker, or from vla-bench)."""
     render, settings = _render_and_settings(args)
     specs = parse_configs(args.configs)
+    check_configs(args, specs, settings, render)
     seeds = list(range(args.first_seed, args.first_seed + args.episodes))
     workers = max(1, min(getattr(args, "workers", 1) or 1, len(seeds)))
     report = {"task": "gym-aloha AlohaTransferCube-v0 (vla_node.sim)", "seeds": seeds, "ticks": args.ticks,
