@@ -316,15 +316,17 @@ def test_interleaved_buckets_leave_each_other_alone():
         assert np.array_equal(fast.predict(obs_a, noise=noise_a).normalized, first)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_flex_prefill_matches_the_dense_mask(split):
+@pytest.mark.parametrize("split, one_call", [(False, False), (True, False), (True, True)])
+def test_flex_prefill_matches_the_dense_mask(split, one_call):
     """The prefill's attention pattern through flex attention (compiled, a block mask per bucket),
-    and with `split` the full prefill as two maskless causal calls, gives the dense-mask results:
+    and with `split` the full prefill as two maskless causal calls (`one_call`: as one call of batch
+    2), gives the dense-mask results:
     full windows, an episode's start, an instruction that types an image special token (the masks
     are rebuilt in place), and streaming steps (queries offset into the cache: flex either way)."""
     opts = dict(vision_cache=True, streaming_kv=True)
     dense = PolicyEngine(EngineConfig.for_mode("ctxkv", **opts))
-    flex = PolicyEngine(EngineConfig.for_mode("compile", flex_attention=True, split_attention=split, **opts))
+    flex = PolicyEngine(EngineConfig.for_mode("compile", flex_attention=True, split_attention=split,
+                                              split_one_call=one_call, **opts))
     assert type(flex.static.bucket(flex.layout).attn_mask).__name__ == ("SplitPattern" if split else "BlockMask")
     layout = flex.layout
     rng = np.random.default_rng(0)

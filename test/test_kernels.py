@@ -212,21 +212,23 @@ def _pattern(image: torch.Tensor) -> torch.Tensor:
                                                                  reason="the CPU run is CI's")),
     pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda),
     pytest.param("cuda", torch.float32, marks=pytest.mark.cuda)])   # not cuDNN's kernel: half precision only
-@pytest.mark.parametrize("merge_kernel, gather_kernel", [(False, False), (True, False), (True, True)])
-def test_split_pattern_matches_the_dense_mask(device, dtype, merge_kernel, gather_kernel):
-    """The prefill's pattern as two causal calls merged by log-sum-exp gives the dense-mask result
-    (grouped heads, image runs with text between them, rows held in reserve), also after the image
-    tokens change in place (a refresh into the same tensors, as captured graphs need), and
-    refuses more image tokens than its capacity."""
+@pytest.mark.parametrize("merge_kernel, gather_kernel, one_call",
+                         [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
+                          (True, False, True)])
+def test_split_pattern_matches_the_dense_mask(device, dtype, merge_kernel, gather_kernel, one_call):
+    """The prefill's pattern as two causal calls merged by log-sum-exp (or the two as one call of
+    batch 2B) gives the dense-mask result for every entry of a batch (grouped heads, image runs with
+    text between them, rows held in reserve), also after the image tokens change in place (a refresh
+    into the same tensors, as captured graphs need), and refuses more image tokens than its capacity."""
     from vla_node.runtime.kernels.prefill_attention import SplitPattern
 
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6 if device == "cpu" else 1e-5
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 70, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
+    q, k, v = (torch.randn(2, h, 70, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
     image = torch.zeros(70, dtype=torch.bool, device=device)
     image[3:21] = image[25:43] = True
     split = SplitPattern(image, capacity=int(image.sum()) + 6, merge_kernel=merge_kernel,
-                         gather_kernel=gather_kernel)
+                         gather_kernel=gather_kernel, one_call=one_call)
     order = split.order
     for typed in (None, 60, 61):  # special tokens typed into the instruction
         if typed is not None:

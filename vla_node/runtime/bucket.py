@@ -49,7 +49,8 @@ class Bucket:
                 capacity = int(self.image_token.sum()) + self.length - self.instruction_start
                 self.attn_mask = SplitPattern(self.image_token_dev[:self.length], capacity,
                                               merge_kernel=engine.config.split_merge_kernel,
-                                              gather_kernel=engine.config.split_gather_kernel)
+                                              gather_kernel=engine.config.split_gather_kernel,
+                                              one_call=engine.config.split_one_call)
         self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
         self.slots = torch.arange(self.length, device=dev)
         llm = m.cfg.llm

@@ -104,7 +104,7 @@ BATCH_SIZES = (1, 2, 4, 8)
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
                      "flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
                      "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel",
-                     "rotary_kernel", "fused_expert", "vision_cache")
+                     "split_one_call", "rotary_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
@@ -122,8 +122,8 @@ for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
 GPU_FEATURES = ("flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
-                "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel", "rotary_kernel",
-                "fused_expert")
+                "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel", "split_one_call",
+                "rotary_kernel", "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -171,6 +171,9 @@ class EngineConfig:
     # The split's second call's gathers (image rows of q, k, v, reversed) as one Triton pass
     # (kernels/split_gather): the DROID LLM stage 14.15 -> 14.00 ms on the H200.
     split_gather_kernel: bool = False
+    # The split's two causal calls as one call of batch 2B (SplitPattern.one_call; its gathers then
+    # fused into the copy that builds the batch): in no mode until timed on the GPU.
+    split_one_call: bool = False
     # The LLM attention's q/k norms, RoPE and head layout in one pass (runtime/kernels/rotary_heads):
     # the DROID LLM stage 14.15 -> 13.73 ms on the H200.
     rotary_kernel: bool = False
@@ -218,7 +221,7 @@ class EngineConfig:
                              f"{_modes_with('static_shapes')}")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
-        for feature in ("split_merge_kernel", "split_gather_kernel"):
+        for feature in ("split_merge_kernel", "split_gather_kernel", "split_one_call"):
             if getattr(self, feature) and not self.split_attention:
                 raise ValueError(f"{feature} needs split_attention (it is one of the split's passes)")
         if self.split_attention and not self.flex_attention:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from ...model.llm import sdpa_attend
@@ -99,10 +100,17 @@ class SplitPattern:
     second part, so token 0 gets its causal result back."""
 
     def __init__(self, image_token: torch.Tensor, capacity: Optional[int] = None, merge_kernel: bool = False,
-                 gather_kernel: bool = False):
+                 gather_kernel: bool = False, one_call: bool = False):
         self.capacity = max(2, capacity if capacity is not None else int(image_token.sum()))
+        if self.capacity > image_token.numel():
+            raise ValueError(f"capacity {self.capacity} exceeds the {image_token.numel()} tokens")
         self.merge_kernel = merge_kernel   # the merge as kernels/split_merge's one pass, not torch ops
         self.gather_kernel = gather_kernel   # the second call's gathers as kernels/split_gather's one pass
+        # The two causal calls as one of batch 2B, the image rows padded at their end to T (a causal
+        # row never sees the padding after it): one launch with twice the programs, where the first
+        # call alone fills a wave and a half of the H200's SMs at DROID. Its gathers are indexing,
+        # which a compiled region fuses into the copy that builds the batch.
+        self.one_call = one_call
         dev = image_token.device
         self.order = torch.zeros(self.capacity, dtype=torch.long, device=dev)   # reversed image positions, then 0
         self.unused = torch.zeros(self.capacity - 1, dtype=torch.float32, device=dev)  # -inf: no second part
@@ -127,11 +135,18 @@ class SplitPattern:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, T, D], k/v [B, KV, T, D] (grouped heads) -> [B, H, T, D]."""
-        out, lse = causal_attend_lse(q, k, v)
         rows, keys = self.order[1:], self.order[:-1]  # a query (reversed index r + 1) sees keys 0 .. r
-        gathered = split_gather_op(q, k, v, rows, keys) if self.gather_kernel else \
-            (q[:, :, rows], k[:, :, keys], v[:, :, keys])
-        extra, lse_extra = causal_attend_lse(*gathered)
+        if self.one_call:
+            b, n, pad = q.shape[0], rows.numel(), q.shape[2] - rows.numel()
+            both = [torch.cat([x, F.pad(x[:, :, index], (0, 0, 0, pad))])
+                    for x, index in ((q, rows), (k, keys), (v, keys))]
+            out, lse = causal_attend_lse(*both)
+            out, lse, extra, lse_extra = out[:b], lse[:b], out[b:, :, :n], lse[b:, :, :n]
+        else:
+            out, lse = causal_attend_lse(q, k, v)
+            gathered = split_gather_op(q, k, v, rows, keys) if self.gather_kernel else \
+                (q[:, :, rows], k[:, :, keys], v[:, :, keys])
+            extra, lse_extra = causal_attend_lse(*gathered)
         if self.merge_kernel:
             return merge_split_op(out, lse, extra, lse_extra, self.extra_row, self.unused)
         merged = merge_by_lse(out[:, :, rows], lse[:, :, rows], extra, lse_extra + self.unused)
