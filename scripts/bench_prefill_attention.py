@@ -11,7 +11,7 @@ Ways: causal flash SDPA (the wrong pattern: the speed of the plain causal kernel
 dense boolean mask (default backend; cuDNN forced), flex attention compiled with the runtime's
 block mask (default kernel options and a few tile choices), and `split`: the pattern as two
 maskless causal calls merged by their log-sum-exps (runtime/kernels/prefill_attention.py), eager
-and compiled. The layer part times a whole decoder layer (compiled) with some of the ways and with
+and compiled, and the two calls as one of batch 2 (`split_one_call`), eager and compiled. The layer part times a whole decoder layer (compiled) with some of the ways and with
 none, and its four linears alone. Without CUDA it is a dry run on the CPU at a small size.
 """
 import argparse
@@ -92,6 +92,7 @@ def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
     """name -> attend(q, k, v) for the pattern of `img`."""
     bm = block_mask(img, 0, img.numel(), img.numel())
     split = SplitPattern(img, capacity)
+    one_call = SplitPattern(img, capacity, one_call=True)   # the engine's split_one_call
     flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     out = {
         "sdpa causal (not the pattern)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -99,6 +100,7 @@ def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
         "sdpa dense mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
         "flex (runtime)": lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True),
         "split (2 causal calls + merge)": split.attend,
+        "split as one call of batch 2": one_call.attend,
     }
     if CUDA:
         def cudnn(q, k, v):
@@ -106,6 +108,7 @@ def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         out["sdpa dense mask, cuDNN"] = cudnn
         out["split, compiled"] = torch.compile(split.attend, fullgraph=True, dynamic=False)
+        out["split as one call of batch 2, compiled"] = torch.compile(one_call.attend, fullgraph=True, dynamic=False)
         out["cuDNN causal + lse (not the pattern)"] = lambda q, k, v: causal_attend_lse(q, k, v)[0]
         # The split's two causal calls alone (the image rows' call as long as the bucket's capacity),
         # then as one call of batch 2, the second sequence padded at its end to the first's length
