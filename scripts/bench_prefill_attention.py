@@ -11,8 +11,9 @@ Ways: causal flash SDPA (the wrong pattern: the speed of the plain causal kernel
 dense boolean mask (default backend; cuDNN forced), flex attention compiled with the runtime's
 block mask (default kernel options and a few tile choices), and `split`: the pattern as two
 maskless causal calls merged by their log-sum-exps (runtime/kernels/prefill_attention.py), eager
-and compiled, and the two calls as one of batch 2 (`split_one_call`), eager and compiled. The layer part times a whole decoder layer (compiled) with some of the ways and with
-none, and its four linears alone. Without CUDA it is a dry run on the CPU at a small size.
+and compiled, and the two calls as one of batch 2 (`split_one_call`), eager and compiled. The
+layer part times a whole decoder layer (compiled) with some of the ways and with none, and its four
+linears alone. Without CUDA it is a dry run on the CPU at a small size.
 """
 import argparse
 import dataclasses
