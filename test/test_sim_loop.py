@@ -226,7 +226,14 @@ def test_an_episode_commands_the_same_whatever_ran_before_it(env, settings, tmp_
     np.testing.assert_array_equal(np.stack(env.sent), first)
 
 
-def test_eval_writes_success_latency_and_handover_per_config(tmp_path, capsys):
+def test_eval_writes_success_latency_and_handover_per_config(tmp_path, capsys, monkeypatch):
+    """Each configuration's success, latency and hand-over in the report, which is saved after each
+    configuration with the speedups so far (a device call's time limit may end the list early)."""
+    from vla_node.sim import eval as sim_eval
+
+    saves, evaluate = [], sim_eval.evaluate
+    monkeypatch.setattr(sim_eval, "evaluate", lambda args, save: evaluate(
+        args, save=lambda report: (saves.append(json.loads(json.dumps(report))), save(report))))
     checkpoint = random_sim_checkpoint(tmp_path / "policy")
     report_path = tmp_path / "eval.json"
     code = main(["eval", "--checkpoint", str(checkpoint), "--configs", "eager,static", "--episodes", "1",
@@ -245,6 +252,8 @@ def test_eval_writes_success_latency_and_handover_per_config(tmp_path, capsys):
         assert entry["per_episode"][0]["seed"] == 1000
         assert (tmp_path / "videos").exists() and entry["per_episode"][0]["video"]
     assert "speedup_vs_first" in report["configs"]["static"]
+    assert [list(saved["configs"]) for saved in saves] == [["eager"], ["eager", "static"]]
+    assert saves[0]["configs"]["eager"]["speedup_vs_first"] == 1.0
     rows = capsys.readouterr().out.split("report: ")[0].strip().splitlines()[-3:]   # the closing table
     assert rows[0].split()[:3] == ["configuration", "latency", "success"]
     assert [row.split()[:5] for row in rows[1:]] == [["eager", "40.0", "ms", "(2", "ticks)"],

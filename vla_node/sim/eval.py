@@ -186,15 +186,21 @@ def evaluate(args, progress=print, save=lambda report: None) -> dict:
             low, high = entry["success_ci95"]
             progress(f"[{name}] success {entry['successes']}/{entry['episodes']} "
                      f"({100 * entry['success_rate']:.0f} %, 95 % interval {100 * low:.0f}-{100 * high:.0f} %)")
-        save(report)   # each configuration's results as soon as it has them: a later one may not finish
-    # Speedups from the latencies measured alone where there are any: shared ones time each other.
+        # Each configuration's results, speedups included, as soon as it has them: a later one may
+        # not finish (a device call's time limit).
+        add_speedups(report)
+        save(report)
+    return report
+
+
+def add_speedups(report: dict) -> None:
+    """Each configuration's speedup over the first, from the latencies measured alone where there
+    are any (shared ones time each other)."""
     median = lambda entry: entry.get("latency_alone_ms", entry["predict_ms"]).get("p50")  # noqa: E731
     base = next(iter(report["configs"].values()), None)
     for entry in report["configs"].values():
         if base and median(base) and median(entry):
             entry["speedup_vs_first"] = median(base) / median(entry)
-    save(report)
-    return report
 
 
 def table(report: dict) -> str:
