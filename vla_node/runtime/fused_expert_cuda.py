@@ -117,6 +117,16 @@ class CudaTiling:
     # H200 the loop 12.86 -> 12.49 ms at B = 2, 18.15 -> 17.74 at B = 4, 26.55 -> 25.95 at B = 8; at
     # B = 1 9.43 -> 9.56, and 4 no better than 2: BENCHMARKS.md, tenth session)
     fc2_split: Optional[int] = None
+    # three grid barriers a block fewer (self -> self_out, cross -> cross_out, fc1 -> fc2): the
+    # attention outputs and the MLP hidden carry their own readiness (expert_flow.cu, HANDOFF: the
+    # qkv phase fills them with a sentinel NaN, their consumers poll each fragment until it is
+    # stored). The same numbers bit for bit; not yet timed on a GPU (the barriers' releases were
+    # 8.5 of a block's 25 us at B = 1: BENCHMARKS.md, twelfth session)
+    handoff: bool = False
+    # the cross-attention's warp partials stored in shared memory at a row stride of head_dim
+    # padded to 8 banks mod 32 (at head_dim 96 the rows of a warp's store fell on one bank: 4-way
+    # conflicts, 24 stores a warp). The same numbers bit for bit; not yet timed on a GPU
+    cross_pad: bool = False
 
     def __post_init__(self):
         if self.fc2_split not in (None, 1, 2, 4, 8):
@@ -125,6 +135,9 @@ class CudaTiling:
             raise ValueError("fc2_split and weights_smem: a program's split weights are not one range to copy")
         if self.self_cluster and self.fuse_self:
             raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
+        if self.handoff and (self.fuse_self or self.self_cluster or self.cross_cut):
+            raise ValueError("handoff: the self phase's and the merged cross-attention's outputs are what it hands off "
+                             "(not with fuse_self, self_cluster or cross_cut)")
         if self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
         if self.epi_split not in (1, 2, 4):
@@ -176,7 +189,8 @@ class Scratch:
     stats: torch.Tensor     # each 8-column tile's row mean and M2: [rows, W / 8, 2] (stats_t: [W / 8, rows, 2])
     qkv: torch.Tensor       # q, k in A-fragment order, then v in P V's B-fragment order (bf16)
     q: torch.Tensor         # cross-attention queries, A-fragment order
-    y: torch.Tensor         # attention outputs, A-fragment order
+    y: torch.Tensor         # the self-attention's outputs, A-fragment order
+    yc: torch.Tensor        # the cross-attention's outputs, A-fragment order
     hid: torch.Tensor       # the MLP hidden, A-fragment order
     f0: torch.Tensor        # [rows, W] fp32 x0 (1 + c2) Wq^T (fold_cross_q)
     sq: torch.Tensor        # x1 (1 + c2) Wq^T in A-fragment order, fp32 (fold_cross_q)
@@ -253,6 +267,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         tpr *= 2
     tpc = functools.partial(tiles_a_program, programs=programs)
     w, fold = dims.width, int(t.fold_cross_q)
+    so_stride = dims.head_dim + ((8 - dims.head_dim % 32) % 32 if t.cross_pad else 0)   # cross_pad
     qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, 0, fold * w)
     cq, fc1, rest = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, 0)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
@@ -264,7 +279,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         # row statistics, the warps' partials or the last program's copy of every program's, and with
         # fold_cross_q its stage of S, rho and delta), a multiple of 4
         stage = fold * (tok16 + 2) * dims.head_dim
-        cross = 4 + 2 * tok16 + max(8, cpp) * tok16 * (dims.head_dim + 2) + stage
+        cross = 4 + 2 * tok16 + max(8 * (so_stride + 2), cpp * (dims.head_dim + 2)) * tok16 + stage
         return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
     # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
     # tile), after two mbarriers (16 bytes); off where they do not fit beside the rest
@@ -307,7 +322,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
-                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf)
+                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, HANDOFF=int(t.handoff),
+                     SO_STRIDE=so_stride)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
@@ -352,7 +368,8 @@ class CudaFlow:
                     vel=torch.empty((steps, entries * tokens, f.action_dim), **bf),
                     x=torch.empty((rows, w), **f32), xf=torch.empty(rows * w, **bf),
                     stats=torch.empty(rows * w // 4, **f32), qkv=torch.empty(rows * 3 * w, **bf),
-                    q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf), hid=torch.empty(rows * f.mlp, **bf),
+                    q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf),
+                    yc=torch.empty(rows * w, **bf), hid=torch.empty(rows * f.mlp, **bf),
                     f0=torch.empty((rows, w), **f32), sq=torch.empty(rows * w, **f32),
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
                     mlpart=torch.empty(pairs * plan.cpp * tok16 * 2, **f32),
@@ -406,6 +423,10 @@ class CudaFlow:
         folded = self.tiling.fold_cross_q if folded is None else folded
         no_self = self.tiling.fuse_self or self.tiling.self_cluster
         phases = [p for p in BLOCK_PHASES if not (no_self and p == "self") and not (folded and p == "cross_q")]
+        if self.tiling.handoff:   # no barrier after these: one segment with the phase that follows
+            for first in ("self", "cross", "fc1"):
+                at = phases.index(first)
+                phases[at:at + 2] = [f"{first}+{phases[at + 1]}"]
         names = []
         for r in reuse:
             if r < 0:
@@ -429,9 +450,9 @@ class CudaFlow:
                    kv=ptr(buf.kv), mask=ptr(buf.mask) if buf.mask is not None else ptr(buf.kv),
                    fold_m=ptr(inputs.cuda_fold[0]) if folded else ptr(buf.kv),
                    fold_c=ptr(inputs.cuda_fold[1]) if folded else ptr(buf.kv),
-                   x=ptr(buf.x), xf=ptr(buf.xf), stats=ptr(buf.stats), qkv=ptr(buf.qkv), q=ptr(buf.q), y=ptr(buf.y),
-                   hid=ptr(buf.hid), f0=ptr(buf.f0), sq=ptr(buf.sq), opart=ptr(buf.opart), mlpart=ptr(buf.mlpart),
-                   counter=ptr(buf.counter), bar=ptr(buf.barrier), err=ptr(buf.error),
+                   **{k: ptr(getattr(buf, k)) for k in ("x", "xf", "stats", "qkv", "q", "y", "yc", "hid", "f0", "sq",
+                                                        "opart", "mlpart", "counter")},
+                   bar=ptr(buf.barrier), err=ptr(buf.error),
                    trace=ptr(buf.trace) if buf.trace is not None else ptr(buf.counter), segments=segments,
                    n_keys=buf.n_keys, key_tiles=plan.key_tiles,
                    cpp=plan.cpp, tiles_per_cta=plan.tiles_per_cta, mask_stride=buf.mask_stride,

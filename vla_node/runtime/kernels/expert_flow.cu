@@ -58,6 +58,15 @@
 // (how a barrier polls), TRACE (per-segment timestamps), WORK (0: every phase's loads and barriers
 // without its arithmetic and stores: the loop's floor of synchronisation) and CROSS_CUT (1: the
 // cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers).
+// HANDOFF: three grid barriers a block go (self -> self_out, cross -> cross_out, fc1 -> fc2): the
+// attention outputs (y, yc) and the MLP hidden (hid) carry their own readiness. The qkv phase fills
+// them with SENTINEL (0xffff, a bf16 NaN that no producer stores: see no_sentinel) after its wait;
+// each producer stores its values as they are made; a consumer polls each of its A fragments until
+// no half of it is the sentinel. Why no barrier is needed besides: every consumer of these phases
+// reads all the fragments it sums over, so it has seen an output of every producer program, each
+// made after that program's own reads (nothing a consumer then overwrites is read later).
+// SO_STRIDE: the row stride (floats) of the cross-attention's warp partials in shared memory (HDIM,
+// or padded so that a store's rows g = 0..3 fall on different banks: head_dim 96 put them all on one).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -81,7 +90,7 @@ struct Params {
     const u16* win; const u16* bin; const u16* pos; const u16* wout; const u16* bout;
     const u16* mods; const u16* fmods; const uint4* kv; const unsigned char* mask;
     const uint4* fold_m; const float* fold_c;
-    float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* f0; float* sq;
+    float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* yc; u16* hid; float* f0; float* sq;
     float* opart; float* mlpart;
     u32* counter; u32* bar; int* err; long long* trace;
     int n_keys, key_tiles, cpp, tiles_per_cta, mask_stride, has_mask, step_lo, step_hi, euler, segments;
@@ -153,6 +162,25 @@ __device__ __forceinline__ float ld_cg_bf(const u16* p) {
     asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
     return __uint_as_float(((u32)r) << 16);
 }
+// HANDOFF: values written while their readers poll them (no barrier between): volatile stores and
+// loads (L2, each 16-bit half single-copy atomic), issued where written.
+__device__ __forceinline__ uint4 ld_poll16(const void* p) {
+    uint4 r;
+    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p) : "memory");
+    return r;
+}
+__device__ __forceinline__ void st_volatile16(void* p, uint4 v) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ void st_volatile4(void* p, u32 v) {
+    asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_volatile2(void* p, u16 v) {
+    asm volatile("st.volatile.global.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+}
+__device__ __forceinline__ void spin_pause() {}   // a poll is an L2 round trip already
 
 // Asynchronous copies into shared memory (no registers held while they fly).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -279,6 +307,33 @@ __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xfff
 __device__ __forceinline__ u16 to_bf(float v) { return (u16)(pack_bf2(v, 0.0f) & 0xffffu); }
 __device__ __forceinline__ float round_bf(float v) { return bf_lo(pack_bf2(v, 0.0f)); }
 
+// -- HANDOFF: outputs that carry their own readiness ----------------------------------------------
+#define SENTINEL 0xffffu
+// A NaN that would read as the sentinel stored as another NaN (0x7fff: the same to the model).
+__device__ __forceinline__ u32 no_sentinel(u32 v) {
+    if ((v & 0xffffu) == SENTINEL) v ^= 0x8000u;
+    if ((v >> 16) == SENTINEL) v ^= 0x80000000u;
+    return v;
+}
+__device__ __forceinline__ bool sentinel_in(u32 v) { return (v & 0xffffu) == SENTINEL || (v >> 16) == SENTINEL; }
+__device__ __forceinline__ bool sentinel_in(uint4 a) {
+    return sentinel_in(a.x) || sentinel_in(a.y) || sentinel_in(a.z) || sentinel_in(a.w);
+}
+// A handed-off output's fragment, bf16 pair or value: with HANDOFF stored volatile and never as the
+// sentinel, else a plain store (its readers wait at a barrier).
+__device__ __forceinline__ void put_frag(uint4* p, uint4 v) {
+    if (HANDOFF) st_volatile16(p, make_uint4(no_sentinel(v.x), no_sentinel(v.y), no_sentinel(v.z), no_sentinel(v.w)));
+    else *p = v;
+}
+__device__ __forceinline__ void put_bf2(u16* p, u32 v) {
+    if (HANDOFF) st_volatile4(p, no_sentinel(v));
+    else *(u32*)p = v;
+}
+__device__ __forceinline__ void put_bf(u16* p, float v) {
+    if (HANDOFF) st_volatile2(p, (u16)no_sentinel(to_bf(v)));
+    else *p = to_bf(v);
+}
+
 // Offset (bf16 elements) of element (r, c) of a [MP, cols] matrix stored in A-fragment order:
 // [row tile][k-step][lane][4 registers][2]. Register 0: (row g, cols 2q, 2q+1), 1: (row g + 8,
 // 2q), 2: (g, 2q + 8), 3: (g + 8, 2q + 8), lane = 4 g + q (the m16n8k16 A operand).
@@ -359,6 +414,35 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
     __syncthreads();
     trace_mark(p, s, 0);
 }
+
+// HANDOFF: fragment a, loaded from src by ld_poll16, polled again until no half of it is the sentinel
+// (its producer has not stored it yet); gives up, flagging the launch as a barrier does, after
+// SPIN_LIMIT polls or once the launch is flagged.
+__device__ __forceinline__ uint4 settle(const Params& p, const uint4* src, uint4 a) {
+    for (int spins = 0; WORK && sentinel_in(a); ++spins) {
+        if (spins >= SPIN_LIMIT || *(volatile int*)p.err) {
+            atomicExch(p.err, 1);
+            break;
+        }
+        spin_pause();
+        a = ld_poll16(src);
+    }
+    return a;
+}
+
+// HANDOFF: y, yc and hid filled with the sentinel, a share each program. The qkv phase does it
+// after its wait: their readers of the block before have passed a barrier since, and their
+// producers of this block wait at one after.
+__device__ void reset_handoffs(const Params& p) {
+    constexpr int Y = MP * WIDTH / 8, H = MP * MLPD / 8;   // 16-byte chunks
+    const uint4 fill = make_uint4(~0u, ~0u, ~0u, ~0u);
+    for (int k = blockIdx.x * NTHREADS + threadIdx.x; k < 2 * Y + H; k += NPROG * NTHREADS)
+        *(k < Y ? (uint4*)p.y + k : k < 2 * Y ? (uint4*)p.yc + (k - Y) : (uint4*)p.hid + (k - 2 * Y)) = fill;
+}
+
+// HANDOFF: the end of a phase whose outputs are handed off: no arrival, but the program's threads
+// meet (the next phase's copies into shared memory must not land on what this one still reads).
+__device__ __forceinline__ void handed_off() { __syncthreads(); }
 
 // -- block reductions ------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
@@ -585,8 +669,9 @@ __device__ __forceinline__ float2 x_pair(const XRaw& raw, int reg) { return raw.
 // (SELF_CLUSTER): each program of a cluster computes a share of the self-attention's (entry, head,
 // query tile) items into its shared memory, and self_out's warps read their A fragments from the
 // program that holds them (distributed shared memory): the self phase and its barrier go, and each
-// item is computed once a cluster.
-enum Source { FROM_X_LN, FROM_FRAGS, FROM_SELF, FROM_CLUSTER };
+// item is computed once a cluster. FROM_HANDOFF: stored fragments polled until their producers have
+// stored them (HANDOFF; the phase has no barrier before it).
+enum Source { FROM_X_LN, FROM_FRAGS, FROM_SELF, FROM_CLUSTER, FROM_HANDOFF };
 
 // SELF_CLUSTER: item i (of (entry, head, query tile), in y's order) is warp i / CLUSTER's of the
 // cluster's program i % CLUSTER; its fragments [HK][32 lanes] at C_OFF floats in that program.
@@ -784,6 +869,12 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #endif
     }
 
+    // Where this lane's A fragment of k-step ks (of its warp's) of row tile mt is in frags.
+    __device__ __forceinline__ const uint4* frag_src(const u16* frags, int src_ksteps, int mt, int ks) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        return (const uint4*)frags + ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane);
+    }
+
     // The A fragment of k-step ks (of this warp's) of row tile mt: from frags, or LN + modulate
     // of the residual values raw.
     template <int SRC>
@@ -795,8 +886,8 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
             const int item = (mt / qtiles * HEADS + h) * qtiles + mt % qtiles;
             return ld_peer16(self_slot(dynamic_smem(), item) + u * 32 + lane, item % CLUSTER);
         }
-        if (SRC != FROM_X_LN)
-            return ld_cg16((const uint4*)frags + ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane));
+        if (SRC == FROM_FRAGS) return ld_cg16(frag_src(frags, src_ksteps, mt, ks));
+        if (SRC == FROM_HANDOFF) return ld_poll16(frag_src(frags, src_ksteps, mt, ks));   // then settle
         const int r0 = mt * 16 + g, r1 = r0 + 8;
         const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
         const float2 x00 = x_pair(raw[ks], 0), x10 = x_pair(raw[ks], 1), x01 = x_pair(raw[ks], 2), x11 = x_pair(raw[ks], 3);
@@ -830,6 +921,10 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #pragma unroll
                 for (int k = 0; k < KC; ++k)
                     a[k] = SRC == FROM_SELF ? att[(k0 + k) % HK] : a_frag<SRC>(frags, src_ksteps, mt, k0 + k, raw, mean, rstd);
+                // the chunk's polls in flight together, then each again until its producer has stored it
+#pragma unroll
+                for (int k = 0; k < KC && SRC == FROM_HANDOFF; ++k)
+                    a[k] = settle(p, frag_src(frags, src_ksteps, mt, k0 + k), a[k]);
                 // X_AHEAD: the next row tile's values in flight during this one's dots (raw is free now)
                 if (X_AHEAD && SRC == FROM_X_LN && k0 + KC == S::KSW && mt + 1 < MT) load_x(p, mt + 1, raw);
 #pragma unroll
@@ -940,21 +1035,27 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 if (EPI == TO_FRAGS_GELU)
                     for (int k = 0; k < CPT; ++k) v[k] = 0.5f * v[k] * (1.0f + erff(v[k] * 0.7071067811865476f));
                 const int cols = EPI == TO_QKV ? 2 * WIDTH : N;
-                for (int k = 0; k < CPT; k += 2)
-                    *(u32*)(out + afrag_offset(r, c0 + k, cols / 16)) = pack_bf2(v[k], v[k + 1]);
+                for (int k = 0; k < CPT; k += 2) {
+                    u16* dst = out + afrag_offset(r, c0 + k, cols / 16);
+                    if (EPI == TO_FRAGS_GELU) put_bf2(dst, pack_bf2(v[k], v[k + 1]));   // the MLP hidden: handed off
+                    else *(u32*)dst = pack_bf2(v[k], v[k + 1]);
+                }
             }
         }
     }
 };
 
 // One GEMV phase of block j: weights (and the epilogue's inputs) before the wait, then the dot.
+// HANDOFF: a phase of handed-off fragments has no wait, fc1 (the MLP hidden's producer) no
+// arrival, and the qkv phase fills the handed-off outputs with the sentinel.
 template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N, int SPLIT = 1>
 __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
                                            const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{},
                                            const WRef& next_w = WRef{nullptr, 0u}) {
     typedef Shape<N, K, TPCX, SPLIT> S;
-    static_assert(SPLIT == 1 || (SRC == FROM_FRAGS && NA == N && !W_SMEM), "SPLIT: dots of stored fragments only");
+    static_assert(SPLIT == 1 || ((SRC == FROM_FRAGS || SRC == FROM_HANDOFF) && NA == N && !W_SMEM),
+                  "SPLIT: dots of stored fragments only");
     Gemv<N, K, EPI, TPCX, NA, SPLIT> gemv;
     w_issue(s, smem, next_w, 1);   // W_SMEM: the next GEMV phase's weights stream in while this one runs
     float* mean = smem;
@@ -963,7 +1064,8 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* pre = red + NWARPS * S::TPC * MP * 8;   // the epilogue's inputs: 16 floats an item of its first round
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
-    grid_wait(p, s);
+    if (SRC != FROM_HANDOFF) grid_wait(p, s);
+    if (HANDOFF && WORK && EPI == TO_QKV) reset_handoffs(p);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
         self_items(p, smem);
         cluster_sync();
@@ -998,10 +1100,12 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     }
     cp_async_wait();
     s.w_phase++;
-    grid_arrive(p, s);
+    if (HANDOFF && EPI == TO_FRAGS_GELU) handed_off();
+    else grid_arrive(p, s);
 }
 
 // Self-attention: one warp per (entry, head, query tile), warps spread over the programs first.
+// HANDOFF: no arrival (self_out polls y).
 __device__ void self_phase(const Params& p, Sync& s) {
     grid_wait(p, s);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1011,9 +1115,10 @@ __device__ void self_phase(const Params& p, Sync& s) {
         uint4 out[HK];
         self_attend(p, b, h, qm, out);
         uint4* dst = (uint4*)p.y + (((b * qtiles + qm) * KS_W + h * HK) * 32 + lane);
-        for (int u = 0; u < HK; ++u) dst[u * 32] = out[u];
+        for (int u = 0; u < HK; ++u) put_frag(dst + u * 32, out[u]);
     }
-    grid_arrive(p, s);
+    if (HANDOFF) handed_off();
+    else grid_arrive(p, s);
 }
 
 // Flash-decoding merge weights of n partials per row: m [n][TOK16] (log2 maxima) becomes each
@@ -1125,7 +1230,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
     if (!KV_SMEM && active && tile_lo < tile_hi) load_kv(p, j, b, h, tile_lo, kv);
     const u32 first_bits = active && tile_lo < tile_hi ? key_bits(p, b, tile_lo) : 0u;
     // FOLD_CQ's stage: after the region the last program's merge may use (cpp partials)
-    float* stage = smem + 4 + 2 * TOK16 + (NWARPS > p.cpp ? NWARPS : p.cpp) * TOK16 * (HDIM + 2);
+    const int partials = NWARPS * (SO_STRIDE + 2) > p.cpp * (HDIM + 2) ? NWARPS * (SO_STRIDE + 2) : p.cpp * (HDIM + 2);
+    float* stage = smem + 4 + 2 * TOK16 + partials * TOK16;
     if (FOLD_CQ && WORK && active) stage_fold_constants(fc, h, stage);
     grid_wait(p, s);
     const uint4* kvs = (const uint4*)(smem + KV_OFF + 4);   // KV_SMEM: this program's tiles, from kv_prefetch
@@ -1137,8 +1243,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
         int* flag = (int*)smem;
         float* qmean = smem + 4;                            // FOLD_CQ: x1's row statistics of entry b
         float* qrstd = qmean + TOK16;
-        float* so = qrstd + TOK16;                          // [NWARPS][TOK16][HDIM] warp partials
-        float* sm = so + NWARPS * TOK16 * HDIM;             // [NWARPS][TOK16] max, then sum
+        float* so = qrstd + TOK16;                          // [NWARPS][TOK16][SO_STRIDE] warp partials
+        float* sm = so + NWARPS * TOK16 * SO_STRIDE;        // [NWARPS][TOK16] max, then sum
         float* sl = sm + NWARPS * TOK16;
         const float scale = p.scale * LOG2E;
         if (FOLD_CQ) {   // S copied in while the statistics load
@@ -1183,8 +1289,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             l[1] = quad_sum(l[1]);
             const int r0 = qm * 16 + g;
             for (int dn = 0; dn < HDIM / 8; ++dn) {
-                *(float2*)(so + (warp * TOK16 + r0) * HDIM + dn * 8 + 2 * q) = make_float2(o[dn][0], o[dn][1]);
-                *(float2*)(so + (warp * TOK16 + r0 + 8) * HDIM + dn * 8 + 2 * q) = make_float2(o[dn][2], o[dn][3]);
+                *(float2*)(so + (warp * TOK16 + r0) * SO_STRIDE + dn * 8 + 2 * q) = make_float2(o[dn][0], o[dn][1]);
+                *(float2*)(so + (warp * TOK16 + r0 + 8) * SO_STRIDE + dn * 8 + 2 * q) = make_float2(o[dn][2], o[dn][3]);
             }
             if (q == 0) {
                 sm[warp * TOK16 + r0] = m[0];
@@ -1200,9 +1306,9 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
         for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
             const int row = e / HDIM, d = e % HDIM;
             float acc = 0.0f;
-            for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * HDIM + d];
+            for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * SO_STRIDE + d];
             if (p.cpp == 1) {
-                p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sl[row]);
+                put_bf(p.yc + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / sl[row]);
             } else if (CLUSTER > 1) {   // for the cluster's merge: a region no other phase writes
                 float* cpart = smem + C_OFF;
                 cpart[e] = acc;
@@ -1244,7 +1350,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     sum += f * l[c];
                     acc += f * o[c];
                 }
-                p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sum);
+                put_bf(p.yc + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / sum);
             }
         } else if (p.cpp > 1 && !CROSS_CUT) {
             __syncthreads();
@@ -1270,13 +1376,14 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     const int row = e / HDIM, d = e % HDIM;
                     float acc = 0.0f;
                     for (int c = 0; c < p.cpp; ++c) acc += gm[c * TOK16 + row] * gpart[(c * TOK16 + row) * HDIM + d];
-                    p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / gl[row]);
+                    put_bf(p.yc + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / gl[row]);
                 }
                 if (threadIdx.x == 0) p.counter[pair] = 0;
             }
         }
     }
-    grid_arrive(p, s);
+    if (HANDOFF) handed_off();   // cross_out polls yc
+    else grid_arrive(p, s);
 }
 
 // -- the step boundary: rows owned by a program ---------------------------------------------------
@@ -1377,6 +1484,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
     __syncthreads();
     // The weights of each GEMV phase of block j at step i (W_SMEM streams each in during the phase before it)
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
+    constexpr int FRAGS_IN = HANDOFF ? FROM_HANDOFF : FROM_FRAGS;   // self_out's, cross_out's and fc2's A fragments
+    static_assert(!HANDOFF || !(FUSE_SELF || SELF_CLUSTER || CROSS_CUT), "HANDOFF: y from the self phase, yc merged");
     constexpr size_t WW = (size_t)WIDTH * WIDTH / 8, WM = (size_t)WIDTH * MLPD / 8;   // uint4s of a block's matrix
     auto qkv_w = [&](int i, int j) { return wref<QKV_N, WIDTH, QKV_TPC, 3 * WIDTH>(p.wqkv + j * 3 * WW, p.wq + j * WW); };
     auto so_w = [&](int i, int j) {
@@ -1424,7 +1533,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #else
             self_phase(p, s);
-            gemv_phase<SO_N, WIDTH, FROM_FRAGS, TO_RESIDUAL, SO_TPC, WIDTH>(
+            gemv_phase<SO_N, WIDTH, FRAGS_IN, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #endif
@@ -1433,12 +1542,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                     p, s, smem, p.wq + j * WW, p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
                     co_w(j));
             cross_phase(p, s, smem, j, fc);
-            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(
-                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{}, fc1_w(j));
+            gemv_phase<WIDTH, WIDTH, FRAGS_IN, TO_RESIDUAL>(
+                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.yc, KS_W, nullptr, Part2{}, fc1_w(j));
             gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
                 p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
                 fc2_w(j));
-            gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
+            gemv_phase<WIDTH, MLPD, FRAGS_IN, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
                 p, s, smem, p.w2 + j * WM, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
                 j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
         }
