@@ -134,8 +134,8 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
-                                             (2, CudaTiling(self_cluster=True)), (4, CudaTiling(handoff=True)),
-                                             (1, CudaTiling(handoff=True, cross_pad=True))])
+                                             (2, CudaTiling(self_cluster=True)), (4, CudaTiling(handoff=1)),
+                                             (1, CudaTiling(handoff=2, cross_pad=True)), (4, CudaTiling(handoff=2))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
@@ -226,8 +226,10 @@ def assert_near_truth(got, want, eager):
                                   ("3-unfolded-fp32_ln_sources", 3, CudaTiling(fold_cross_q=False, x_frags=False))]
     for device in ON_BOTH] + [pytest.param("cuda", 3, CudaTiling(cluster=1), marks=pytest.mark.cuda,
                                            id="3-no_clusters-cuda"),
-                              pytest.param("cuda", 3, CudaTiling(handoff=True, cross_pad=True), marks=pytest.mark.cuda,
-                                           id="3-handoff-cuda")])
+                              pytest.param("cuda", 3, CudaTiling(handoff=1, cross_pad=True), marks=pytest.mark.cuda,
+                                           id="3-handoff1-cuda"),
+                              *(pytest.param("cuda", n, CudaTiling(handoff=2), marks=pytest.mark.cuda,
+                                             id=f"{n}-handoff2-cuda") for n in (1, 3))])
 def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device, entries, tiling):
     cfg, e, truth = small_expert(device)
     fused = FusedExpert(e, backend="cuda", cuda_tiling=tiling)
@@ -292,29 +294,34 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
                for t in (CudaTiling(stats_t=False, epi_split=1, x_ahead=False), CudaTiling(stats_t=True, epi_split=2),
                          CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
                          CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True), CudaTiling(cross_pad=True),
-                         CudaTiling(handoff=True, fc2_split=1), CudaTiling(handoff=True, cluster=1, cross_pad=True))]
+                         CudaTiling(handoff=1, fc2_split=1), CudaTiling(handoff=1, cluster=1, cross_pad=True),
+                         CudaTiling(handoff=2, cluster=1, x_ahead=True, a_chunk=1))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
 
 
-def test_handoff_keeps_the_result_with_action_caching_and_one_segment_a_handoff_on_the_cpu_build():
-    """handoff: no barrier after the self phase, the cross-attention and fc1 (their consumers poll
-    the outputs until no sentinel is left): bit for bit the default's, with a reused step too, and
-    the trace has one segment for each producer and its consumer."""
+@pytest.mark.parametrize("level, entries", [(1, 1), (2, 1), (2, 2)])
+def test_handoff_keeps_the_result_with_action_caching_and_its_segments_on_the_cpu_build(level, entries):
+    """handoff: outputs polled until no sentinel is left instead of grid barriers (1: after the self
+    phase, the cross-attention and fc1; 2: all but one a block, the buffers in two copies): bit for
+    bit the default's twice in a row, with a reused step too; the trace has a segment a barrier."""
     cfg, e, truth = small_expert("cpu")
-    run = flow_case(cfg, e, truth, entries=1, steps=4, device="cpu")
+    run = flow_case(cfg, e, truth, entries=entries, steps=4, device="cpu")
     reuse = {2: 1}   # step 2 takes step 1's velocity
     default, _, _ = run(FusedExpert(e, backend="cuda"), reuse=reuse)
-    handoff = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(handoff=True, trace=True))
-    got, want, eager = run(handoff, reuse=reuse)
-    assert torch.equal(got, default) and not handoff.barrier_timed_out()
+    handoff = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(handoff=level, trace=True))
+    for _ in range(2):   # the second launch starts from the first one's buffers
+        got, want, eager = run(handoff, reuse=reuse)
+        assert torch.equal(got, default) and not handoff.barrier_timed_out()
     assert_near_truth(got, want, eager)
     names = handoff.cuda.segment_names((-1, -1, 1, -1))
     trace = next(iter(handoff.cuda._scratch.values())).trace[:, :, :2]
     assert trace.shape[1] == len(names) and (trace > 0).all()
-    assert {"self+self_out", "cross+cross_out", "fc1+fc2"} <= set(names) and "self" not in names
+    merged = {1: {"self+self_out", "cross+cross_out", "fc1+fc2"},
+              2: {"qkv+self+self_out+cross+cross_out+fc1+fc2"}}[level]
+    assert merged <= set(names) and "self" not in names
     with pytest.raises(ValueError, match="handoff"):
-        CudaTiling(handoff=True, fuse_self=True)
+        CudaTiling(handoff=1, fuse_self=True)
 
 
 @pytest.mark.parametrize("entries", [1, 2])

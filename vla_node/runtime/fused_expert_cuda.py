@@ -117,12 +117,14 @@ class CudaTiling:
     # H200 the loop 12.86 -> 12.49 ms at B = 2, 18.15 -> 17.74 at B = 4, 26.55 -> 25.95 at B = 8; at
     # B = 1 9.43 -> 9.56, and 4 no better than 2: BENCHMARKS.md, tenth session)
     fc2_split: Optional[int] = None
-    # three grid barriers a block fewer (self -> self_out, cross -> cross_out, fc1 -> fc2): the
-    # attention outputs and the MLP hidden carry their own readiness (expert_flow.cu, HANDOFF: the
-    # qkv phase fills them with a sentinel NaN, their consumers poll each fragment until it is
-    # stored). The same numbers bit for bit; not yet timed on a GPU (the barriers' releases were
-    # 8.5 of a block's 25 us at B = 1: BENCHMARKS.md, twelfth session)
-    handoff: bool = False
+    # grid barriers a block fewer, outputs that carry their own readiness instead (expert_flow.cu,
+    # HANDOFF: buffers filled with a sentinel NaN ahead, consumers poll each value until it is
+    # stored). 1: three fewer (self -> self_out, cross -> cross_out, fc1 -> fc2: the attention outputs
+    # and the MLP hidden); 2: one barrier a block (before qkv), every buffer a phase hands on in two
+    # copies and the residual stream in three versions (with fold_cross_q and x_frags; else 1). The
+    # same numbers bit for bit; not yet timed on a GPU (the barriers' releases were 8.5 of a block's
+    # 25 us at B = 1: BENCHMARKS.md, twelfth session)
+    handoff: int = 0
     # the cross-attention's warp partials stored in shared memory at a row stride of head_dim
     # padded to 8 banks mod 32 (at head_dim 96 the rows of a warp's store fell on one bank: 4-way
     # conflicts, 24 stores a warp). The same numbers bit for bit; not yet timed on a GPU
@@ -135,6 +137,8 @@ class CudaTiling:
             raise ValueError("fc2_split and weights_smem: a program's split weights are not one range to copy")
         if self.self_cluster and self.fuse_self:
             raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
+        if self.handoff not in (0, 1, 2):
+            raise ValueError(f"handoff: 0, 1 or 2, got {self.handoff}")
         if self.handoff and (self.fuse_self or self.self_cluster or self.cross_cut):
             raise ValueError("handoff: the self phase's and the merged cross-attention's outputs are what it hands off "
                              "(not with fuse_self, self_cluster or cross_cut)")
@@ -184,6 +188,8 @@ class Scratch:
     n_keys: int
     xa: torch.Tensor        # [B T, A] fp32 the actions being integrated
     vel: torch.Tensor       # [steps, B T, A] each computed step's velocity (bf16)
+    # (handoff 2: x, xf and stats hold five slots, the residual stream's versions 1 and 2 two copies
+    # each; qkv, y, yc, hid, f0 and sq two copies)
     x: torch.Tensor         # [rows, W] fp32 the residual stream (rows: B x horizon padded to 16s)
     xf: torch.Tensor        # its bf16 copy in A-fragment order (CudaTiling.x_frags; else unused)
     stats: torch.Tensor     # each 8-column tile's row mean and M2: [rows, W / 8, 2] (stats_t: [W / 8, rows, 2])
@@ -239,6 +245,11 @@ def fc2_split_of(t: CudaTiling, entries: int, cluster: int, mlp: int) -> int:
     while split > 1 and (cluster % split or mlp % (256 * split)):
         split //= 2
     return split
+
+
+def handoff_of(t: CudaTiling) -> int:
+    """The kernel's HANDOFF: as asked, 2 only with fold_cross_q and x_frags (else 1)."""
+    return t.handoff if t.handoff < 2 or (t.fold_cross_q and t.x_frags) else 1
 
 
 def tiles_a_program(n: int, asked: int, first_part: int = 0, *, programs: int) -> int:
@@ -322,7 +333,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
-                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, HANDOFF=int(t.handoff),
+                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, HANDOFF=handoff_of(t),
                      SO_STRIDE=so_stride)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
@@ -360,17 +371,19 @@ class CudaFlow:
                                dataclasses.replace(self.tiling, fold_cross_q=False), limit, held)
             rows = entries * dict(plan.constants)["TOK16"]
             w, tok16, pairs = f.width, rows // entries, entries * f.heads
+            # handoff 2: the residual stream's versions 1 and 2 and each handed-off buffer in two copies
+            versions, copies = (5, 2) if dict(plan.constants)["HANDOFF"] > 1 else (1, 1)
             with torch.device(device):
                 bf, f32 = dict(dtype=torch.bfloat16), dict(dtype=torch.float32)
                 self._scratch[key] = Scratch(
                     plan=plan, unfolded=unfolded, n_keys=n_keys,
                     xa=torch.empty((entries * tokens, f.action_dim), **f32),
                     vel=torch.empty((steps, entries * tokens, f.action_dim), **bf),
-                    x=torch.empty((rows, w), **f32), xf=torch.empty(rows * w, **bf),
-                    stats=torch.empty(rows * w // 4, **f32), qkv=torch.empty(rows * 3 * w, **bf),
-                    q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf),
-                    yc=torch.empty(rows * w, **bf), hid=torch.empty(rows * f.mlp, **bf),
-                    f0=torch.empty((rows, w), **f32), sq=torch.empty(rows * w, **f32),
+                    x=torch.empty((versions * rows, w), **f32), xf=torch.empty(versions * rows * w, **bf),
+                    stats=torch.empty(versions * rows * w // 4, **f32), qkv=torch.empty(copies * rows * 3 * w, **bf),
+                    q=torch.empty(rows * w, **bf), y=torch.empty(copies * rows * w, **bf),
+                    yc=torch.empty(copies * rows * w, **bf), hid=torch.empty(copies * rows * f.mlp, **bf),
+                    f0=torch.empty((copies * rows, w), **f32), sq=torch.empty(copies * rows * w, **f32),
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
                     mlpart=torch.empty(pairs * plan.cpp * tok16 * 2, **f32),
                     counter=torch.zeros(pairs, dtype=torch.int32),
@@ -423,7 +436,10 @@ class CudaFlow:
         folded = self.tiling.fold_cross_q if folded is None else folded
         no_self = self.tiling.fuse_self or self.tiling.self_cluster
         phases = [p for p in BLOCK_PHASES if not (no_self and p == "self") and not (folded and p == "cross_q")]
-        if self.tiling.handoff:   # no barrier after these: one segment with the phase that follows
+        handoff = handoff_of(dataclasses.replace(self.tiling, fold_cross_q=folded))
+        if handoff == 2:   # one barrier a block: one segment
+            phases = ["+".join(phases)]
+        elif handoff == 1:   # no barrier after these: one segment with the phase that follows
             for first in ("self", "cross", "fc1"):
                 at = phases.index(first)
                 phases[at:at + 2] = [f"{first}+{phases[at + 1]}"]

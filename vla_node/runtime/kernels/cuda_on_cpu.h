@@ -311,6 +311,8 @@ inline uint4 ld_poll16(const void* p) { return *(const uint4*)p; }
 inline void st_volatile16(void* p, uint4 v) { *(uint4*)p = v; }
 inline void st_volatile4(void* p, u32 v) { *(u32*)p = v; }
 inline void st_volatile2(void* p, u16 v) { *(u16*)p = v; }
+inline float ld_poll_f(const float* p) { return *p; }
+inline void st_volatile_f2(float* p, float2 v) { *(float2*)p = v; }
 inline void spin_pause() { cpu::yield(); }
 
 // Copies complete at once (a valid order of the asynchronous ones).

@@ -58,13 +58,16 @@
 // (how a barrier polls), TRACE (per-segment timestamps), WORK (0: every phase's loads and barriers
 // without its arithmetic and stores: the loop's floor of synchronisation) and CROSS_CUT (1: the
 // cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers).
-// HANDOFF: three grid barriers a block go (self -> self_out, cross -> cross_out, fc1 -> fc2): the
-// attention outputs (y, yc) and the MLP hidden (hid) carry their own readiness. The qkv phase fills
-// them with SENTINEL (0xffff, a bf16 NaN that no producer stores: see no_sentinel) after its wait;
-// each producer stores its values as they are made; a consumer polls each of its A fragments until
-// no half of it is the sentinel. Why no barrier is needed besides: every consumer of these phases
-// reads all the fragments it sums over, so it has seen an output of every producer program, each
-// made after that program's own reads (nothing a consumer then overwrites is read later).
+// HANDOFF: grid barriers replaced by outputs that carry their own readiness. Buffers a phase hands
+// on are filled with SENTINEL ahead (bf16 0xffff, fp32 all ones: NaNs no producer stores, see
+// no_sentinel); producers store their values as they are made (volatile); a consumer polls each
+// value it reads until it is no longer the sentinel. 1: three barriers a block go (self -> self_out,
+// cross -> cross_out, fc1 -> fc2: y, yc, hid, filled by the qkv phase after its wait). 2: one
+// barrier a block stays, before qkv; every buffer handed on within a block has two copies (block n
+// uses copy n & 1 and fills copy n + 1's in its qkv phase) and the residual stream three versions
+// (rslot). Why nothing is overwritten while still read: a program writes a buffer's next version only
+// after it has polled values of every program that reads the current one, each made after that
+// program's reads (the consumers read all the fragments or statistics they sum over).
 // SO_STRIDE: the row stride (floats) of the cross-attention's warp partials in shared memory (HDIM,
 // or padded so that a store's rows g = 0..3 fall on different banks: head_dim 96 put them all on one).
 
@@ -179,6 +182,14 @@ __device__ __forceinline__ void st_volatile4(void* p, u32 v) {
 }
 __device__ __forceinline__ void st_volatile2(void* p, u16 v) {
     asm volatile("st.volatile.global.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+}
+__device__ __forceinline__ float ld_poll_f(const float* p) {
+    float r;
+    asm volatile("ld.volatile.global.f32 %0, [%1];" : "=f"(r) : "l"(p) : "memory");
+    return r;
+}
+__device__ __forceinline__ void st_volatile_f2(float* p, float2 v) {
+    asm volatile("st.volatile.global.v2.f32 [%0], {%1,%2};" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
 }
 __device__ __forceinline__ void spin_pause() {}   // a poll is an L2 round trip already
 
@@ -319,19 +330,30 @@ __device__ __forceinline__ bool sentinel_in(u32 v) { return (v & 0xffffu) == SEN
 __device__ __forceinline__ bool sentinel_in(uint4 a) {
     return sentinel_in(a.x) || sentinel_in(a.y) || sentinel_in(a.z) || sentinel_in(a.w);
 }
-// A handed-off output's fragment, bf16 pair or value: with HANDOFF stored volatile and never as the
-// sentinel, else a plain store (its readers wait at a barrier).
+// A handed-off output's fragment or bf16 value (y, yc): with HANDOFF stored volatile and never as
+// the sentinel, else a plain store (its readers wait at a barrier).
 __device__ __forceinline__ void put_frag(uint4* p, uint4 v) {
     if (HANDOFF) st_volatile16(p, make_uint4(no_sentinel(v.x), no_sentinel(v.y), no_sentinel(v.z), no_sentinel(v.w)));
     else *p = v;
 }
-__device__ __forceinline__ void put_bf2(u16* p, u32 v) {
-    if (HANDOFF) st_volatile4(p, no_sentinel(v));
-    else *(u32*)p = v;
-}
 __device__ __forceinline__ void put_bf(u16* p, float v) {
     if (HANDOFF) st_volatile2(p, (u16)no_sentinel(to_bf(v)));
     else *p = to_bf(v);
+}
+// HANDOFF 2's fp32 outputs (never all ones), and its bf16 pairs written by phases that HANDOFF 1
+// still separates by a barrier: handed off where `handed`, else plain stores.
+__device__ __forceinline__ float no_sentinel_f(float v) { return __float_as_uint(v) == ~0u ? __uint_as_float(0x7fffffffu) : v; }
+__device__ __forceinline__ void put_f2(float* p, float a, float b, bool handed) {
+    if (handed) st_volatile_f2(p, make_float2(no_sentinel_f(a), no_sentinel_f(b)));
+    else *(float2*)p = make_float2(a, b);
+}
+__device__ __forceinline__ void put_pair(u16* p, u32 v, bool handed) {
+    if (handed) st_volatile4(p, no_sentinel(v));
+    else *(u32*)p = v;
+}
+__device__ __forceinline__ void put_half(u16* p, u16 v, bool handed) {
+    if (handed) st_volatile2(p, (u16)no_sentinel(v));
+    else *p = v;
 }
 
 // Offset (bf16 elements) of element (r, c) of a [MP, cols] matrix stored in A-fragment order:
@@ -351,6 +373,7 @@ struct Sync {
     u32 kv_parity;  // KV_SMEM: the phase of the K/V copy's mbarrier that the next wait waits for
     u32 w_phase;    // W_SMEM: GEMV phases so far (phase n reads weight buffer n & 1)
     u32 w_parity;   // W_SMEM: bit b, the phase of buffer b's mbarrier that its next wait waits for
+    int par;        // HANDOFF 2: the block's copy of the handed-off buffers (blocks so far & 1)
 };
 
 // TRACE: per program and segment, its start (0: its wait's end), end (1: its arrival) and two
@@ -417,27 +440,71 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
 
 // HANDOFF: fragment a, loaded from src by ld_poll16, polled again until no half of it is the sentinel
 // (its producer has not stored it yet); gives up, flagging the launch as a barrier does, after
-// SPIN_LIMIT polls or once the launch is flagged.
+// SPIN_LIMIT polls or once the launch is flagged. settle_f: the same for an fp32 value (its sentinel
+// all ones, a NaN no producer stores either).
+__device__ __forceinline__ bool gave_up(const Params& p, int spins) {
+    if (spins < SPIN_LIMIT && !*(volatile int*)p.err) return false;
+    atomicExch(p.err, 1);
+    return true;
+}
 __device__ __forceinline__ uint4 settle(const Params& p, const uint4* src, uint4 a) {
-    for (int spins = 0; WORK && sentinel_in(a); ++spins) {
-        if (spins >= SPIN_LIMIT || *(volatile int*)p.err) {
-            atomicExch(p.err, 1);
-            break;
-        }
+    for (int spins = 0; WORK && sentinel_in(a) && !gave_up(p, spins); ++spins) {
         spin_pause();
         a = ld_poll16(src);
     }
     return a;
 }
+__device__ __forceinline__ float settle_f(const Params& p, const float* src, float v) {
+    for (int spins = 0; WORK && __float_as_uint(v) == ~0u && !gave_up(p, spins); ++spins) {
+        spin_pause();
+        v = ld_poll_f(src);
+    }
+    return v;
+}
+template <int CPT> __device__ __forceinline__ void settle_cols(const Params& p, const float* src, float* v) {
+    for (int k = 0; k < CPT; ++k) v[k] = settle_f(p, src + k, v[k]);
+}
 
-// HANDOFF: y, yc and hid filled with the sentinel, a share each program. The qkv phase does it
-// after its wait: their readers of the block before have passed a barrier since, and their
-// producers of this block wait at one after.
-__device__ void reset_handoffs(const Params& p) {
-    constexpr int Y = MP * WIDTH / 8, H = MP * MLPD / 8;   // 16-byte chunks
+// HANDOFF 2: where a block's phases read and write. The residual stream has three versions a block
+// (0: the block's input, written behind the block's one barrier; 1: after self_out; 2: after
+// cross_out), versions 1 and 2 in two copies; the handed-off buffers (qkv, f0, y, sq, yc, hid) in
+// two copies. Block n uses copy n & 1 (par) and fills copy par ^ 1 with the sentinel for block n + 1
+// (its readers of block n - 1 are behind the block's barrier, its producers of block n + 1 behind
+// the next). Else one copy of each, all versions one.
+__device__ __forceinline__ int rslot(int ver, int par) { return HANDOFF > 1 && ver ? 2 * ver - 1 + par : 0; }
+__device__ __forceinline__ float* x_at(const Params& p, int ver, int par) { return p.x + rslot(ver, par) * (MP * WIDTH); }
+__device__ __forceinline__ u16* xf_at(const Params& p, int ver, int par) { return p.xf + rslot(ver, par) * (MP * WIDTH); }
+__device__ __forceinline__ float* stats_of(const Params& p, int ver, int par) {
+    return p.stats + rslot(ver, par) * (MP * NT_W * 2);
+}
+template <class T> __device__ __forceinline__ T* at_par(T* base, int count, int par) {
+    return HANDOFF > 1 ? base + par * count : base;
+}
+// Whether a read of version ver (or of a handed-off buffer, ver 1) is polled.
+__device__ __forceinline__ constexpr bool polled(int ver) { return HANDOFF > 1 && ver != 0; }
+
+__device__ void fill_sentinel(void* dst, int bytes) {
     const uint4 fill = make_uint4(~0u, ~0u, ~0u, ~0u);
-    for (int k = blockIdx.x * NTHREADS + threadIdx.x; k < 2 * Y + H; k += NPROG * NTHREADS)
-        *(k < Y ? (uint4*)p.y + k : k < 2 * Y ? (uint4*)p.yc + (k - Y) : (uint4*)p.hid + (k - 2 * Y)) = fill;
+    for (int k = blockIdx.x * NTHREADS + threadIdx.x; k < bytes / 16; k += NPROG * NTHREADS) ((uint4*)dst)[k] = fill;
+}
+// HANDOFF 1: y, yc and hid filled with the sentinel, a share each program, by the qkv phase after its
+// wait (their readers of the block before have passed a barrier since, their producers of this block
+// wait at one after). HANDOFF 2: copy par ^ 1 of every handed-off buffer, for the next block.
+__device__ void reset_handoffs(const Params& p, int par) {
+    constexpr int W2 = MP * WIDTH * 2;   // bytes of a [rows, width] bf16 matrix
+    const int q = HANDOFF > 1 ? par ^ 1 : 0;
+    fill_sentinel(at_par(p.y, MP * WIDTH, q), W2);
+    fill_sentinel(at_par(p.yc, MP * WIDTH, q), W2);
+    fill_sentinel(at_par(p.hid, MP * MLPD, q), MP * MLPD * 2);
+    if (HANDOFF < 2) return;
+    fill_sentinel(at_par(p.qkv, MP * 3 * WIDTH, q), 3 * W2);
+    fill_sentinel(at_par(p.f0, MP * WIDTH, q), 2 * W2);
+    fill_sentinel(at_par(p.sq, MP * WIDTH, q), 2 * W2);
+    for (int ver = 1; ver <= 2; ++ver) {
+        fill_sentinel(x_at(p, ver, q), 2 * W2);
+        fill_sentinel(xf_at(p, ver, q), W2);
+        fill_sentinel(stats_of(p, ver, q), MP * NT_W * 2 * 4);
+    }
 }
 
 // HANDOFF: the end of a phase whose outputs are handed off: no arrival, but the program's threads
@@ -468,8 +535,10 @@ __device__ __forceinline__ int stats_at(int r, int t) { return (STATS_T ? t * MP
 
 // LayerNorm mean and 1/std of rows row0 .. row0 + rows - 1 from their 8-column tiles' (mean, M2)
 // (Chan's formula, equal counts): into mean[rows], rstd[rows] in shared memory. TPR threads a row.
-__device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP) {
+// Version ver of the residual stream at copy par (HANDOFF 2: polled unless version 0).
+__device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP, int ver = 0, int par = 0) {
     constexpr int PER = (NT_W + TPR - 1) / TPR;
+    const float* stats = stats_of(p, ver, par);
     const int lane_in_row = threadIdx.x % TPR;
     for (int base = 0; base < rows; base += NTHREADS / TPR) {
         const int rr = base + threadIdx.x / TPR, r = row0 + rr;
@@ -479,9 +548,10 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
         for (int u = 0; u < PER; ++u) {
             const int t = lane_in_row + u * TPR;
             const bool here = ok && t < NT_W;
-            const float2 st = here ? ld_cg_f2(p.stats + stats_at(r, t)) : make_float2(0.0f, 0.0f);
-            tm[u] = st.x;
-            t2[u] = st.y;
+            const float* at = stats + stats_at(r, t);
+            const float2 st = here ? ld_cg_f2(at) : make_float2(0.0f, 0.0f);
+            tm[u] = here && polled(ver) ? settle_f(p, at, st.x) : st.x;
+            t2[u] = here && polled(ver) ? settle_f(p, at + 1, st.y) : st.y;
         }
         float sum = 0.0f;
 #pragma unroll
@@ -543,9 +613,10 @@ template <int CPT> __device__ __forceinline__ void st_cols(float* p, const float
 
 // Row r's columns c0 .. c0 + CPT - 1 (final values; the item's EPI_SPLIT threads hold its 8 columns
 // of tile c0 / 8, consecutive lanes), and the tile's mean and M2, summed in column order by its first
-// thread. Every thread of the warp calls it (the gather shuffles).
+// thread. Every thread of the warp calls it (the gather shuffles). Version ver at copy par (HANDOFF 2:
+// handed off unless version 0).
 template <int CPT>
-__device__ __forceinline__ void store_x(const Params& p, int r, int c0, const float* v) {
+__device__ __forceinline__ void store_x(const Params& p, int r, int c0, const float* v, int ver = 0, int par = 0) {
     constexpr int Q = 8 / CPT;
     const int lane = threadIdx.x & 31, first = lane & ~(Q - 1);
     float gathered[Q > 1 ? 8 : 1];
@@ -556,16 +627,20 @@ __device__ __forceinline__ void store_x(const Params& p, int r, int c0, const fl
             for (int k = 0; k < CPT; ++k) gathered[j * CPT + k] = __shfl_sync(0xffffffffu, v[k], first + j);
         all = gathered;
     }
-    st_cols<CPT>(p.x + r * WIDTH + c0, v);
+    const bool handed = polled(ver);
+    float* x = x_at(p, ver, par) + r * WIDTH + c0;
+    if (handed)
+        for (int k = 0; k < CPT; k += 2) put_f2(x + k, v[k], v[k + 1], true);
+    else st_cols<CPT>(x, v);
     if (X_FRAGS)
-        for (int k = 0; k < CPT; k += 2) *(u32*)(p.xf + afrag_offset(r, c0 + k, KS_W)) = pack_bf2(v[k], v[k + 1]);
+        for (int k = 0; k < CPT; k += 2) put_pair(xf_at(p, ver, par) + afrag_offset(r, c0 + k, KS_W), pack_bf2(v[k], v[k + 1]), handed);
     if (lane != first) return;
     float mu = 0.0f;
     for (int k = 0; k < 8; ++k) mu += all[k];
     mu *= 0.125f;
     float m2 = 0.0f;
     for (int k = 0; k < 8; ++k) m2 += (all[k] - mu) * (all[k] - mu);
-    *(float2*)(p.stats + stats_at(r, c0 >> 3)) = make_float2(mu, m2);
+    put_f2(stats_of(p, ver, par) + stats_at(r, c0 >> 3), mu, m2, handed);
 }
 
 // -- attention -----------------------------------------------------------------------------------
@@ -612,19 +687,29 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 // Self-attention of (entry b, head h, query tile qm) on one warp: its output rows as the A
 // fragments of the head's HK k-steps (normalised, bf16), for y or straight into self_out's dot.
-__device__ __forceinline__ void self_attend(const Params& p, int b, int h, int qm, uint4 (&out)[HK]) {
+// HANDOFF 2: q, k and v of copy par, polled (a fragment's loads in flight together, then each
+// again until its producer has stored it).
+__device__ __forceinline__ void self_attend(const Params& p, int b, int h, int qm, uint4 (&out)[HK], int par = 0) {
     const int lane = threadIdx.x & 31, q = lane & 3, qtiles = TOK16 / 16, mt = b * qtiles + qm;
     const float scale = p.scale * LOG2E;
+    const u16* qkv = at_par(p.qkv, MP * 3 * WIDTH, par);
     uint4 qa[HK];
-    for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane));
+    for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane));
+    for (int ks = 0; ks < HK && polled(1); ++ks)
+        qa[ks] = settle(p, (const uint4*)qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane), qa[ks]);
     float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
     for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     for (int kt = 0; kt < qtiles; ++kt) {
         const int km = b * qtiles + kt;
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        uint4 kp[HK];
+        for (int ks = 0; ks < HK && polled(1); ++ks)
+            kp[ks] = ld_cg16((const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
+        for (int ks = 0; ks < HK && polled(1); ++ks)
+            kp[ks] = settle(p, (const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane), kp[ks]);
         for (int ks = 0; ks < HK; ++ks) {
             // k in A-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
-            uint4 k = ld_cg16((const uint4*)p.qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
+            uint4 k = polled(1) ? kp[ks] : ld_cg16((const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
             mma(sc[0], qa[ks], k.x, k.z);
             mma(sc[1], qa[ks], k.y, k.w);
         }
@@ -636,8 +721,9 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
             }
         uint4 pa = softmax_tile(sc, ok, m, l, o);
         uint4 v[HK];
-        const uint4* vsrc = (const uint4*)(p.qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
+        const uint4* vsrc = (const uint4*)(qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
         for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
+        for (int u = 0; u < HK && polled(1); ++u) v[u] = settle(p, vsrc + u, v[u]);
         pv(o, pa, v);
     }
     const float inv0 = 1.0f / quad_sum(l[0]), inv1 = 1.0f / quad_sum(l[1]);
@@ -688,6 +774,18 @@ __device__ void self_items(const Params& p, float* smem) {
     }
 }
 enum Epilogue { TO_QKV, TO_FRAGS, TO_FRAGS_GELU, TO_RESIDUAL };
+
+// The GEMV phases of a block, the version of the residual stream each reads (its LayerNorm's source
+// or its residual's old values) and writes, and whether it waits at a grid barrier before its dots
+// and arrives at one after its epilogue (HANDOFF 1: not where the phase before it hands off; HANDOFF
+// 2: one barrier a block, before qkv).
+enum Phase { P_QKV, P_SELF_OUT, P_CROSS_Q, P_CROSS_OUT, P_FC1, P_FC2 };
+__device__ __forceinline__ constexpr int v_in(int ph) { return ph <= P_SELF_OUT ? 0 : ph >= P_FC1 ? 2 : 1; }
+__device__ __forceinline__ constexpr int v_out(int ph) { return ph == P_SELF_OUT ? 1 : ph == P_CROSS_OUT ? 2 : 0; }
+__device__ __forceinline__ constexpr bool waits(int ph) {
+    return HANDOFF == 0 || ph == P_QKV || (HANDOFF == 1 && (ph == P_CROSS_Q || ph == P_FC1));
+}
+__device__ __forceinline__ constexpr bool arrives(int ph) { return HANDOFF == 0 || ph == P_FC2 || (HANDOFF == 1 && ph != P_FC1); }
 
 // The largest chunk of at most `most` k-steps that divides a warp's k steps.
 constexpr int whole_chunk(int ksteps, int most) {
@@ -782,9 +880,12 @@ struct Part2 {
 // y = src @ Wf^T (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
 // A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait. Output
-// columns from NA on are the second part (FOLD_CQ; a program's tiles are all in one part).
-template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gemv {
+// columns from NA on are the second part (FOLD_CQ; a program's tiles are all in one part). par: the
+// block's copy of the handed-off buffers (HANDOFF 2).
+template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gemv {
     typedef Shape<N, K, TPCX, SPLIT> S;
+    static constexpr int VIN = v_in(PH), VOUT = v_out(PH);
+    int par;
     static constexpr int NA8 = NA / 8;
     static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
     uint4 wr[S::TPC][S::KP];
@@ -811,11 +912,11 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
             } else if (second) {
                 if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + c);
                 // F0 is the qkv phase's: one barrier back without a self phase, read after the wait
-                else if (!FUSE_SELF && !SELF_CLUSTER) cp_async16(slot + 4 * ch, p.f0 + r * WIDTH + c);
+                else if (!FUSE_SELF && !SELF_CLUSTER) cp_async16(slot + 4 * ch, at_par(p.f0, MP * WIDTH, par) + r * WIDTH + c);
             } else if (ch == 0) {
                 cp_async16(slot, bias + c0);
             } else if (EPI == TO_RESIDUAL) {
-                cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : p.x + r * WIDTH + c0 + (ch - 2) * 4);
+                cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : x_at(p, VIN, par) + r * WIDTH + c0 + (ch - 2) * 4);
             }
         }
         const uint4* w = first_weights<N, K, TPCX, NA, SPLIT>(wf, p2.w);   // W_SMEM: its buffer's source
@@ -849,22 +950,28 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 wr[tt][kp] = t0 + tt < S::NT8 ? buf[(tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane] : make_uint4(0, 0, 0, 0);
     }
 
+    // Where this lane's bf16 residual values of k-step ks (of its warp's) of row tile mt are (X_FRAGS).
+    __device__ __forceinline__ const uint4* x_frag_src(const Params& p, int mt, int ks) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        return (const uint4*)xf_at(p, VIN, par) + ((mt * KS_W + warp * S::KSW + ks) * 32 + lane);
+    }
+
     // The residual stream's values of this warp's A fragments of row tile mt (LN sources).
     __device__ __forceinline__ void load_x(const Params& p, int mt, XRaw (&raw)[S::KSW]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #if X_FRAGS
 #pragma unroll
-        for (int ks = 0; ks < S::KSW; ++ks)
-            raw[ks] = ld_cg16((const uint4*)p.xf + ((mt * KS_W + warp * S::KSW + ks) * 32 + lane));
+        for (int ks = 0; ks < S::KSW; ++ks) raw[ks] = ld_cg16(x_frag_src(p, mt, ks));
 #else
         const int g = lane >> 2, q = lane & 3, r0 = mt * 16 + g, r1 = r0 + 8;
 #pragma unroll
         for (int ks = 0; ks < S::KSW; ++ks) {
             const int c = (warp * S::KSW + ks) * 16 + 2 * q;
-            raw[ks].v[0] = ld_cg_f2(p.x + r0 * WIDTH + c);
-            raw[ks].v[1] = ld_cg_f2(p.x + r1 * WIDTH + c);
-            raw[ks].v[2] = ld_cg_f2(p.x + r0 * WIDTH + c + 8);
-            raw[ks].v[3] = ld_cg_f2(p.x + r1 * WIDTH + c + 8);
+            const float* x = x_at(p, VIN, par);
+            raw[ks].v[0] = ld_cg_f2(x + r0 * WIDTH + c);
+            raw[ks].v[1] = ld_cg_f2(x + r1 * WIDTH + c);
+            raw[ks].v[2] = ld_cg_f2(x + r0 * WIDTH + c + 8);
+            raw[ks].v[3] = ld_cg_f2(x + r1 * WIDTH + c + 8);
         }
 #endif
     }
@@ -918,6 +1025,12 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #pragma unroll
             for (int k0 = 0; k0 < S::KSW; k0 += KC) {
                 uint4 a[KC];
+#if X_FRAGS
+                // HANDOFF 2: the LayerNorm's source values polled until their producers stored them
+#pragma unroll
+                for (int k = 0; k < KC && SRC == FROM_X_LN && polled(VIN); ++k)
+                    raw[k0 + k] = settle(p, x_frag_src(p, mt, k0 + k), raw[k0 + k]);
+#endif
 #pragma unroll
                 for (int k = 0; k < KC; ++k)
                     a[k] = SRC == FROM_SELF ? att[(k0 + k) % HK] : a_frag<SRC>(frags, src_ksteps, mt, k0 + k, raw, mean, rstd);
@@ -995,16 +1108,20 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                     if (first) ld_cols<CPT, SHARED>(slot + k0, rho);
                     else ld_cols<CPT, READ_ONLY>(p2.fc + WIDTH + c, rho);
                     for (int k = 0; k < CPT; ++k) v[k] = v[k] / rstd[r] + mean[r] * rho[k];
-                    st_cols<CPT>(p.f0 + r * WIDTH + c, v);
+                    float* f0 = at_par(p.f0, MP * WIDTH, par) + r * WIDTH + c;
+                    for (int k = 0; k < CPT; k += 2) put_f2(f0 + k, v[k], v[k + 1], polled(1));
                 } else {               // S = F0 + y M + eps, in A-fragment order
                     float e[CPT], f[CPT];
                     if (first) ld_cols<CPT, SHARED>(slot + k0, e);
                     else ld_cols<CPT, READ_ONLY>(p2.fc + c, e);
+                    const float* f0 = at_par(p.f0, MP * WIDTH, par) + r * WIDTH + c;
                     if (first && !FUSE_SELF && !SELF_CLUSTER) ld_cols<CPT, SHARED>(slot + 8 + k0, f);
-                    else ld_cols<CPT, L2>(p.f0 + r * WIDTH + c, f);
+                    else ld_cols<CPT, L2>(f0, f);
+                    if (polled(1)) settle_cols<CPT>(p, f0, f);   // HANDOFF 2: the qkv phase's F0
+                    float* sq = at_par(p.sq, MP * WIDTH, par);
                     for (int k = 0; k < CPT; k += 2)
-                        *(float2*)(p.sq + afrag_offset(r, c + k, KS_W)) = make_float2(v[k] + (e[k] + f[k]),
-                                                                                      v[k + 1] + (e[k + 1] + f[k + 1]));
+                        put_f2(sq + afrag_offset(r, c + k, KS_W), v[k] + (e[k] + f[k]), v[k + 1] + (e[k + 1] + f[k + 1]),
+                               polled(1));
                 }
                 continue;
             }
@@ -1019,10 +1136,11 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                     ld_cols<CPT, SHARED>(slot + 8 + k0, old);
                 } else {
                     ld_bf_cols<CPT, READ_ONLY>(mod + gate_off + c0, g);
-                    ld_cols<CPT, L2>(p.x + r * WIDTH + c0, old);
+                    ld_cols<CPT, L2>(x_at(p, VIN, par) + r * WIDTH + c0, old);
                 }
+                if (polled(VIN)) settle_cols<CPT>(p, x_at(p, VIN, par) + r * WIDTH + c0, old);
                 for (int k = 0; k < CPT; ++k) v[k] = old[k] + g[k] * v[k];
-                store_x<CPT>(p, r, c0, v);
+                store_x<CPT>(p, r, c0, v, VOUT, par);
             } else if (EPI == TO_QKV && ct >= 2 * WIDTH) {
                 // v of head h in the B-fragment order of P @ V: [row tile][head][lane][HDIM/8][2][2] with
                 // (key = half 8 + 2 q + e, d = 8 dn + g) of the tile's 16 keys.
@@ -1030,25 +1148,23 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 const int half = kk >> 3, qq = (kk & 7) >> 1, e = kk & 1, dn = d0 >> 3;
                 u16* vb = out + MP * 2 * WIDTH + ((r >> 4) * HEADS + h) * 32 * (HDIM / 2);
                 for (int k = 0; k < CPT; ++k)
-                    vb[((k0 + k) * 4 + qq) * (HDIM / 2) + dn * 4 + half * 2 + e] = to_bf(v[k]);
+                    put_half(vb + ((k0 + k) * 4 + qq) * (HDIM / 2) + dn * 4 + half * 2 + e, to_bf(v[k]), polled(1));
             } else {
                 if (EPI == TO_FRAGS_GELU)
                     for (int k = 0; k < CPT; ++k) v[k] = 0.5f * v[k] * (1.0f + erff(v[k] * 0.7071067811865476f));
                 const int cols = EPI == TO_QKV ? 2 * WIDTH : N;
-                for (int k = 0; k < CPT; k += 2) {
-                    u16* dst = out + afrag_offset(r, c0 + k, cols / 16);
-                    if (EPI == TO_FRAGS_GELU) put_bf2(dst, pack_bf2(v[k], v[k + 1]));   // the MLP hidden: handed off
-                    else *(u32*)dst = pack_bf2(v[k], v[k + 1]);
-                }
+                // handed off: the MLP hidden (HANDOFF 1, 2), q and k (2)
+                const bool handed = EPI == TO_FRAGS_GELU ? HANDOFF > 0 : EPI == TO_QKV && polled(1);
+                for (int k = 0; k < CPT; k += 2)
+                    put_pair(out + afrag_offset(r, c0 + k, cols / 16), pack_bf2(v[k], v[k + 1]), handed);
             }
         }
     }
 };
 
-// One GEMV phase of block j: weights (and the epilogue's inputs) before the wait, then the dot.
-// HANDOFF: a phase of handed-off fragments has no wait, fc1 (the MLP hidden's producer) no
-// arrival, and the qkv phase fills the handed-off outputs with the sentinel.
-template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N, int SPLIT = 1>
+// One GEMV phase PH of block j: weights (and the epilogue's inputs) before the wait, then the dot.
+// HANDOFF: waits and arrivals as Phase says; the qkv phase fills handed-off buffers with the sentinel.
+template <int PH, int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N, int SPLIT = 1>
 __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
                                            const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{},
@@ -1056,7 +1172,8 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     typedef Shape<N, K, TPCX, SPLIT> S;
     static_assert(SPLIT == 1 || ((SRC == FROM_FRAGS || SRC == FROM_HANDOFF) && NA == N && !W_SMEM),
                   "SPLIT: dots of stored fragments only");
-    Gemv<N, K, EPI, TPCX, NA, SPLIT> gemv;
+    Gemv<PH, N, K, EPI, TPCX, NA, SPLIT> gemv;
+    gemv.par = HANDOFF > 1 ? s.par : 0;
     w_issue(s, smem, next_w, 1);   // W_SMEM: the next GEMV phase's weights stream in while this one runs
     float* mean = smem;
     float* rstd = smem + MP;
@@ -1064,8 +1181,8 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* pre = red + NWARPS * S::TPC * MP * 8;   // the epilogue's inputs: 16 floats an item of its first round
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
-    if (SRC != FROM_HANDOFF) grid_wait(p, s);
-    if (HANDOFF && WORK && EPI == TO_QKV) reset_handoffs(p);
+    if (waits(PH)) grid_wait(p, s);
+    if (HANDOFF && WORK && PH == P_QKV) reset_handoffs(p, s.par);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
         self_items(p, smem);
         cluster_sync();
@@ -1088,7 +1205,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
             gemv.load_x(p, 0, raw);
-            row_stats(p, mean, rstd);
+            row_stats(p, mean, rstd, 0, MP, gemv.VIN, s.par);
             __syncthreads();
         }
         trace_mark(p, s, 2);
@@ -1100,21 +1217,21 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     }
     cp_async_wait();
     s.w_phase++;
-    if (HANDOFF && EPI == TO_FRAGS_GELU) handed_off();
-    else grid_arrive(p, s);
+    if (arrives(PH)) grid_arrive(p, s);
+    else handed_off();
 }
 
 // Self-attention: one warp per (entry, head, query tile), warps spread over the programs first.
-// HANDOFF: no arrival (self_out polls y).
+// HANDOFF: no arrival (self_out polls y); 2: no wait either (q, k, v polled).
 __device__ void self_phase(const Params& p, Sync& s) {
-    grid_wait(p, s);
+    if (HANDOFF < 2) grid_wait(p, s);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int item = warp * NPROG + blockIdx.x, qtiles = TOK16 / 16;
     if (WORK && item < ENTRIES * HEADS * qtiles) {
         const int b = item / (HEADS * qtiles), h = (item / qtiles) % HEADS, qm = item % qtiles;
         uint4 out[HK];
-        self_attend(p, b, h, qm, out);
-        uint4* dst = (uint4*)p.y + (((b * qtiles + qm) * KS_W + h * HK) * 32 + lane);
+        self_attend(p, b, h, qm, out, s.par);
+        uint4* dst = (uint4*)at_par(p.y, MP * WIDTH, s.par) + (((b * qtiles + qm) * KS_W + h * HK) * 32 + lane);
         for (int u = 0; u < HK; ++u) put_frag(dst + u * 32, out[u]);
     }
     if (HANDOFF) handed_off();
@@ -1185,10 +1302,14 @@ __device__ __forceinline__ void stage_fold_constants(const float* fc, int h, flo
     for (int k = threadIdx.x; k < HDIM / 2; k += NTHREADS)   // 16-byte chunks: HDIM / 4 of rho, then of delta
         cp_async16(dst + 4 * k, fc + (k < HDIM / 4 ? WIDTH + 4 * k : 2 * WIDTH + 4 * (k - HDIM / 4)) + h * HDIM);
 }
-__device__ __forceinline__ void stage_fold_s(const Params& p, int b, int h, float* stage) {
+// HANDOFF 2 (settle): after the copies, each thread's chunks polled again until self_out stored them.
+__device__ __forceinline__ void stage_fold_s(const Params& p, int b, int h, float* stage, int par, bool settle) {
+    const float* sq = at_par(p.sq, MP * WIDTH, par);
     for (int k = threadIdx.x; k < (TOK16 / 16) * HK * 64; k += NTHREADS) {
         const int qm = k / (HK * 64), ks = (k / 64) % HK, chunk = k % 64, mt = b * (TOK16 / 16) + qm;
-        cp_async16(stage + 4 * k, p.sq + ((mt * KS_W + h * HK + ks) * 32) * 8 + 4 * chunk);
+        const float* src = sq + ((mt * KS_W + h * HK + ks) * 32) * 8 + 4 * chunk;
+        if (settle) settle_cols<4>(p, src, stage + 4 * k);
+        else cp_async16(stage + 4 * k, src);
     }
 }
 
@@ -1233,7 +1354,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
     const int partials = NWARPS * (SO_STRIDE + 2) > p.cpp * (HDIM + 2) ? NWARPS * (SO_STRIDE + 2) : p.cpp * (HDIM + 2);
     float* stage = smem + 4 + 2 * TOK16 + partials * TOK16;
     if (FOLD_CQ && WORK && active) stage_fold_constants(fc, h, stage);
-    grid_wait(p, s);
+    if (HANDOFF < 2) grid_wait(p, s);   // HANDOFF 2: S and x1's statistics polled
     const uint4* kvs = (const uint4*)(smem + KV_OFF + 4);   // KV_SMEM: this program's tiles, from kv_prefetch
     if (KV_SMEM && active && part * p.tiles_per_cta < p.key_tiles) {
         mbar_wait((unsigned long long*)(smem + KV_OFF), s.kv_parity);
@@ -1248,9 +1369,10 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
         float* sl = sm + NWARPS * TOK16;
         const float scale = p.scale * LOG2E;
         if (FOLD_CQ) {   // S copied in while the statistics load
-            stage_fold_s(p, b, h, stage);
-            row_stats(p, qmean, qrstd, b * TOK16, TOK16);
+            stage_fold_s(p, b, h, stage, s.par, false);
+            row_stats(p, qmean, qrstd, b * TOK16, TOK16, 1, s.par);
             cp_async_wait();
+            if (polled(1)) stage_fold_s(p, b, h, stage, s.par, true);
             __syncthreads();
         }
         trace_mark(p, s, 2);
@@ -1308,7 +1430,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             float acc = 0.0f;
             for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * SO_STRIDE + d];
             if (p.cpp == 1) {
-                put_bf(p.yc + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / sl[row]);
+                put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / sl[row]);
             } else if (CLUSTER > 1) {   // for the cluster's merge: a region no other phase writes
                 float* cpart = smem + C_OFF;
                 cpart[e] = acc;
@@ -1350,7 +1472,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     sum += f * l[c];
                     acc += f * o[c];
                 }
-                put_bf(p.yc + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / sum);
+                put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / sum);
             }
         } else if (p.cpp > 1 && !CROSS_CUT) {
             __syncthreads();
@@ -1376,7 +1498,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     const int row = e / HDIM, d = e % HDIM;
                     float acc = 0.0f;
                     for (int c = 0; c < p.cpp; ++c) acc += gm[c * TOK16 + row] * gpart[(c * TOK16 + row) * HDIM + d];
-                    put_bf(p.yc + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / gl[row]);
+                    put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / gl[row]);
                 }
                 if (threadIdx.x == 0) p.counter[pair] = 0;
             }
@@ -1474,7 +1596,7 @@ __device__ void boundary(const Params& p, float* smem, int done, int first_reuse
 // -- the loop --------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Params p) {
     float* smem = dynamic_smem();
-    Sync s = {0u, 0, 0u, 0u, 0u};
+    Sync s = {0u, 0, 0u, 0u, 0u, 0};
     trace_mark(p, s, 0);
     if (KV_SMEM && threadIdx.x == 0) mbar_init((unsigned long long*)(smem + KV_OFF));
     if (W_SMEM && threadIdx.x == 0) {
@@ -1486,6 +1608,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
     constexpr int FRAGS_IN = HANDOFF ? FROM_HANDOFF : FROM_FRAGS;   // self_out's, cross_out's and fc2's A fragments
     static_assert(!HANDOFF || !(FUSE_SELF || SELF_CLUSTER || CROSS_CUT), "HANDOFF: y from the self phase, yc merged");
+    static_assert(HANDOFF < 2 || (FOLD_CQ && X_FRAGS), "HANDOFF 2: no cross_q phase, LayerNorm sources in bf16 fragments");
+    if (HANDOFF > 1 && WORK) reset_handoffs(p, 1);   // copy 0 for the first block (the boundary's barrier follows)
     constexpr size_t WW = (size_t)WIDTH * WIDTH / 8, WM = (size_t)WIDTH * MLPD / 8;   // uint4s of a block's matrix
     auto qkv_w = [&](int i, int j) { return wref<QKV_N, WIDTH, QKV_TPC, 3 * WIDTH>(p.wqkv + j * 3 * WW, p.wq + j * WW); };
     auto so_w = [&](int i, int j) {
@@ -1519,37 +1643,40 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WW : nullptr, fc, 0};
             const WRef none = {nullptr, 0u};
             kv_prefetch(p, smem, j);
-            gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
-                p, s, smem, p.wqkv + j * 3 * WW, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
-                so_w(next, j));
+            gemv_phase<P_QKV, QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
+                p, s, smem, p.wqkv + j * 3 * WW, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0,
+                at_par(p.qkv, MP * 3 * WIDTH, s.par), f0_part, so_w(next, j));
 #if FUSE_SELF
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
-            gemv_phase<SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
+            gemv_phase<P_SELF_OUT, SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #elif SELF_CLUSTER
-            gemv_phase<SO_N, WIDTH, FROM_CLUSTER, TO_RESIDUAL, SO_TPC, WIDTH>(
+            gemv_phase<P_SELF_OUT, SO_N, WIDTH, FROM_CLUSTER, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, KS_W, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #else
             self_phase(p, s);
-            gemv_phase<SO_N, WIDTH, FRAGS_IN, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
-                FOLD_CQ ? co_w(j) : cq_w(j));
+            gemv_phase<P_SELF_OUT, SO_N, WIDTH, FRAGS_IN, TO_RESIDUAL, SO_TPC, WIDTH>(
+                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, at_par(p.y, MP * WIDTH, s.par), KS_W,
+                nullptr, s_part, FOLD_CQ ? co_w(j) : cq_w(j));
 #endif
             if (!FOLD_CQ)
-                gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
+                gemv_phase<P_CROSS_Q, WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
                     p, s, smem, p.wq + j * WW, p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
                     co_w(j));
             cross_phase(p, s, smem, j, fc);
-            gemv_phase<WIDTH, WIDTH, FRAGS_IN, TO_RESIDUAL>(
-                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.yc, KS_W, nullptr, Part2{}, fc1_w(j));
-            gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
-                p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
+            gemv_phase<P_CROSS_OUT, WIDTH, WIDTH, FRAGS_IN, TO_RESIDUAL>(
+                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, at_par(p.yc, MP * WIDTH, s.par), KS_W,
+                nullptr, Part2{}, fc1_w(j));
+            u16* hid = at_par(p.hid, MP * MLPD, s.par);
+            gemv_phase<P_FC1, MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
+                p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, hid, Part2{},
                 fc2_w(j));
-            gemv_phase<WIDTH, MLPD, FRAGS_IN, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
-                p, s, smem, p.w2 + j * WM, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
+            gemv_phase<P_FC2, WIDTH, MLPD, FRAGS_IN, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
+                p, s, smem, p.w2 + j * WM, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, hid, KS_MLP, nullptr, Part2{},
                 j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
+            if (HANDOFF > 1) s.par ^= 1;
         }
         grid_wait(p, s);
         done = next;
