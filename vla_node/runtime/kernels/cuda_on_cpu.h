@@ -276,6 +276,8 @@ inline void __syncthreads() {
     cpu::barrier(p.barrier, (unsigned)(p.warps.size() * 32), [] {});
 }
 
+inline void __syncwarp(unsigned = 0xffffffffu) { cpu::barrier(cpu::warp().barrier, 32, [] {}); }
+
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
     return cpu::slot_value<float>(cpu::exchange(v), cpu::lane() ^ (unsigned)mask);
 }

@@ -697,6 +697,7 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
     for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane));
     for (int ks = 0; ks < HK && polled(1); ++ks)
         qa[ks] = settle(p, (const uint4*)qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane), qa[ks]);
+    if (polled(1)) __syncwarp();   // the lanes' polls ended apart: the warp meets before its mma
     float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
     for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     for (int kt = 0; kt < qtiles; ++kt) {
@@ -707,6 +708,7 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
             kp[ks] = ld_cg16((const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
         for (int ks = 0; ks < HK && polled(1); ++ks)
             kp[ks] = settle(p, (const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane), kp[ks]);
+        if (polled(1)) __syncwarp();
         for (int ks = 0; ks < HK; ++ks) {
             // k in A-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
             uint4 k = polled(1) ? kp[ks] : ld_cg16((const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
@@ -724,6 +726,7 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
         const uint4* vsrc = (const uint4*)(qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
         for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
         for (int u = 0; u < HK && polled(1); ++u) v[u] = settle(p, vsrc + u, v[u]);
+        if (polled(1)) __syncwarp();
         pv(o, pa, v);
     }
     const float inv0 = 1.0f / quad_sum(l[0]), inv1 = 1.0f / quad_sum(l[1]);
@@ -1038,6 +1041,8 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
 #pragma unroll
                 for (int k = 0; k < KC && SRC == FROM_HANDOFF; ++k)
                     a[k] = settle(p, frag_src(frags, src_ksteps, mt, k0 + k), a[k]);
+                // the lanes' polls ended apart: the warp meets before its mma (an .aligned instruction)
+                if (SRC == FROM_HANDOFF || (SRC == FROM_X_LN && polled(VIN))) __syncwarp();
                 // X_AHEAD: the next row tile's values in flight during this one's dots (raw is free now)
                 if (X_AHEAD && SRC == FROM_X_LN && k0 + KC == S::KSW && mt + 1 < MT) load_x(p, mt + 1, raw);
 #pragma unroll
