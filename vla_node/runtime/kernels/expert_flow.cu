@@ -62,9 +62,9 @@
 // on are filled with SENTINEL ahead (bf16 0xffff, fp32 all ones: NaNs no producer stores, see
 // no_sentinel); producers store their values as they are made (volatile); a consumer polls each
 // value it reads until it is no longer the sentinel. 1: three barriers a block go (self -> self_out,
-// cross -> cross_out, fc1 -> fc2: y, yc, hid, filled by the qkv phase after its wait). 2: one
+// cross -> cross_out, fc1 -> fc2: y, yc, hid, filled by the qkv phase). 2: one
 // barrier a block stays, before qkv; every buffer handed on within a block has two copies (block n
-// uses copy n & 1 and fills copy n + 1's in its qkv phase) and the residual stream three versions
+// uses copy n & 1 and fills block n + 1's in its qkv phase) and the residual stream three versions
 // (rslot). Why nothing is overwritten while still read: a program writes a buffer's next version only
 // after it has polled values of every program that reads the current one, each made after that
 // program's reads (the consumers read all the fragments or statistics they sum over).
@@ -487,9 +487,10 @@ __device__ void fill_sentinel(void* dst, int bytes) {
     const uint4 fill = make_uint4(~0u, ~0u, ~0u, ~0u);
     for (int k = blockIdx.x * NTHREADS + threadIdx.x; k < bytes / 16; k += NPROG * NTHREADS) ((uint4*)dst)[k] = fill;
 }
-// HANDOFF 1: y, yc and hid filled with the sentinel, a share each program, by the qkv phase after its
-// wait (their readers of the block before have passed a barrier since, their producers of this block
-// wait at one after). HANDOFF 2: copy par ^ 1 of every handed-off buffer, for the next block.
+// HANDOFF 1: y, yc and hid filled with the sentinel, a share each program, by the qkv phase (their
+// readers of the block before have passed its barrier, their producers of this block wait at the one
+// after it). HANDOFF 2: copy par ^ 1 of every handed-off buffer, for the next block (its barrier
+// orders the fill before that block's producers).
 __device__ void reset_handoffs(const Params& p, int par) {
     constexpr int W2 = MP * WIDTH * 2;   // bytes of a [rows, width] bf16 matrix
     const int q = HANDOFF > 1 ? par ^ 1 : 0;
@@ -1187,7 +1188,6 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     if (waits(PH)) grid_wait(p, s);
-    if (HANDOFF && WORK && PH == P_QKV) reset_handoffs(p, s.par);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
         self_items(p, smem);
         cluster_sync();
@@ -1220,6 +1220,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         trace_mark(p, s, 3);
         gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2);
     }
+    if (HANDOFF && WORK && PH == P_QKV) reset_handoffs(p, s.par);   // after the dots: off their path
     cp_async_wait();
     s.w_phase++;
     if (arrives(PH)) grid_arrive(p, s);
