@@ -324,6 +324,16 @@ def test_handoff_keeps_the_result_with_action_caching_and_its_segments_on_the_cp
         CudaTiling(handoff=1, fuse_self=True)
 
 
+def test_the_engine_hands_off_on_the_cuda_loop_only():
+    """EngineConfig.expert_handoff (vla-bench +handoff1, +handoff2): a level of CudaTiling.handoff,
+    refused in one line for the Triton loop, which has no grid barriers of its own to drop."""
+    from vla_node.runtime.types import EngineConfig
+    assert EngineConfig.for_mode("fast", expert_handoff=2).expert_handoff == 2
+    for bad in (dict(expert_handoff=3), dict(expert_handoff=1, expert_kernel="triton")):
+        with pytest.raises(ValueError, match="expert_handoff"):
+            EngineConfig.for_mode("fast", **bad)
+
+
 @pytest.mark.parametrize("entries", [1, 2])
 def test_fc2_split_keeps_the_loop_near_the_unsplit_on_the_cpu_build(entries):
     """fc2_split: fc2's K over 2 programs of a cluster (the CPU build's 8 programs take clusters of 4
