@@ -503,9 +503,9 @@ __device__ void reset_handoffs(const Params& p, int par) {
     fill_sentinel(at_par(p.sq, MP * WIDTH, q), 2 * W2);
     for (int ver = 1; ver <= 2; ++ver) {
         fill_sentinel(x_at(p, ver, q), 2 * W2);
-        fill_sentinel(xf_at(p, ver, q), W2);
         fill_sentinel(stats_of(p, ver, q), MP * NT_W * 2 * 4);
     }
+    fill_sentinel(xf_at(p, 2, q), W2);   // version 1's is never read (store_x)
 }
 
 // HANDOFF: the end of a phase whose outputs are handed off: no arrival, but the program's threads
@@ -633,7 +633,7 @@ __device__ __forceinline__ void store_x(const Params& p, int r, int c0, const fl
     if (handed)
         for (int k = 0; k < CPT; k += 2) put_f2(x + k, v[k], v[k + 1], true);
     else st_cols<CPT>(x, v);
-    if (X_FRAGS)
+    if (X_FRAGS && !(HANDOFF > 1 && ver == 1))   // HANDOFF 2 (no cross_q phase): version 1's copy is never read
         for (int k = 0; k < CPT; k += 2) put_pair(xf_at(p, ver, par) + afrag_offset(r, c0 + k, KS_W), pack_bf2(v[k], v[k + 1]), handed);
     if (lane != first) return;
     float mu = 0.0f;
