@@ -342,7 +342,9 @@ __device__ __forceinline__ void put_bf(u16* p, float v) {
 }
 // HANDOFF 2's fp32 outputs (never all ones), and its bf16 pairs written by phases that HANDOFF 1
 // still separates by a barrier: handed off where `handed`, else plain stores.
-__device__ __forceinline__ float no_sentinel_f(float v) { return __float_as_uint(v) == ~0u ? __uint_as_float(0x7fffffffu) : v; }
+__device__ __forceinline__ float no_sentinel_f(float v) {
+    return __float_as_uint(v) == ~0u ? __uint_as_float(0x7fffffffu) : v;
+}
 __device__ __forceinline__ void put_f2(float* p, float a, float b, bool handed) {
     if (handed) st_volatile_f2(p, make_float2(no_sentinel_f(a), no_sentinel_f(b)));
     else *(float2*)p = make_float2(a, b);
@@ -472,8 +474,12 @@ template <int CPT> __device__ __forceinline__ void settle_cols(const Params& p, 
 // (its readers of block n - 1 are behind the block's barrier, its producers of block n + 1 behind
 // the next). Else one copy of each, all versions one.
 __device__ __forceinline__ int rslot(int ver, int par) { return HANDOFF > 1 && ver ? 2 * ver - 1 + par : 0; }
-__device__ __forceinline__ float* x_at(const Params& p, int ver, int par) { return p.x + rslot(ver, par) * (MP * WIDTH); }
-__device__ __forceinline__ u16* xf_at(const Params& p, int ver, int par) { return p.xf + rslot(ver, par) * (MP * WIDTH); }
+__device__ __forceinline__ float* x_at(const Params& p, int ver, int par) {
+    return p.x + rslot(ver, par) * (MP * WIDTH);
+}
+__device__ __forceinline__ u16* xf_at(const Params& p, int ver, int par) {
+    return p.xf + rslot(ver, par) * (MP * WIDTH);
+}
 __device__ __forceinline__ float* stats_of(const Params& p, int ver, int par) {
     return p.stats + rslot(ver, par) * (MP * NT_W * 2);
 }
@@ -537,7 +543,8 @@ __device__ __forceinline__ int stats_at(int r, int t) { return (STATS_T ? t * MP
 // LayerNorm mean and 1/std of rows row0 .. row0 + rows - 1 from their 8-column tiles' (mean, M2)
 // (Chan's formula, equal counts): into mean[rows], rstd[rows] in shared memory. TPR threads a row.
 // Version ver of the residual stream at copy par (HANDOFF 2: polled unless version 0).
-__device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP, int ver = 0, int par = 0) {
+__device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP, int ver = 0,
+                          int par = 0) {
     constexpr int PER = (NT_W + TPR - 1) / TPR;
     const float* stats = stats_of(p, ver, par);
     const int lane_in_row = threadIdx.x % TPR;
@@ -634,7 +641,8 @@ __device__ __forceinline__ void store_x(const Params& p, int r, int c0, const fl
         for (int k = 0; k < CPT; k += 2) put_f2(x + k, v[k], v[k + 1], true);
     else st_cols<CPT>(x, v);
     if (X_FRAGS && !(HANDOFF > 1 && ver == 1))   // HANDOFF 2 (no cross_q phase): version 1's copy is never read
-        for (int k = 0; k < CPT; k += 2) put_pair(xf_at(p, ver, par) + afrag_offset(r, c0 + k, KS_W), pack_bf2(v[k], v[k + 1]), handed);
+        for (int k = 0; k < CPT; k += 2)
+            put_pair(xf_at(p, ver, par) + afrag_offset(r, c0 + k, KS_W), pack_bf2(v[k], v[k + 1]), handed);
     if (lane != first) return;
     float mu = 0.0f;
     for (int k = 0; k < 8; ++k) mu += all[k];
@@ -712,7 +720,8 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
         if (polled(1)) __syncwarp();
         for (int ks = 0; ks < HK; ++ks) {
             // k in A-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
-            uint4 k = polled(1) ? kp[ks] : ld_cg16((const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
+            const uint4* src = (const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane);
+            uint4 k = polled(1) ? kp[ks] : ld_cg16(src);
             mma(sc[0], qa[ks], k.x, k.z);
             mma(sc[1], qa[ks], k.y, k.w);
         }
@@ -789,7 +798,9 @@ __device__ __forceinline__ constexpr int v_out(int ph) { return ph == P_SELF_OUT
 __device__ __forceinline__ constexpr bool waits(int ph) {
     return HANDOFF == 0 || ph == P_QKV || (HANDOFF == 1 && (ph == P_CROSS_Q || ph == P_FC1));
 }
-__device__ __forceinline__ constexpr bool arrives(int ph) { return HANDOFF == 0 || ph == P_FC2 || (HANDOFF == 1 && ph != P_FC1); }
+__device__ __forceinline__ constexpr bool arrives(int ph) {
+    return HANDOFF == 0 || ph == P_FC2 || (HANDOFF == 1 && ph != P_FC1);
+}
 
 // The largest chunk of at most `most` k-steps that divides a warp's k steps.
 constexpr int whole_chunk(int ksteps, int most) {
@@ -916,11 +927,13 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
             } else if (second) {
                 if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + c);
                 // F0 is the qkv phase's: one barrier back without a self phase, read after the wait
-                else if (!FUSE_SELF && !SELF_CLUSTER) cp_async16(slot + 4 * ch, at_par(p.f0, MP * WIDTH, par) + r * WIDTH + c);
+                else if (!FUSE_SELF && !SELF_CLUSTER)
+                    cp_async16(slot + 4 * ch, at_par(p.f0, MP * WIDTH, par) + r * WIDTH + c);
             } else if (ch == 0) {
                 cp_async16(slot, bias + c0);
             } else if (EPI == TO_RESIDUAL) {
-                cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : x_at(p, VIN, par) + r * WIDTH + c0 + (ch - 2) * 4);
+                const float* old = x_at(p, VIN, par) + r * WIDTH + c0 + (ch - 2) * 4;
+                cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : old);
             }
         }
         const uint4* w = first_weights<N, K, TPCX, NA, SPLIT>(wf, p2.w);   // W_SMEM: its buffer's source
@@ -1126,8 +1139,8 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
                     if (polled(1)) settle_cols<CPT>(p, f0, f);   // HANDOFF 2: the qkv phase's F0
                     float* sq = at_par(p.sq, MP * WIDTH, par);
                     for (int k = 0; k < CPT; k += 2)
-                        put_f2(sq + afrag_offset(r, c + k, KS_W), v[k] + (e[k] + f[k]), v[k + 1] + (e[k + 1] + f[k + 1]),
-                               polled(1));
+                        put_f2(sq + afrag_offset(r, c + k, KS_W), v[k] + (e[k] + f[k]),
+                               v[k + 1] + (e[k + 1] + f[k + 1]), polled(1));
                 }
                 continue;
             }
@@ -1436,7 +1449,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             float acc = 0.0f;
             for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * SO_STRIDE + d];
             if (p.cpp == 1) {
-                put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / sl[row]);
+                put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
+                       acc / sl[row]);
             } else if (CLUSTER > 1) {   // for the cluster's merge: a region no other phase writes
                 float* cpart = smem + C_OFF;
                 cpart[e] = acc;
@@ -1478,7 +1492,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     sum += f * l[c];
                     acc += f * o[c];
                 }
-                put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / sum);
+                put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
+                       acc / sum);
             }
         } else if (p.cpp > 1 && !CROSS_CUT) {
             __syncthreads();
@@ -1504,7 +1519,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     const int row = e / HDIM, d = e % HDIM;
                     float acc = 0.0f;
                     for (int c = 0; c < p.cpp; ++c) acc += gm[c * TOK16 + row] * gpart[(c * TOK16 + row) * HDIM + d];
-                    put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W), acc / gl[row]);
+                    put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
+                           acc / gl[row]);
                 }
                 if (threadIdx.x == 0) p.counter[pair] = 0;
             }
@@ -1614,7 +1630,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
     constexpr int FRAGS_IN = HANDOFF ? FROM_HANDOFF : FROM_FRAGS;   // self_out's, cross_out's and fc2's A fragments
     static_assert(!HANDOFF || !(FUSE_SELF || SELF_CLUSTER || CROSS_CUT), "HANDOFF: y from the self phase, yc merged");
-    static_assert(HANDOFF < 2 || (FOLD_CQ && X_FRAGS), "HANDOFF 2: no cross_q phase, LayerNorm sources in bf16 fragments");
+    static_assert(HANDOFF < 2 || (FOLD_CQ && X_FRAGS), "HANDOFF 2: no cross_q phase, LayerNorm sources in bf16");
     if (HANDOFF > 1 && WORK) reset_handoffs(p, 1);   // copy 0 for the first block (the boundary's barrier follows)
     constexpr size_t WW = (size_t)WIDTH * WIDTH / 8, WM = (size_t)WIDTH * MLPD / 8;   // uint4s of a block's matrix
     auto qkv_w = [&](int i, int j) { return wref<QKV_N, WIDTH, QKV_TPC, 3 * WIDTH>(p.wqkv + j * 3 * WW, p.wq + j * WW); };
@@ -1664,8 +1680,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
 #else
             self_phase(p, s);
             gemv_phase<P_SELF_OUT, SO_N, WIDTH, FRAGS_IN, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, at_par(p.y, MP * WIDTH, s.par), KS_W,
-                nullptr, s_part, FOLD_CQ ? co_w(j) : cq_w(j));
+                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, at_par(p.y, MP * WIDTH, s.par),
+                KS_W, nullptr, s_part, FOLD_CQ ? co_w(j) : cq_w(j));
 #endif
             if (!FOLD_CQ)
                 gemv_phase<P_CROSS_Q, WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
@@ -1673,8 +1689,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                     co_w(j));
             cross_phase(p, s, smem, j, fc);
             gemv_phase<P_CROSS_OUT, WIDTH, WIDTH, FRAGS_IN, TO_RESIDUAL>(
-                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, at_par(p.yc, MP * WIDTH, s.par), KS_W,
-                nullptr, Part2{}, fc1_w(j));
+                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, at_par(p.yc, MP * WIDTH, s.par),
+                KS_W, nullptr, Part2{}, fc1_w(j));
             u16* hid = at_par(p.hid, MP * MLPD, s.par);
             gemv_phase<P_FC1, MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
                 p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, hid, Part2{},
