@@ -4,7 +4,7 @@
 # and JSON under $OUT; each part's table last in its log. Parts, in the order given:
 #   variants  the loop under CudaTiling variants ($VARIANTS) at B = $VENTRIES (1,2,4) and the anatomy of
 #             $ANATOMY's tilings at B = $ANAT_ENTRIES (1), within $VTIMEOUT s (360)
-#   tests     the CUDA tests of the kernel (pytest -m cuda test/test_fused_expert_cuda.py)
+#   tests     the CUDA tests of the kernel (pytest -m cuda test/test_fused_expert_cuda.py) within $TTIMEOUT s (180)
 #   fastpath  the kernels' tests (test_kernels, natively), then the engine's other CUDA tests (test_fast_path,
 #             test_options, test_engine_batch; ~5 min: each case compiles its engines) within $FTIMEOUT s (330)
 #   check     the default kernel at B = 1, 2, 4, 8 against the fp32 expert (action caching,
@@ -33,7 +33,7 @@ for part in $PARTS; do
         --variant-entries "$VENTRIES" --anatomy "$ANAT_ENTRIES" --anatomy-tilings "$ANATOMY" --out "$OUT" 2>&1 | grep -av Warn \
         > "$OUT/variants.log"; grep -a "^variant\|^anatomy\|^  \|^cuda" "$OUT/variants.log" | tail -60 ;;
     tests) say "CUDA tests"
-      timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -m cuda test/test_fused_expert_cuda.py 2>&1 \
+      timeout "${TTIMEOUT:-180}" python3 -m pytest -q -rs -p no:cacheprovider -m cuda test/test_fused_expert_cuda.py 2>&1 \
         | tee "$OUT/tests.log" | tail -3 ;;
     fastpath) say "the engine's CUDA tests and the kernels'"
       timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -W ignore test/test_kernels.py 2>&1 \
