@@ -203,7 +203,7 @@ class Scratch:
     opart: torch.Tensor     # cross-attention partials of each (entry, head)'s programs
     mlpart: torch.Tensor    # their maxima and sums
     counter: torch.Tensor   # int32 per (entry, head): its programs' arrivals, left at zero
-    barrier: torch.Tensor   # int32 [1 + programs]: the arrival counter, then a flag a program
+    barrier: torch.Tensor   # int32 [2 + programs]: the arrival counter, a flag a program, the launch's failed flag
     error: torch.Tensor     # int32 [1], set when a grid barrier timed out (sticky)
     kv: torch.Tensor        # [depth, B, heads, key tiles, 2, 32, hd / 2] the packed context K/V
     mask: Optional[torch.Tensor] = None
@@ -387,7 +387,7 @@ class CudaFlow:
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
                     mlpart=torch.empty(pairs * plan.cpp * tok16 * 2, **f32),
                     counter=torch.zeros(pairs, dtype=torch.int32),
-                    barrier=torch.zeros(1 + plan.programs, dtype=torch.int32),
+                    barrier=torch.zeros(2 + plan.programs, dtype=torch.int32),
                     error=torch.zeros(1, dtype=torch.int32),
                     kv=torch.empty((f.depth, entries, f.heads, plan.key_tiles, 2, 32, f.head_dim // 2), **bf))
         return self._scratch[key]

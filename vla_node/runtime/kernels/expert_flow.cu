@@ -67,7 +67,10 @@
 // uses copy n & 1 and fills block n + 1's in its qkv phase) and the residual stream three versions
 // (rslot). Why nothing is overwritten while still read: a program writes a buffer's next version only
 // after it has polled values of every program that reads the current one, each made after that
-// program's reads (the consumers read all the fragments or statistics they sum over).
+// program's reads (the consumers read all the fragments or statistics they sum over). That rests on
+// dependencies, not on release and acquire: a program stores what it hands on only after every load
+// it made in the phase has been used (behind the __syncthreads before each epilogue); a store placed
+// before a load's use (a prefetch consumed after it) would break it.
 // SO_STRIDE: the row stride (floats) of the cross-attention's warp partials in shared memory (HDIM,
 // or padded so that a store's rows g = 0..3 fall on different banks: head_dim 96 put them all on one).
 
@@ -404,6 +407,15 @@ __device__ __forceinline__ u32 poll(const Params& p) {
     return ld_relaxed(p.bar);
 }
 
+// A wait gave up (programs not all resident, or a value never stored): the sticky error the host
+// reads, and this launch's own flag (after the barrier's words, zeroed with them each launch) that
+// stops the other programs' polls at once.
+__device__ __forceinline__ int* launch_failed(const Params& p) { return (int*)p.bar + 1 + NPROG; }
+__device__ __forceinline__ void give_up(const Params& p) {
+    atomicExch(p.err, 1);
+    atomicExch(launch_failed(p), 1);
+}
+
 __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
     if (POLL == 3) {
         if (threadIdx.x < 32 && !s.failed) {
@@ -413,7 +425,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
                 for (int c = threadIdx.x; c < NPROG; c += 32) here &= ld_relaxed(p.bar + 1 + c) >= s.arrivals;
                 if (__all_sync(0xffffffffu, here)) break;
                 if (++spins > SPIN_LIMIT) {
-                    if (threadIdx.x == 0) atomicExch(p.err, 1);
+                    if (threadIdx.x == 0) give_up(p);
                     s.failed = 1;
                     break;
                 }
@@ -429,7 +441,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
         int spins = 0;
         while (poll(p) < target) {
             if (++spins > SPIN_LIMIT) {
-                atomicExch(p.err, 1);
+                give_up(p);
                 s.failed = 1;
                 break;
             }
@@ -441,12 +453,14 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
 }
 
 // HANDOFF: fragment a, loaded from src by ld_poll16, polled again until no half of it is the sentinel
-// (its producer has not stored it yet); gives up, flagging the launch as a barrier does, after
-// SPIN_LIMIT polls or once the launch is flagged. settle_f: the same for an fp32 value (its sentinel
-// all ones, a NaN no producer stores either).
+// (its producer has not stored it yet); gives up, as a barrier does, after SPIN_LIMIT polls or once
+// the launch has failed (looked at every 1024 polls: each look is a round trip of its own, on one
+// word that every polling warp reads). settle_f: the same for an fp32 value (its sentinel all ones,
+// a NaN no producer stores either).
 __device__ __forceinline__ bool gave_up(const Params& p, int spins) {
-    if (spins < SPIN_LIMIT && !*(volatile int*)p.err) return false;
-    atomicExch(p.err, 1);
+    if ((spins & 1023) != 1023) return false;
+    if (spins < SPIN_LIMIT && !*(volatile int*)launch_failed(p)) return false;
+    give_up(p);
     return true;
 }
 __device__ __forceinline__ uint4 settle(const Params& p, const uint4* src, uint4 a) {
