@@ -135,7 +135,8 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
                                              (2, CudaTiling(self_cluster=True)), (4, CudaTiling(handoff=1)),
-                                             (1, CudaTiling(handoff=2, cross_pad=True)), (4, CudaTiling(handoff=2))])
+                                             (1, CudaTiling(handoff=2, cross_pad=True)),
+                                             (4, CudaTiling(handoff=2, poll_backoff=64))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile

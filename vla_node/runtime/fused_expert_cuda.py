@@ -125,6 +125,8 @@ class CudaTiling:
     # same numbers bit for bit; not yet timed on a GPU (the barriers' releases were 8.5 of a block's
     # 25 us at B = 1: BENCHMARKS.md, twelfth session)
     handoff: int = 0
+    # ns a handoff's poll sleeps before it looks again (0: none)
+    poll_backoff: int = 0
     # the cross-attention's warp partials stored in shared memory at a row stride of head_dim
     # padded to 8 banks mod 32 (at head_dim 96 the rows of a warp's store fell on one bank: 4-way
     # conflicts, 24 stores a warp). The same numbers bit for bit; not yet timed on a GPU
@@ -334,7 +336,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, HANDOFF=handoff_of(t),
-                     SO_STRIDE=so_stride)
+                     SO_STRIDE=so_stride, POLL_BACKOFF=t.poll_backoff)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 

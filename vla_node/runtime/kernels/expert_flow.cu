@@ -194,7 +194,11 @@ __device__ __forceinline__ float ld_poll_f(const float* p) {
 __device__ __forceinline__ void st_volatile_f2(float* p, float2 v) {
     asm volatile("st.volatile.global.v2.f32 [%0], {%1,%2};" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
 }
-__device__ __forceinline__ void spin_pause() {}   // a poll is an L2 round trip already
+// Between two polls of a handed-off value: POLL_BACKOFF ns asleep (0: none, a poll is an L2 round
+// trip already; a pause eases the polls' load on L2 and on the producers' lines).
+__device__ __forceinline__ void spin_pause() {
+    if (POLL_BACKOFF) __nanosleep(POLL_BACKOFF);
+}
 
 // Asynchronous copies into shared memory (no registers held while they fly).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
