@@ -337,20 +337,17 @@ __device__ __forceinline__ bool sentinel_in(u32 v) { return (v & 0xffffu) == SEN
 __device__ __forceinline__ bool sentinel_in(uint4 a) {
     return sentinel_in(a.x) || sentinel_in(a.y) || sentinel_in(a.z) || sentinel_in(a.w);
 }
-// A handed-off output's fragment or bf16 value (y, yc): with HANDOFF stored volatile and never as
-// the sentinel, else a plain store (its readers wait at a barrier).
+__device__ __forceinline__ bool sentinel_in(float v) { return __float_as_uint(v) == ~0u; }   // fp32: all ones
+// A handed-off output's fragment (y): with HANDOFF stored volatile and never as the sentinel, else a
+// plain store (its readers wait at a barrier).
 __device__ __forceinline__ void put_frag(uint4* p, uint4 v) {
     if (HANDOFF) st_volatile16(p, make_uint4(no_sentinel(v.x), no_sentinel(v.y), no_sentinel(v.z), no_sentinel(v.w)));
     else *p = v;
 }
-__device__ __forceinline__ void put_bf(u16* p, float v) {
-    if (HANDOFF) st_volatile2(p, (u16)no_sentinel(to_bf(v)));
-    else *p = to_bf(v);
-}
-// HANDOFF 2's fp32 outputs (never all ones), and its bf16 pairs written by phases that HANDOFF 1
-// still separates by a barrier: handed off where `handed`, else plain stores.
+// fp32 values (never all ones), bf16 pairs and bf16 values: handed off where `handed` (stored
+// volatile, never as the sentinel), else plain stores.
 __device__ __forceinline__ float no_sentinel_f(float v) {
-    return __float_as_uint(v) == ~0u ? __uint_as_float(0x7fffffffu) : v;
+    return sentinel_in(v) ? __uint_as_float(0x7fffffffu) : v;
 }
 __device__ __forceinline__ void put_f2(float* p, float a, float b, bool handed) {
     if (handed) st_volatile_f2(p, make_float2(no_sentinel_f(a), no_sentinel_f(b)));
@@ -456,33 +453,27 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
     trace_mark(p, s, 0);
 }
 
-// HANDOFF: fragment a, loaded from src by ld_poll16, polled again until no half of it is the sentinel
-// (its producer has not stored it yet); gives up, as a barrier does, after SPIN_LIMIT polls or once
-// the launch has failed (looked at every 1024 polls: each look is a round trip of its own, on one
-// word that every polling warp reads). settle_f: the same for an fp32 value (its sentinel all ones,
-// a NaN no producer stores either).
+// HANDOFF: a value loaded from src (a bf16 fragment, or an fp32 value whose sentinel is all ones),
+// polled again until no part of it is the sentinel (its producer has not stored it yet); gives up,
+// as a barrier does, after SPIN_LIMIT polls or once the launch has failed (looked at every 1024
+// polls: each look is a round trip of its own, on one word that every polling warp reads).
 __device__ __forceinline__ bool gave_up(const Params& p, int spins) {
     if ((spins & 1023) != 1023) return false;
     if (spins < SPIN_LIMIT && !*(volatile int*)launch_failed(p)) return false;
     give_up(p);
     return true;
 }
-__device__ __forceinline__ uint4 settle(const Params& p, const uint4* src, uint4 a) {
-    for (int spins = 0; WORK && sentinel_in(a) && !gave_up(p, spins); ++spins) {
+__device__ __forceinline__ uint4 poll_value(const uint4* src) { return ld_poll16(src); }
+__device__ __forceinline__ float poll_value(const float* src) { return ld_poll_f(src); }
+template <class T> __device__ __forceinline__ T settle(const Params& p, const T* src, T v) {
+    for (int spins = 0; WORK && sentinel_in(v) && !gave_up(p, spins); ++spins) {
         spin_pause();
-        a = ld_poll16(src);
-    }
-    return a;
-}
-__device__ __forceinline__ float settle_f(const Params& p, const float* src, float v) {
-    for (int spins = 0; WORK && __float_as_uint(v) == ~0u && !gave_up(p, spins); ++spins) {
-        spin_pause();
-        v = ld_poll_f(src);
+        v = poll_value(src);
     }
     return v;
 }
 template <int CPT> __device__ __forceinline__ void settle_cols(const Params& p, const float* src, float* v) {
-    for (int k = 0; k < CPT; ++k) v[k] = settle_f(p, src + k, v[k]);
+    for (int k = 0; k < CPT; ++k) v[k] = settle(p, src + k, v[k]);
 }
 
 // HANDOFF 2: where a block's phases read and write. The residual stream has three versions a block
@@ -576,8 +567,8 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
             const bool here = ok && t < NT_W;
             const float* at = stats + stats_at(r, t);
             const float2 st = here ? ld_cg_f2(at) : make_float2(0.0f, 0.0f);
-            tm[u] = here && polled(ver) ? settle_f(p, at, st.x) : st.x;
-            t2[u] = here && polled(ver) ? settle_f(p, at + 1, st.y) : st.y;
+            tm[u] = here && polled(ver) ? settle(p, at, st.x) : st.x;
+            t2[u] = here && polled(ver) ? settle(p, at + 1, st.y) : st.y;
         }
         float sum = 0.0f;
 #pragma unroll
@@ -1210,7 +1201,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     static_assert(SPLIT == 1 || ((SRC == FROM_FRAGS || SRC == FROM_HANDOFF) && NA == N && !W_SMEM),
                   "SPLIT: dots of stored fragments only");
     Gemv<PH, N, K, EPI, TPCX, NA, SPLIT> gemv;
-    gemv.par = HANDOFF > 1 ? s.par : 0;
+    gemv.par = s.par;
     w_issue(s, smem, next_w, 1);   // W_SMEM: the next GEMV phase's weights stream in while this one runs
     float* mean = smem;
     float* rstd = smem + MP;
@@ -1467,8 +1458,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             float acc = 0.0f;
             for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * SO_STRIDE + d];
             if (p.cpp == 1) {
-                put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
-                       acc / sl[row]);
+                put_half(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
+                       to_bf(acc / sl[row]), HANDOFF > 0);
             } else if (CLUSTER > 1) {   // for the cluster's merge: a region no other phase writes
                 float* cpart = smem + C_OFF;
                 cpart[e] = acc;
@@ -1510,8 +1501,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     sum += f * l[c];
                     acc += f * o[c];
                 }
-                put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
-                       acc / sum);
+                put_half(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
+                       to_bf(acc / sum), HANDOFF > 0);
             }
         } else if (p.cpp > 1 && !CROSS_CUT) {
             __syncthreads();
@@ -1537,8 +1528,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     const int row = e / HDIM, d = e % HDIM;
                     float acc = 0.0f;
                     for (int c = 0; c < p.cpp; ++c) acc += gm[c * TOK16 + row] * gpart[(c * TOK16 + row) * HDIM + d];
-                    put_bf(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
-                           acc / gl[row]);
+                    put_half(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
+                           to_bf(acc / gl[row]), HANDOFF > 0);
                 }
                 if (threadIdx.x == 0) p.counter[pair] = 0;
             }
