@@ -122,15 +122,19 @@ class CudaTiling:
     # stored). 1: three fewer (self -> self_out, cross -> cross_out, fc1 -> fc2: the attention outputs
     # and the MLP hidden); 2: one barrier a block (before qkv), every buffer a phase hands on in two
     # copies and the residual stream in three versions (with fold_cross_q and x_frags; else 1). The
-    # same numbers bit for bit; not yet timed on a GPU (the barriers' releases were 8.5 of a block's
-    # 25 us at B = 1: BENCHMARKS.md, twelfth session)
+    # same numbers bit for bit, but slower on the H200 (the loop at B = 1 / 2 / 4 / 8: 1 11.00 / 13.47
+    # / 19.93 / 30.38 ms, 2 14.97 / 19.72 / 30.90 / 53.51, against 8.91 / 11.47 / 15.65 / 21.41: a
+    # polled phase pair takes 2-4 us longer than the two with a barrier; BENCHMARKS.md, twenty-first
+    # session)
     handoff: int = 0
     # ns a handoff's poll sleeps before it looks again (0: none)
     poll_backoff: int = 0
     # the cross-attention's warp partials stored in shared memory at a row stride of head_dim
     # padded to 8 banks mod 32 (at head_dim 96 the rows of a warp's store fell on one bank: 4-way
-    # conflicts, 24 stores a warp). The same numbers bit for bit; not yet timed on a GPU
-    cross_pad: bool = False
+    # conflicts, 24 stores a warp). The same numbers bit for bit; on the H200 the loop 8.91 -> 8.60
+    # ms at B = 1, 11.47 -> 11.21 at B = 2, 15.65 -> 15.34 at B = 4, 21.41 -> 21.23 at B = 8, the
+    # same spills (BENCHMARKS.md, twenty-first session)
+    cross_pad: bool = True
 
     def __post_init__(self):
         if self.fc2_split not in (None, 1, 2, 4, 8):
