@@ -310,11 +310,11 @@ inline float ld_cg_bf(const u16* p) { return cpu::bf16_to_float(*p); }
 // HANDOFF's polls and stores: plain ones (one CPU thread); a poll that finds nothing yet lets the
 // other fibers run before it looks again.
 inline uint4 ld_poll16(const void* p) { return *(const uint4*)p; }
-inline void st_volatile16(void* p, uint4 v) { *(uint4*)p = v; }
-inline void st_volatile4(void* p, u32 v) { *(u32*)p = v; }
-inline void st_volatile2(void* p, u16 v) { *(u16*)p = v; }
+inline void st_relaxed16(void* p, uint4 v) { *(uint4*)p = v; }
+inline void st_relaxed4(void* p, u32 v) { *(u32*)p = v; }
+inline void st_relaxed2(void* p, u16 v) { *(u16*)p = v; }
 inline float ld_poll_f(const float* p) { return *p; }
-inline void st_volatile_f2(float* p, float2 v) { *(float2*)p = v; }
+inline void st_relaxed_f2(float* p, float2 v) { *(float2*)p = v; }
 inline void spin_pause() { cpu::yield(); }
 
 // Copies complete at once (a valid order of the asynchronous ones).

@@ -60,7 +60,7 @@
 // cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers).
 // HANDOFF: grid barriers replaced by outputs that carry their own readiness. Buffers a phase hands
 // on are filled with SENTINEL ahead (bf16 0xffff, fp32 all ones: NaNs no producer stores, see
-// no_sentinel); producers store their values as they are made (volatile); a consumer polls each
+// no_sentinel); producers store their values as they are made (relaxed, GPU scope); a consumer polls each
 // value it reads until it is no longer the sentinel. 1: three barriers a block go (self -> self_out,
 // cross -> cross_out, fc1 -> fc2: y, yc, hid, filled by the qkv phase). 2: one
 // barrier a block stays, before qkv; every buffer handed on within a block has two copies (block n
@@ -168,31 +168,32 @@ __device__ __forceinline__ float ld_cg_bf(const u16* p) {
     asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
     return __uint_as_float(((u32)r) << 16);
 }
-// HANDOFF: values written while their readers poll them (no barrier between): volatile stores and
-// loads (L2, each 16-bit half single-copy atomic), issued where written.
+// HANDOFF: values written while their readers poll them (no barrier between): relaxed stores and
+// loads at GPU scope (L2, each 16-bit half single-copy atomic; all readers are on this GPU: the
+// system scope of ld/st.volatile is more than they need), issued where written.
 __device__ __forceinline__ uint4 ld_poll16(const void* p) {
     uint4 r;
-    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
     return r;
 }
-__device__ __forceinline__ void st_volatile16(void* p, uint4 v) {
-    asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+__device__ __forceinline__ void st_relaxed16(void* p, uint4 v) {
+    asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
 }
-__device__ __forceinline__ void st_volatile4(void* p, u32 v) {
-    asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void st_relaxed4(void* p, u32 v) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ void st_volatile2(void* p, u16 v) {
-    asm volatile("st.volatile.global.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+__device__ __forceinline__ void st_relaxed2(void* p, u16 v) {
+    asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
 }
 __device__ __forceinline__ float ld_poll_f(const float* p) {
     float r;
-    asm volatile("ld.volatile.global.f32 %0, [%1];" : "=f"(r) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(r) : "l"(p));
     return r;
 }
-__device__ __forceinline__ void st_volatile_f2(float* p, float2 v) {
-    asm volatile("st.volatile.global.v2.f32 [%0], {%1,%2};" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
+__device__ __forceinline__ void st_relaxed_f2(float* p, float2 v) {
+    asm volatile("st.relaxed.gpu.global.v2.f32 [%0], {%1,%2};" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
 }
 // Between two polls of a handed-off value: POLL_BACKOFF ns asleep (0: none, a poll is an L2 round
 // trip already; a pause eases the polls' load on L2 and on the producers' lines).
@@ -338,27 +339,27 @@ __device__ __forceinline__ bool sentinel_in(uint4 a) {
     return sentinel_in(a.x) || sentinel_in(a.y) || sentinel_in(a.z) || sentinel_in(a.w);
 }
 __device__ __forceinline__ bool sentinel_in(float v) { return __float_as_uint(v) == ~0u; }   // fp32: all ones
-// A handed-off output's fragment (y): with HANDOFF stored volatile and never as the sentinel, else a
-// plain store (its readers wait at a barrier).
+// A handed-off output's fragment (y): with HANDOFF stored relaxed (GPU scope) and never as the
+// sentinel, else a plain store (its readers wait at a barrier).
 __device__ __forceinline__ void put_frag(uint4* p, uint4 v) {
-    if (HANDOFF) st_volatile16(p, make_uint4(no_sentinel(v.x), no_sentinel(v.y), no_sentinel(v.z), no_sentinel(v.w)));
+    if (HANDOFF) st_relaxed16(p, make_uint4(no_sentinel(v.x), no_sentinel(v.y), no_sentinel(v.z), no_sentinel(v.w)));
     else *p = v;
 }
 // fp32 values (never all ones), bf16 pairs and bf16 values: handed off where `handed` (stored
-// volatile, never as the sentinel), else plain stores.
+// relaxed, never as the sentinel), else plain stores.
 __device__ __forceinline__ float no_sentinel_f(float v) {
     return sentinel_in(v) ? __uint_as_float(0x7fffffffu) : v;
 }
 __device__ __forceinline__ void put_f2(float* p, float a, float b, bool handed) {
-    if (handed) st_volatile_f2(p, make_float2(no_sentinel_f(a), no_sentinel_f(b)));
+    if (handed) st_relaxed_f2(p, make_float2(no_sentinel_f(a), no_sentinel_f(b)));
     else *(float2*)p = make_float2(a, b);
 }
 __device__ __forceinline__ void put_pair(u16* p, u32 v, bool handed) {
-    if (handed) st_volatile4(p, no_sentinel(v));
+    if (handed) st_relaxed4(p, no_sentinel(v));
     else *(u32*)p = v;
 }
 __device__ __forceinline__ void put_half(u16* p, u16 v, bool handed) {
-    if (handed) st_volatile2(p, (u16)no_sentinel(v));
+    if (handed) st_relaxed2(p, (u16)no_sentinel(v));
     else *p = v;
 }
 
