@@ -122,7 +122,7 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     for pad, cpp, tiles in ((True, 3, 19), (False, 2, 28)):
         smem = plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(kv_smem=True, cross_pad=pad))
         assert (smem.cpp, smem.tiles_per_cta, dict(smem.constants)["KV_SMEM"]) == (cpp, tiles, 1)
-    assert smem.smem <= 227 * 1024
+        assert smem.smem <= 227 * 1024
     p8 = plan_of(MOLMOBOT_4B, entries=8, tokens=16, n_keys=892, programs=H200_SMS)
     assert p8.cpp * 8 * MOLMOBOT_4B.heads <= H200_SMS and p8.smem <= 227 * 1024
     # weight buffers: two of 48 KB at one observation; at eight the phases' scratch leaves no room

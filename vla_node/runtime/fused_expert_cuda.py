@@ -122,10 +122,10 @@ class CudaTiling:
     # stored). 1: three fewer (self -> self_out, cross -> cross_out, fc1 -> fc2: the attention outputs
     # and the MLP hidden); 2: one barrier a block (before qkv), every buffer a phase hands on in two
     # copies and the residual stream in three versions (with fold_cross_q and x_frags; else 1). The
-    # same numbers bit for bit, but slower on the H200 (the loop at B = 1 / 2 / 4 / 8: 1 11.00 / 13.47
-    # / 19.93 / 30.38 ms, 2 14.97 / 19.72 / 30.90 / 53.51, against 8.91 / 11.47 / 15.65 / 21.41: a
-    # polled phase pair takes 2-4 us longer than the two with a barrier; BENCHMARKS.md, twenty-first
-    # session)
+    # same numbers bit for bit, but slower on the H200 with system-scope polls (the loop at B = 1 / 2
+    # / 4 / 8: level 1 11.00 / 13.47 / 19.93 / 30.38 ms, level 2 14.97 / 19.72 / 30.90 / 53.51,
+    # against 8.91 / 11.47 / 15.65 / 21.41: a polled phase pair takes 2-4 us longer than the two with
+    # a barrier; BENCHMARKS.md, twenty-first session); the GPU-scope polls since b79df50 not yet timed
     handoff: int = 0
     # ns a handoff's poll sleeps before it looks again (0: none)
     poll_backoff: int = 0

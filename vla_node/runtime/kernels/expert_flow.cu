@@ -60,9 +60,9 @@
 // cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers).
 // HANDOFF: grid barriers replaced by outputs that carry their own readiness. Buffers a phase hands
 // on are filled with SENTINEL ahead (bf16 0xffff, fp32 all ones: NaNs no producer stores, see
-// no_sentinel); producers store their values as they are made (relaxed, GPU scope); a consumer polls each
-// value it reads until it is no longer the sentinel. 1: three barriers a block go (self -> self_out,
-// cross -> cross_out, fc1 -> fc2: y, yc, hid, filled by the qkv phase). 2: one
+// no_sentinel); producers store their values as they are made (relaxed, GPU scope); a consumer
+// polls each value it reads until it is no longer the sentinel. 1: three barriers a block go (self
+// -> self_out, cross -> cross_out, fc1 -> fc2: y, yc, hid, filled by the qkv phase). 2: one
 // barrier a block stays, before qkv; every buffer handed on within a block has two copies (block n
 // uses copy n & 1 and fills block n + 1's in its qkv phase) and the residual stream three versions
 // (rslot). Why nothing is overwritten while still read: a program writes a buffer's next version only
