@@ -244,6 +244,74 @@ def test_split_pattern_matches_the_dense_mask(device, dtype, merge_kernel, gathe
         split.refresh(image)
 
 
+PATTERN_DEVICES = [
+    pytest.param("cpu", torch.float32, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CI's run")),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda),
+    pytest.param("cuda", torch.float32, marks=pytest.mark.cuda)]
+
+
+def _pattern_inputs(device, dtype, keys: int, q_offset: int, head_dim: int, seed: int):
+    """q [2, 4, keys - q_offset, D], k/v [2, 2, keys, D] as a decoder layer makes them: strided views
+    of one fused projection's output (q its rows from q_offset)."""
+    g = torch.Generator().manual_seed(seed)
+    fused = torch.randn(2, keys, 8 * head_dim, generator=g).to(device, dtype)
+    widths = [4 * head_dim, 2 * head_dim, 2 * head_dim]
+    q, k, v = (x.view(2, keys, -1, head_dim).transpose(1, 2) for x in fused.split(widths, -1))
+    return q[:, :, q_offset:], k, v
+
+
+def _pattern_error(out: torch.Tensor, q, k, v, image: torch.Tensor, q_offset: int) -> float:
+    """Relative L2 of out against fp32 SDPA with the dense pattern (the queries' rows of it)."""
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=_pattern(image)[q_offset:],
+                                         enable_gqa=True)
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def _pattern_tolerance(device, dtype) -> float:
+    return 1e-2 if dtype == torch.bfloat16 else 1e-6 if device == "cpu" else 1e-5   # fp32 on the GPU: other sums
+
+
+@pytest.mark.parametrize("device, dtype", PATTERN_DEVICES)
+@pytest.mark.parametrize("keys, q_offset, head_dim, runs, tiles", [
+    (70, 0, 16, ((3, 21), (25, 43)), {}),                          # image runs with text between them
+    (70, 0, 32, ((3, 21), (50, 70)), dict(block_m=16, block_n=32)),  # a run reaching the last token
+    (37, 0, 16, (), dict(block_m=16, block_n=16)),                  # no image tokens
+    (70, 33, 16, ((3, 21), (25, 43), (60, 64)), dict(block_m=16, block_n=16)),  # queries: the last 37 rows
+])
+def test_pattern_kernel_matches_the_dense_mask(device, dtype, keys, q_offset, head_dim, runs, tiles):
+    """The prefill's pattern in one Triton kernel (interpreted on the CPU) gives the dense-mask
+    result: grouped heads (4 over 2), strided q/k/v views, lengths no multiple of the tiles, queries
+    offset into the keys (a streaming step's), the output a view of [B, T, H, D]."""
+    from vla_node.runtime.kernels.pattern_attention import PatternAttention
+
+    q, k, v = _pattern_inputs(device, dtype, keys, q_offset, head_dim, seed=keys + head_dim)
+    image = torch.zeros(keys, dtype=torch.bool, device=device)
+    for start, end in runs:
+        image[start:end] = True
+    out = PatternAttention(image, q_offset, **tiles).attend(q, k, v)
+    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()
+    assert _pattern_error(out, q, k, v, image, q_offset) < _pattern_tolerance(device, dtype)
+
+
+@pytest.mark.parametrize("device, dtype", PATTERN_DEVICES)
+def test_pattern_kernel_refreshes_its_tables_in_place(device, dtype):
+    """Image tokens typed into the instruction later: refresh rewrites the flags and tile tables in
+    the same tensors (as captured graphs need) and the kernel follows the new pattern."""
+    from vla_node.runtime.kernels.pattern_attention import PatternAttention
+
+    q, k, v = _pattern_inputs(device, dtype, 70, 0, 16, seed=1)
+    image = torch.zeros(70, dtype=torch.bool, device=device)
+    image[3:21] = image[25:43] = True
+    pattern = PatternAttention(image, block_m=32, block_n=16)
+    tables = (pattern.image, pattern.tiles, pattern.counts, pattern.order)
+    before = [t.clone() for t in tables]
+    image[60] = image[61] = True
+    pattern.refresh(image)
+    assert all(a is b for a, b in zip(tables, (pattern.image, pattern.tiles, pattern.counts, pattern.order)))
+    assert not torch.equal(before[2], pattern.counts)
+    assert _pattern_error(pattern.attend(q, k, v), q, k, v, image, 0) < _pattern_tolerance(device, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (3, 1, 12)])   # 3 heads, half 6: masked lanes
 def test_rotary_heads_kernel_is_the_model_s(dtype, heads, kv_heads, head_dim):

@@ -54,10 +54,11 @@ def attend_chunk(q, k, v, n_ok, scale, acc, m_i, l_i):
 
 
 @triton.jit
-def precise_dot(a, b):
+def precise_dot(a, b, acc=None):
+    """tl.dot(a, b, acc), fp32 inputs in full precision (not TF32)."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -1,0 +1,206 @@
+"""The LLM prefill's attention pattern in one Triton flash-attention kernel: query i (at position
+q_offset + i) sees key j when j <= its position, or when both are image tokens. No [T, S] mask is
+read, nothing is gathered or merged (kernels/prefill_attention.SplitPattern runs the same pattern
+as two causal cuDNN calls, a gather and a merge).
+
+Each query tile walks only the key tiles the pattern shows it, from small int32 tables built on the
+device from the image flags (no host sync; `PatternAttention.refresh` rewrites them in place, so a
+captured CUDA graph stays valid). For a query tile the key tiles fall in three ranges:
+  - below its first position: every key visible to every query, no mask work;
+  - from there to its last position (the diagonal): the predicate (j <= pos) | (img[pos] & img[j]);
+  - past its last position: only key tiles holding image keys, and only for a tile holding image
+    queries (visible = img[pos] & img[j]); the rest are skipped.
+The tables keep, per query tile, its fully visible key tiles (the first range, and image x image
+tiles anywhere) and then the ones that need the predicate, in key order; a tile whose every pair
+is visible runs without it wherever it lies. Query tiles run heaviest first.
+
+Online softmax in fp32 with exp2 (the scale folded with log2 e), dots in the inputs' dtype with
+fp32 accumulation (fp32 inputs in full precision, not TF32). The output is written in the
+[B, T, H, D] layout the output projection reads, so the layer's transpose + reshape is a view.
+Behind `pattern_kernel` (off) until timed on the GPU. Runs on the CPU under TRITON_INTERPRET=1
+(the CI tests).
+
+An earlier pattern kernel (852e1dc, removed in b137094) lost to the split on the H200 (81.9 against
+76.7 us at DROID, 269.9 against 174.9 at 8 images): it ran the predicate on every key tile from the
+diagonal to the last image key, with bounds masks on every load. This one runs the predicate only
+where a tile is partly visible.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .few_query_attention import precise_dot
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, start, S, pos, img_q, qk_scale,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Keys start .. start + BLOCK_N - 1 into the online softmax state (acc, m_i [log2 units], l_i)
+    of queries q at positions pos. A fully visible tile (all its keys < S) needs no mask; a MASKED
+    one takes the pattern's predicate and reads no key past S."""
+    keys = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    if MASKED:
+        in_range = keys < S
+        k = tl.load(K + keys[:, None] * skt + d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(V + keys[:, None] * svt + d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(K + keys[:, None] * skt + d[None, :])
+        v = tl.load(V + keys[:, None] * svt + d[None, :])
+    s = precise_dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        img_k = tl.load(Img + keys, mask=in_range, other=0) != 0
+        s = tl.where((keys[None, :] <= pos[:, None]) | (img_q[:, None] & img_k[None, :]), s, float("-inf"))
+    # m_new is finite: a query's first tile shows it a key (PatternAttention's table order)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = precise_dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, heads, group, qk_scale,
+                       sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, n_key_tiles,
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    bh = tl.program_id(0)                        # (entry, head) fastest: every head of a query tile together
+    m = tl.load(Order + tl.program_id(1))        # the query tile, heaviest first
+    b = (bh // heads).to(tl.int64)
+    h = bh % heads
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = tl.minimum(rows, T - 1)                # rows past T repeat the last query (and are not stored)
+    pos = q_offset + row
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + h * sqh + row[:, None] * sqt + d[None, :])
+    img_q = tl.load(Img + pos) != 0
+    K += b * skb + (h // group) * skh
+    V += b * svb + (h // group) * svh
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    tiles = Tiles + m * n_key_tiles
+    n_full = tl.load(Counts + 2 * m)
+    n_masked = tl.load(Counts + 2 * m + 1)
+    for i in range(n_full):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, tl.load(tiles + i) * BLOCK_N, S, pos,
+                                     img_q, qk_scale, D, BLOCK_N, False)
+    for i in range(n_full, n_full + n_masked):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, tl.load(tiles + i) * BLOCK_N, S, pos,
+                                     img_q, qk_scale, D, BLOCK_N, True)
+    out = acc / l_i[:, None]
+    tl.store(Out + ((b * T + rows[:, None]) * heads + h) * D + d[None, :], out.to(Out.dtype.element_ty),
+             mask=(rows < T)[:, None])
+
+
+def pattern_mask(image_token: torch.Tensor, q_offset: int, q_len: int) -> torch.Tensor:
+    """[q_len, S] bool: query i (position q_offset + i) sees key j when j <= its position or both
+    are image tokens (image_token [S], bool or int8)."""
+    img = image_token.bool()
+    keys = torch.arange(img.numel(), device=img.device)
+    pos = q_offset + torch.arange(q_len, device=img.device)
+    return (keys[None, :] <= pos[:, None]) | (img[pos][:, None] & img[None, :])
+
+
+def key_tiles(image_token: torch.Tensor, q_offset: int, q_len: int, block_m: int,
+              block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's tables for image_token [S] on its device (no host sync): tiles [M, N] int32,
+    each query tile's fully visible key tiles then those partly visible, in key order (the first
+    of them shows every query a key: key 0, or a fully visible tile); counts [M, 2] int32, how many
+    of each; order [M] int32, the query tiles by key tiles visited, most first."""
+    kv_len = image_token.numel()
+    n_m, n_n = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
+    shown = torch.zeros((n_m * block_m, n_n * block_n), dtype=torch.bool, device=image_token.device)
+    shown[:q_len, :kv_len] = pattern_mask(image_token, q_offset, q_len)
+    shown[q_len:] = shown[q_len - 1]   # rows past the queries repeat the last one, as in the kernel
+    tile = shown.view(n_m, block_m, n_n, block_n)
+    full, some = tile.all(3).all(1), tile.any(3).any(1)   # keys past S count as hidden: no full tile holds one
+    partial = some & ~full
+    kind = torch.where(full, 0, torch.where(partial, 1, 2))
+    tiles = (kind * n_n + torch.arange(n_n, device=kind.device)).argsort(1)
+    counts = torch.stack((full.sum(1), partial.sum(1)), 1)
+    order = some.sum(1).argsort(descending=True, stable=True)
+    return tiles.to(torch.int32), counts.to(torch.int32), order.to(torch.int32)
+
+
+def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: torch.Tensor, tiles: torch.Tensor,
+                      counts: torch.Tensor, order: torch.Tensor, q_offset: int, block_m: int, block_n: int,
+                      num_warps: int, num_stages: int) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, KV, S, D] (grouped heads; any strides, the head dim contiguous),
+    image [S] int8 flags, the tables of key_tiles at these tiles -> y [B, T, H, D] contiguous."""
+    b, heads, t, d = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    if any(x.stride(-1) != 1 for x in (q, k, v)) or k.shape != v.shape or heads % kv_heads:
+        raise ValueError("pattern_attention needs the head dim contiguous, k and v alike and whole head groups")
+    if d < 16 or d & (d - 1) or image.numel() != s or tiles.shape != (triton.cdiv(t, block_m), triton.cdiv(s, block_n)):
+        raise ValueError(f"pattern_attention: head_dim {d} (a power of two >= 16), {s} keys and {t} queries against "
+                         f"flags of {image.numel()} and tables {tuple(tiles.shape)} at tiles {block_m}x{block_n}")
+    out = q.new_empty((b, t, heads, d))
+    _pattern_attention[(b * heads, order.numel())](
+        q, k, v, image, tiles, counts, order, out, t, s, q_offset, heads, heads // kv_heads, LOG2E / math.sqrt(d),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), tiles.shape[1],
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@torch.library.custom_op("vla::pattern_attention", mutates_args=())
+def pattern_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: torch.Tensor,
+                         tiles: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, q_offset: int, block_m: int,
+                         block_n: int, num_warps: int, num_stages: int) -> torch.Tensor:
+    """pattern_attention as one op a compiled region keeps whole (on the CPU the kernel itself,
+    interpreted: TRITON_INTERPRET=1)."""
+    return pattern_attention(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages)
+
+
+@pattern_attention_op.register_fake
+def _(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages):
+    b, heads, t, d = q.shape
+    return q.new_empty((b, t, heads, d))
+
+
+class PatternAttention:
+    """The pattern over image_token [S] (on the device) for q_len queries from position q_offset
+    (the full prefill: 0 and S; a streaming step: its new tokens over the whole cache), run by the
+    kernel at the given tiles. refresh rewrites the flags and tables in place.
+
+    Default tiles 64x64, 4 warps, 3 stages: the best of flex attention's tilings on the H200 at both
+    prompts (71.6 against 78.3 us for 128x64 w8 s3 at DROID, BENCHMARKS.md), flex being the nearest
+    kernel to this one that was timed; smaller tiles also skip more of the pattern's hidden pairs.
+    Untimed here: scripts/bench_prefill_attention.py sweeps others."""
+
+    def __init__(self, image_token: torch.Tensor, q_offset: int = 0, q_len: int | None = None, block_m: int = 64,
+                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
+        kv_len = image_token.numel()
+        self.q_offset, self.q_len = q_offset, kv_len - q_offset if q_len is None else q_len
+        if q_offset < 0 or self.q_len < 1 or q_offset + self.q_len > kv_len:
+            raise ValueError(f"queries {q_offset} .. {q_offset + self.q_len - 1} must lie within the {kv_len} keys")
+        if any(n < 16 or n & (n - 1) for n in (block_m, block_n)):
+            raise ValueError(f"tiles must be powers of two >= 16 (tl.dot), got {block_m}x{block_n}")
+        self.launch = (block_m, block_n, num_warps, num_stages)
+        dev = image_token.device
+        n_m, n_n = triton.cdiv(self.q_len, block_m), triton.cdiv(kv_len, block_n)
+        self.image = torch.zeros(kv_len, dtype=torch.int8, device=dev)
+        self.tiles = torch.zeros((n_m, n_n), dtype=torch.int32, device=dev)
+        self.counts = torch.zeros((n_m, 2), dtype=torch.int32, device=dev)
+        self.order = torch.zeros(n_m, dtype=torch.int32, device=dev)
+        self.refresh(image_token)
+
+    def refresh(self, image_token: torch.Tensor) -> None:
+        """After image_token changed (same length): the same tensors, rewritten on the device."""
+        self.image.copy_(image_token)
+        fresh = key_tiles(image_token, self.q_offset, self.q_len, *self.launch[:2])
+        for mine, new in zip((self.tiles, self.counts, self.order), fresh, strict=True):
+            mine.copy_(new)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, q_len, D], k/v [B, KV, S, D] (grouped heads) -> [B, H, q_len, D], a view of
+        [B, q_len, H, D]."""
+        return pattern_attention_op(q, k, v, self.image, self.tiles, self.counts, self.order, self.q_offset,
+                                    *self.launch).transpose(1, 2)
