@@ -33,7 +33,7 @@ class Bucket:
         if m.cfg.prompt.bidirectional_images:
             self.image_token[:self.instruction_start] = torch.tensor(prompt.image_token[:self.instruction_start])
         self.mask = self._mask().to(dev)  # [length, length]
-        self.attn_mask = self.mask        # what the prefill's attention gets: this, a flex BlockMask or a SplitPattern
+        self.attn_mask = self.mask  # the prefill's attention's: this, a BlockMask, a SplitPattern or a PatternAttention
         self.image_token_dev = None
         if engine.config.flex_attention:
             from .kernels.prefill_attention import block_mask
@@ -42,7 +42,11 @@ class Bucket:
             self.image_token_dev = torch.zeros(cache_len, dtype=torch.bool, device=dev)
             self.image_token_dev[:self.length] = self.image_token
             self.attn_mask = block_mask(self.image_token_dev, 0, self.length, self.length)
-            if engine.config.split_attention:
+            if engine.config.pattern_kernel:
+                from .kernels.pattern_attention import PatternAttention
+
+                self.attn_mask = PatternAttention(self.image_token_dev[:self.length])
+            elif engine.config.split_attention:
                 from .kernels.prefill_attention import SplitPattern
 
                 # Room for every instruction token to be an image token (special tokens typed in).
@@ -111,10 +115,10 @@ class Bucket:
         """Rewrite every attention mask in place (captured graphs keep reading the same tensors)."""
         self.mask.copy_(self._mask())
         if self.image_token_dev is not None:
-            from .kernels.prefill_attention import SplitPattern, refresh_
+            from .kernels.prefill_attention import PatternAttention, SplitPattern, refresh_
 
             self.image_token_dev[:self.length].copy_(self.image_token)
-            if isinstance(self.attn_mask, SplitPattern):
+            if isinstance(self.attn_mask, (SplitPattern, PatternAttention)):
                 self.attn_mask.refresh(self.image_token_dev[:self.length])
             else:
                 refresh_(self.attn_mask, self.image_token_dev, 0)

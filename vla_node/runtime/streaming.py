@@ -53,7 +53,11 @@ class StreamBuffers:
         self.cache_len = m.llm.layers[0].attn.cache.k.shape[2]
         self.mask = torch.zeros((len(self.new_slots), self.cache_len), dtype=torch.bool, device=dev)
         self.attn_mask = self.mask
-        if bucket.image_token_dev is not None:
+        if bucket.image_token_dev is not None and engine.config.pattern_kernel:   # the new rows over the cache
+            from .kernels.pattern_attention import PatternAttention
+
+            self.attn_mask = PatternAttention(bucket.image_token_dev, self.new_start, len(self.new_slots))
+        elif bucket.image_token_dev is not None:
             from .kernels.prefill_attention import block_mask
 
             self.attn_mask = block_mask(bucket.image_token_dev, self.new_start, len(self.new_slots), self.cache_len)
@@ -68,9 +72,12 @@ class StreamBuffers:
     def refresh_mask(self, bucket: Bucket) -> None:
         self.mask[:, :bucket.length].copy_(bucket.mask[self.new_start:])
         if self.attn_mask is not self.mask:
-            from .kernels.prefill_attention import refresh_
+            from .kernels.prefill_attention import PatternAttention, refresh_
 
-            refresh_(self.attn_mask, bucket.image_token_dev, self.new_start)
+            if isinstance(self.attn_mask, PatternAttention):
+                self.attn_mask.refresh(bucket.image_token_dev)
+            else:
+                refresh_(self.attn_mask, bucket.image_token_dev, self.new_start)
 
     def slides_from(self, frame_ids: Sequence[Optional[Hashable]]) -> bool:
         """Is this window the last one moved on by one frame time (surviving frames known)?"""

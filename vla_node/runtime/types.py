@@ -104,7 +104,7 @@ BATCH_SIZES = (1, 2, 4, 8)
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
                      "flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
                      "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel",
-                     "split_one_call", "rotary_kernel", "fused_expert", "vision_cache")
+                     "split_one_call", "pattern_kernel", "rotary_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
@@ -123,7 +123,7 @@ for _mode, _adds in _LADDER.items():
 # Rungs a CPU engine skips.
 GPU_FEATURES = ("flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
                 "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel", "split_one_call",
-                "rotary_kernel", "fused_expert")
+                "pattern_kernel", "rotary_kernel", "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -174,6 +174,11 @@ class EngineConfig:
     # The split's two causal calls as one call of batch 2B (SplitPattern.one_call; its gathers then
     # fused into the copy that builds the batch): in no mode until timed on the GPU.
     split_one_call: bool = False
+    # The prefill's pattern in one Triton flash-attention kernel that reads no mask and walks only the
+    # key tiles the pattern shows each query tile (runtime/kernels/pattern_attention), for the full
+    # prefill (instead of the split: no gathers, no merge, no second call) and the streaming step
+    # (instead of flex): in no mode until timed on the GPU.
+    pattern_kernel: bool = False
     # The LLM attention's q/k norms, RoPE and head layout in one pass (runtime/kernels/rotary_heads):
     # the DROID LLM stage 14.15 -> 13.73 ms on the H200.
     rotary_kernel: bool = False
@@ -229,12 +234,15 @@ class EngineConfig:
                 raise ValueError(f"{feature} needs split_attention (it is one of the split's passes)")
         if self.split_attention and not self.flex_attention:
             raise ValueError("split_attention needs flex_attention (streaming steps run the pattern through flex)")
+        if self.pattern_kernel and not self.flex_attention:
+            raise ValueError("pattern_kernel needs flex_attention (its device image flags and the layers' dispatch, "
+                             "runtime/kernels/prefill_attention.flex_attend)")
         cams = {l.cameras for l in self.layouts}
         if len(cams) > 1:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs needs a CUDA device")
-        for feature in ("triton_attention", "rotary_kernel", "fused_expert"):
+        for feature in ("triton_attention", "rotary_kernel", "fused_expert", "pattern_kernel"):
             interpreted = os.environ.get("TRITON_INTERPRET") == "1"
             if getattr(self, feature) and not (self.device.startswith("cuda") or interpreted):
                 raise ValueError(f"{feature} needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")

@@ -65,6 +65,7 @@ OPTIONS = {
     "torchmerge": {"split_merge_kernel": False},  # the split prefill's merge compiled from torch ops
     "torchgather": {"split_gather_kernel": False},  # the split's second call's gathers compiled from indexing
     "onecall": {"split_one_call": True},  # the split's two causal calls as one call of batch 2
+    "pattern": {"pattern_kernel": True},  # the prefill's pattern as one Triton kernel (the full prefill and streaming)
     "poolsdpa": {"window_attention_ops": False},  # the vision pool's window attention through SDPA
     "addpass": {"add_norm_kernel": False},  # the ViT blocks' residual adds as passes of their own
     "torchrotary": {"rotary_kernel": False},  # the LLM's q/k norms, RoPE and head layout compiled from torch ops

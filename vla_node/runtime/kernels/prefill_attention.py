@@ -4,7 +4,9 @@ CUDA runs with the memory-efficient kernel, reading the mask for every block, an
 the math kernel). Blocks that the pattern leaves fully visible or fully hidden skip the mask
 entirely; compiled (the `compile` rung), flex attention becomes one Triton kernel per call.
 The full prefill (every token of the bucket, from the first) can instead run the pattern as two
-maskless causal calls (SplitPattern, `split_attention`); the streaming step keeps flex.
+maskless causal calls (SplitPattern, `split_attention`), and it and the streaming step as one Triton
+kernel that computes the pattern from the image flags (kernels/pattern_attention.PatternAttention,
+`pattern_kernel`); otherwise the streaming step keeps flex.
 
 `block_mask` builds the mask once per bucket (lengths fixed); `refresh_` rebuilds it in place, so
 CUDA graphs that captured it keep reading the right tensors.
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from ...model.llm import sdpa_attend
+from .pattern_attention import PatternAttention
 from .split_gather import split_gather_op
 from .split_merge import merge_by_lse, merge_split_op
 
@@ -47,9 +50,12 @@ def refresh_(mask: BlockMask, image_token: torch.Tensor, q_offset: int) -> None:
 
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: Optional[Union[BlockMask, "SplitPattern", torch.Tensor]]) -> torch.Tensor:
-    """Drop-in for llm.sdpa_attend that runs flex attention when given a BlockMask (and the split
-    pattern's two calls when given a SplitPattern)."""
+                mask: Optional[Union[BlockMask, "SplitPattern", PatternAttention, torch.Tensor]]) -> torch.Tensor:
+    """Drop-in for llm.sdpa_attend that runs flex attention when given a BlockMask (the split
+    pattern's two calls when given a SplitPattern, the pattern kernel when given a PatternAttention:
+    it reads the strided views as they are)."""
+    if isinstance(mask, PatternAttention):
+        return mask.attend(q, k, v)
     # Contiguous copies (~T*D elements each) of the strided views a layer makes (rotary q/k
     # transposed, v a slice of the fused projection's output), for the kernels that misread them:
     # torch 2.13's compiled CPU flex kernel (wrong results, seen in test_flex_prefill_matches_the_dense_mask),
