@@ -11,17 +11,22 @@ Ways: causal flash SDPA (the wrong pattern: the speed of the plain causal kernel
 dense boolean mask (default backend; cuDNN forced), flex attention compiled with the runtime's
 block mask (default kernel options and a few tile choices), and `split`: the pattern as two
 maskless causal calls merged by their log-sum-exps (runtime/kernels/prefill_attention.py), eager
-and compiled, and the two calls as one of batch 2 (`split_one_call`), eager and compiled. The
-layer part times a whole decoder layer (compiled) with some of the ways and with none, and its four
-linears alone. Without CUDA it is a dry run on the CPU at a small size.
+and compiled, and the two calls as one of batch 2 (`split_one_call`), eager and compiled, and
+`pattern kernel`: the pattern in one Triton kernel (runtime/kernels/pattern_attention.py,
+`pattern_kernel`) at PATTERN_TILES. The layer part times a whole decoder layer (compiled) with some
+of the ways and with none, and its four linears alone. Without CUDA it is a dry run on the CPU at a
+small size (the Triton kernels interpreted).
 """
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import traceback
 
 import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")  # before any kernel's import
 import torch._dynamo.config as dynamo_config
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -35,12 +40,15 @@ from vla_node.model.tokenizer import load_tokenizer
 from vla_node.model.weights import TINY_TOKENIZER
 from vla_node.runtime import LAYOUTS, EngineConfig
 from vla_node.runtime.fusion import fuse_projections
+from vla_node.runtime.kernels.pattern_attention import PatternAttention
 from vla_node.runtime.kernels.prefill_attention import SplitPattern, block_mask, causal_attend_lse, flex_attend
 
 dynamo_config.cache_size_limit = dynamo_config.recompile_limit = 256  # every way recompiles flex
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 PEAK = 790e12  # bf16 FLOP/s, the H200's measured matmul rate
+# The pattern kernel's tilings: (BLOCK_M, BLOCK_N, num_warps, num_stages), its default first.
+PATTERN_TILES = {"64x64 w4 s3": (64, 64, 4, 3), "128x64 w8 s3": (128, 64, 8, 3), "128x128 w8 s2": (128, 128, 8, 2)}
 
 
 def image_tokens(layout_name: str) -> tuple[torch.Tensor, int]:
@@ -102,6 +110,7 @@ def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
         "flex (runtime)": lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True),
         "split (2 causal calls + merge)": split.attend,
         "split as one call of batch 2": one_call.attend,
+        **{f"pattern kernel {name}": pattern(img, tiles).attend for name, tiles in PATTERN_TILES.items()},
     }
     if CUDA:
         def cudnn(q, k, v):
@@ -140,6 +149,11 @@ def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
     return out
 
 
+def pattern(img: torch.Tensor, tiles: tuple[int, int, int, int]) -> PatternAttention:
+    block_m, block_n, num_warps, num_stages = tiles
+    return PatternAttention(img, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
 def gemms(t: int) -> dict:
     """us per call of the layer's four linears at M = t and at M rounded up to 128 rows."""
     cfg = get_preset("molmobot-4b").llm
@@ -172,6 +186,7 @@ def layer_times(img: torch.Tensor, capacity: int) -> dict:
                                                                    block_mask=m, enable_gqa=True,
                                                                    kernel_options=tiles), bm),
             "split": (flex_attend, SplitPattern(img, capacity)),
+            **{f"pattern {name}": (flex_attend, pattern(img, tiles)) for name, tiles in PATTERN_TILES.items()},
             "no attention (the rest)": (lambda q, k, v, m: q, None)}
     out = {}
     with torch.inference_mode():
