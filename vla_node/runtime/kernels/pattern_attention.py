@@ -67,6 +67,22 @@ def _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, start, S, pos, img_q, qk
 
 
 @triton.jit
+def _attend_tiles(acc, m_i, l_i, q, K, V, Img, Tiles, lo, hi, n_visible, start, skt, svt, S, pos, img_q, qk_scale,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The key tiles Tiles[lo:hi] (start: the first one's first key). Each iteration reads the next
+    tile's index ahead of its own loads: K and V addresses that come from the loop, not from a load
+    in the same iteration, let Triton pipeline them (num_stages; compiled for sm_90 with Triton 3.9,
+    a load of the iteration's own index left the loop unpipelined: 48 KB of shared memory at
+    64x64 against 112 KB). Returns the state and the next tile's first key."""
+    for i in range(lo, hi):
+        following = tl.load(Tiles + i + 1, mask=i + 1 < n_visible, other=0) * BLOCK_N
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, start, S, pos, img_q, qk_scale,
+                                     D, BLOCK_N, MASKED)
+        start = following
+    return acc, m_i, l_i, start
+
+
+@triton.jit
 def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, heads, group, qk_scale,
                        sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, n_key_tiles,
                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -87,13 +103,12 @@ def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     tiles = Tiles + m * n_key_tiles
     n_full = tl.load(Counts + 2 * m)
-    n_masked = tl.load(Counts + 2 * m + 1)
-    for i in range(n_full):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, tl.load(tiles + i) * BLOCK_N, S, pos,
-                                     img_q, qk_scale, D, BLOCK_N, False)
-    for i in range(n_full, n_full + n_masked):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, tl.load(tiles + i) * BLOCK_N, S, pos,
-                                     img_q, qk_scale, D, BLOCK_N, True)
+    n_visible = n_full + tl.load(Counts + 2 * m + 1)
+    start = tl.load(tiles) * BLOCK_N
+    acc, m_i, l_i, start = _attend_tiles(acc, m_i, l_i, q, K, V, Img, tiles, 0, n_full, n_visible, start, skt, svt, S,
+                                         pos, img_q, qk_scale, D, BLOCK_N, False)
+    acc, m_i, l_i, start = _attend_tiles(acc, m_i, l_i, q, K, V, Img, tiles, n_full, n_visible, n_visible, start, skt,
+                                         svt, S, pos, img_q, qk_scale, D, BLOCK_N, True)
     out = acc / l_i[:, None]
     tl.store(Out + ((b * T + rows[:, None]) * heads + h) * D + d[None, :], out.to(Out.dtype.element_ty),
              mask=(rows < T)[:, None])
@@ -172,8 +187,9 @@ class PatternAttention:
 
     Default tiles 64x64, 4 warps, 3 stages: the best of flex attention's tilings on the H200 at both
     prompts (71.6 against 78.3 us for 128x64 w8 s3 at DROID, BENCHMARKS.md), flex being the nearest
-    kernel to this one that was timed; smaller tiles also skip more of the pattern's hidden pairs.
-    Untimed here: scripts/bench_prefill_attention.py sweeps others."""
+    kernel to this one that was timed; compiled for sm_90 (head_dim 128, bf16) it takes 112 KB of
+    shared memory and 190 registers a thread, two programs a SM, and at DROID its tiles cover 1.14x
+    the visible pairs (128x64: 1.22x). Untimed: scripts/bench_prefill_attention.py sweeps others."""
 
     def __init__(self, image_token: torch.Tensor, q_offset: int = 0, q_len: int | None = None, block_m: int = 64,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
