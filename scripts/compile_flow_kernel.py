@@ -27,8 +27,8 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
 
-TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32",
-         torch.bool: "*i1"}
+TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
+         torch.int32: "*i32", torch.int8: "*i8", torch.bool: "*i1"}
 SASS_COUNTS = {"CTA barriers": r"BAR\.SYNC", "shared stores": r"\bSTS", "HMMA": r"HMMA", "global loads": r"\bLDG"}
 
 

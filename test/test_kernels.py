@@ -1,5 +1,9 @@
 """Triton kernels against PyTorch references: on the CPU through TRITON_INTERPRET=1 (set by
 conftest.py when there is no GPU), on the GPU natively."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -310,6 +314,18 @@ def test_pattern_kernel_refreshes_its_tables_in_place(device, dtype):
     assert all(a is b for a, b in zip(tables, (pattern.image, pattern.tiles, pattern.counts, pattern.order)))
     assert not torch.equal(before[2], pattern.counts)
     assert _pattern_error(pattern.attend(q, k, v), q, k, v, image, 0) < _pattern_tolerance(device, dtype)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on the GPU the kernel runs natively")
+def test_pattern_kernel_compiles_for_hopper_with_its_loads_pipelined():
+    """The interpreter pipelines nothing and accepts code the GPU compiler rejects: the kernel at its
+    default tiles, compiled for sm_90 with no GPU (scripts/compile_pattern_kernel.py), holds num_stages
+    K and V tiles in shared memory."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": root}  # this checkout's
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "compile_pattern_kernel.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "loads pipelined" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.cuda)])
