@@ -173,7 +173,12 @@ def gemms(t: int) -> dict:
     return out
 
 
-def layer_times(img: torch.Tensor, capacity: int) -> dict:
+def chosen(name: str, only: list[str]) -> bool:
+    """Whether a way is asked for (--ways: any of its comma-separated strings in the name; none: all)."""
+    return not only or any(part in name for part in only)
+
+
+def layer_times(img: torch.Tensor, capacity: int, only: list[str]) -> dict:
     """us per call of one molmobot-4b decoder layer (fused projections, compiled as the runtime
     compiles it) with each attention way, and with none (attention's output = q: the rest)."""
     cfg = get_preset("molmobot-4b").llm
@@ -194,6 +199,8 @@ def layer_times(img: torch.Tensor, capacity: int) -> dict:
     out = {}
     with torch.inference_mode():
         for name, (attend, mask) in ways.items():
+            if not chosen(name, only):
+                continue
             try:
                 layer.attn.attend = attend
                 layer._compiled_call_impl = None
@@ -224,7 +231,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--parts", default="attention,layer", help="attention (the ways alone), layer (a whole "
                     "decoder layer with some ways, and its linears alone)")
+    ap.add_argument("--ways", default="", help="only the ways whose names hold one of these comma-separated "
+                    "strings (default: every way), e.g. 'cuDNN causal + lse,split, compiled,pattern'")
     args = ap.parse_args()
+    only = [w for w in args.ways.split(",") if w]
     parts = args.parts.split(",")
     cfg = get_preset("molmobot-4b").llm
     heads, kv_heads, hd = (cfg.heads, cfg.kv_heads, cfg.head_dim) if CUDA else (4, 2, 16)
@@ -250,6 +260,8 @@ def main() -> None:
         results[name] = {"tokens": t, "image_tokens": int(img.sum()), "visible_pairs": pairs, "floor_us": floor_us,
                          "ways": {}}
         for way, fn in (ways(img, mask, capacity).items() if "attention" in parts else ()):
+            if not chosen(way, only):
+                continue
             try:
                 out = fn(q, k, v)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -262,7 +274,7 @@ def main() -> None:
             rows.append((name, t, way, entry))
             print(name, way, entry, flush=True)
         if "layer" in parts and CUDA:
-            results[name]["layer"] = layer_times(img, capacity)
+            results[name]["layer"] = layer_times(img, capacity, only)
             results[name]["gemms"] = gemms(t)
     if args.json:
         with open(args.json, "w") as f:
