@@ -50,12 +50,12 @@ def truth_velocity(truth, ctx: dict, times):
 
 def phase_floor_us(cfg, phase: str, entries: int, keys: int, folded: bool) -> float:
     """The bytes a phase must read once (its weights; the cross-attention its entries' context K/V),
-    over the H200's measured 4.3 TB/s, in us (phases "a+b" of one segment: both)."""
+    over the H200's measured 4.3 TB/s, in us."""
     a = cfg.action
     w, mlp = a.width, a.mlp
     n = dict(qkv=(3 + folded) * w * w, self_out=(1 + folded) * w * w, cross_q=w * w, cross=2 * entries * keys * w,
-             cross_out=w * w, fc1=mlp * w, fc2=w * mlp)
-    return 2 * sum(n.get(part, 0) for part in phase.split("+")) / BANDWIDTH * 1e6
+             cross_out=w * w, fc1=mlp * w, fc2=w * mlp).get(phase, 0)
+    return 2 * n / BANDWIDTH * 1e6
 
 
 def tilings(spec: str) -> list[tuple[str, CudaTiling]]:

@@ -136,9 +136,7 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
-                                             (2, CudaTiling(self_cluster=True)), (4, CudaTiling(handoff=1)),
-                                             (1, CudaTiling(handoff=2, cross_pad=False)),
-                                             (4, CudaTiling(handoff=2, poll_backoff=64))])
+                                             (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
@@ -228,11 +226,7 @@ def assert_near_truth(got, want, eager):
     for name, entries, tiling in [("1", 1, CudaTiling()), ("3", 3, CudaTiling()),
                                   ("3-unfolded-fp32_ln_sources", 3, CudaTiling(fold_cross_q=False, x_frags=False))]
     for device in ON_BOTH] + [pytest.param("cuda", 3, CudaTiling(cluster=1), marks=pytest.mark.cuda,
-                                           id="3-no_clusters-cuda"),
-                              pytest.param("cuda", 3, CudaTiling(handoff=1, cross_pad=False), marks=pytest.mark.cuda,
-                                           id="3-handoff1-cuda"),
-                              *(pytest.param("cuda", n, CudaTiling(handoff=2), marks=pytest.mark.cuda,
-                                             id=f"{n}-handoff2-cuda") for n in (1, 3))])
+                                           id="3-no_clusters-cuda")])
 def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device, entries, tiling):
     cfg, e, truth = small_expert(device)
     fused = FusedExpert(e, backend="cuda", cuda_tiling=tiling)
@@ -287,9 +281,9 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     sum: the statistics tile-major with 2 threads an epilogue item, and 4 threads an item (two
     rounds of items here, the second reading its inputs after the wait) with the L2 prefetches, the
     A fragments loaded a k-step at a time with the next row tile's residual values ahead, the
-    self-attention computed in self_out's clusters (no self phase), the cross-attention's partials
-    at a padded stride, and the outputs handed off without barriers (with fc2's K split, and with
-    the cross-attention merged through global memory by its last program)."""
+    self-attention computed in self_out's clusters (no self phase), and the cross-attention's
+    partials at an unpadded stride (also with the cross-attention merged through global memory by
+    its last program)."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     with torch.inference_mode():
@@ -297,44 +291,9 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
                for t in (CudaTiling(stats_t=False, epi_split=1, x_ahead=False), CudaTiling(stats_t=True, epi_split=2),
                          CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
                          CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True), CudaTiling(cross_pad=False),
-                         CudaTiling(handoff=1, fc2_split=1), CudaTiling(handoff=1, cluster=1, cross_pad=False),
-                         CudaTiling(handoff=2, cluster=1, x_ahead=True, a_chunk=1))]
+                         CudaTiling(cluster=1, cross_pad=False))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
-
-
-@pytest.mark.parametrize("level, entries", [(1, 1), (2, 1), (2, 2)])
-def test_handoff_keeps_the_result_with_action_caching_and_its_segments_on_the_cpu_build(level, entries):
-    """handoff: outputs polled until no sentinel is left instead of grid barriers (1: after the self
-    phase, the cross-attention and fc1; 2: all but one a block, the buffers in two copies): bit for
-    bit the default's twice in a row, with a reused step too; the trace has a segment a barrier."""
-    cfg, e, truth = small_expert("cpu")
-    run = flow_case(cfg, e, truth, entries=entries, steps=4, device="cpu")
-    reuse = {2: 1}   # step 2 takes step 1's velocity
-    default, _, _ = run(FusedExpert(e, backend="cuda"), reuse=reuse)
-    handoff = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(handoff=level, trace=True))
-    for _ in range(2):   # the second launch starts from the first one's buffers
-        got, want, eager = run(handoff, reuse=reuse)
-        assert torch.equal(got, default) and not handoff.barrier_timed_out()
-    assert_near_truth(got, want, eager)
-    names = handoff.cuda.segment_names((-1, -1, 1, -1))
-    trace = next(iter(handoff.cuda._scratch.values())).trace[:, :, :2]
-    assert trace.shape[1] == len(names) and (trace > 0).all()
-    merged = {1: {"self+self_out", "cross+cross_out", "fc1+fc2"},
-              2: {"qkv+self+self_out+cross+cross_out+fc1+fc2"}}[level]
-    assert merged <= set(names) and "self" not in names
-    with pytest.raises(ValueError, match="handoff"):
-        CudaTiling(handoff=1, fuse_self=True)
-
-
-def test_the_engine_hands_off_on_the_cuda_loop_only():
-    """EngineConfig.expert_handoff (vla-bench +handoff1, +handoff2): a level of CudaTiling.handoff,
-    refused in one line for the Triton loop, which has no grid barriers of its own to drop."""
-    from vla_node.runtime.types import EngineConfig
-    assert EngineConfig.for_mode("fast", expert_handoff=2).expert_handoff == 2
-    for bad in (dict(expert_handoff=3), dict(expert_handoff=1, expert_kernel="triton")):
-        with pytest.raises(ValueError, match="expert_handoff"):
-            EngineConfig.for_mode("fast", **bad)
 
 
 @pytest.mark.parametrize("entries", [1, 2])

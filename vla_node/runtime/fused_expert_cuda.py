@@ -117,18 +117,6 @@ class CudaTiling:
     # H200 the loop 12.86 -> 12.49 ms at B = 2, 18.15 -> 17.74 at B = 4, 26.55 -> 25.95 at B = 8; at
     # B = 1 9.43 -> 9.56, and 4 no better than 2: BENCHMARKS.md, tenth session)
     fc2_split: Optional[int] = None
-    # grid barriers a block fewer, outputs that carry their own readiness instead (expert_flow.cu,
-    # HANDOFF: buffers filled with a sentinel NaN ahead, consumers poll each value until it is
-    # stored). 1: three fewer (self -> self_out, cross -> cross_out, fc1 -> fc2: the attention outputs
-    # and the MLP hidden); 2: one barrier a block (before qkv), every buffer a phase hands on in two
-    # copies and the residual stream in three versions (with fold_cross_q and x_frags; else 1). The
-    # same numbers bit for bit, but slower on the H200 with system-scope polls (the loop at B = 1 / 2
-    # / 4 / 8: level 1 11.00 / 13.47 / 19.93 / 30.38 ms, level 2 14.97 / 19.72 / 30.90 / 53.51,
-    # against 8.91 / 11.47 / 15.65 / 21.41: a polled phase pair takes 2-4 us longer than the two with
-    # a barrier; BENCHMARKS.md, twenty-first session); the GPU-scope polls since b79df50 not yet timed
-    handoff: int = 0
-    # ns a handoff's poll sleeps before it looks again (0: none)
-    poll_backoff: int = 0
     # the cross-attention's warp partials stored in shared memory at a row stride of head_dim
     # padded to 8 banks mod 32 (at head_dim 96 the rows of a warp's store fell on one bank: 4-way
     # conflicts, 24 stores a warp). The same numbers bit for bit; on the H200 the loop 8.91 -> 8.60
@@ -143,11 +131,6 @@ class CudaTiling:
             raise ValueError("fc2_split and weights_smem: a program's split weights are not one range to copy")
         if self.self_cluster and self.fuse_self:
             raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
-        if self.handoff not in (0, 1, 2):
-            raise ValueError(f"handoff: 0, 1 or 2, got {self.handoff}")
-        if self.handoff and (self.fuse_self or self.self_cluster or self.cross_cut):
-            raise ValueError("handoff: the self phase's and the merged cross-attention's outputs are what it hands off "
-                             "(not with fuse_self, self_cluster or cross_cut)")
         if self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
         if self.epi_split not in (1, 2, 4):
@@ -194,8 +177,6 @@ class Scratch:
     n_keys: int
     xa: torch.Tensor        # [B T, A] fp32 the actions being integrated
     vel: torch.Tensor       # [steps, B T, A] each computed step's velocity (bf16)
-    # (handoff 2: x, xf and stats hold five slots, the residual stream's versions 1 and 2 two copies
-    # each; qkv, y, yc, hid, f0 and sq two copies)
     x: torch.Tensor         # [rows, W] fp32 the residual stream (rows: B x horizon padded to 16s)
     xf: torch.Tensor        # its bf16 copy in A-fragment order (CudaTiling.x_frags; else unused)
     stats: torch.Tensor     # each 8-column tile's row mean and M2: [rows, W / 8, 2] (stats_t: [W / 8, rows, 2])
@@ -209,7 +190,7 @@ class Scratch:
     opart: torch.Tensor     # cross-attention partials of each (entry, head)'s programs
     mlpart: torch.Tensor    # their maxima and sums
     counter: torch.Tensor   # int32 per (entry, head): its programs' arrivals, left at zero
-    barrier: torch.Tensor   # int32 [2 + programs]: the arrival counter, a flag a program, the launch's failed flag
+    barrier: torch.Tensor   # int32 [1 + programs]: the arrival counter, then a flag a program
     error: torch.Tensor     # int32 [1], set when a grid barrier timed out (sticky)
     kv: torch.Tensor        # [depth, B, heads, key tiles, 2, 32, hd / 2] the packed context K/V
     mask: Optional[torch.Tensor] = None
@@ -251,11 +232,6 @@ def fc2_split_of(t: CudaTiling, entries: int, cluster: int, mlp: int) -> int:
     while split > 1 and (cluster % split or mlp % (256 * split)):
         split //= 2
     return split
-
-
-def handoff_of(t: CudaTiling) -> int:
-    """The kernel's HANDOFF: as asked, 2 only with fold_cross_q and x_frags (else 1)."""
-    return t.handoff if t.handoff < 2 or (t.fold_cross_q and t.x_frags) else 1
 
 
 def tiles_a_program(n: int, asked: int, first_part: int = 0, *, programs: int) -> int:
@@ -339,8 +315,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
-                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, HANDOFF=handoff_of(t),
-                     SO_STRIDE=so_stride, POLL_BACKOFF=t.poll_backoff)
+                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
@@ -377,23 +352,21 @@ class CudaFlow:
                                dataclasses.replace(self.tiling, fold_cross_q=False), limit, held)
             rows = entries * dict(plan.constants)["TOK16"]
             w, tok16, pairs = f.width, rows // entries, entries * f.heads
-            # handoff 2: the residual stream's versions 1 and 2 and each handed-off buffer in two copies
-            versions, copies = (5, 2) if dict(plan.constants)["HANDOFF"] > 1 else (1, 1)
             with torch.device(device):
                 bf, f32 = dict(dtype=torch.bfloat16), dict(dtype=torch.float32)
                 self._scratch[key] = Scratch(
                     plan=plan, unfolded=unfolded, n_keys=n_keys,
                     xa=torch.empty((entries * tokens, f.action_dim), **f32),
                     vel=torch.empty((steps, entries * tokens, f.action_dim), **bf),
-                    x=torch.empty((versions * rows, w), **f32), xf=torch.empty(versions * rows * w, **bf),
-                    stats=torch.empty(versions * rows * w // 4, **f32), qkv=torch.empty(copies * rows * 3 * w, **bf),
-                    q=torch.empty(rows * w, **bf), y=torch.empty(copies * rows * w, **bf),
-                    yc=torch.empty(copies * rows * w, **bf), hid=torch.empty(copies * rows * f.mlp, **bf),
-                    f0=torch.empty((copies * rows, w), **f32), sq=torch.empty(copies * rows * w, **f32),
+                    x=torch.empty((rows, w), **f32), xf=torch.empty(rows * w, **bf),
+                    stats=torch.empty(rows * w // 4, **f32), qkv=torch.empty(rows * 3 * w, **bf),
+                    q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf), yc=torch.empty(rows * w, **bf),
+                    hid=torch.empty(rows * f.mlp, **bf), f0=torch.empty((rows, w), **f32),
+                    sq=torch.empty(rows * w, **f32),
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
                     mlpart=torch.empty(pairs * plan.cpp * tok16 * 2, **f32),
                     counter=torch.zeros(pairs, dtype=torch.int32),
-                    barrier=torch.zeros(2 + plan.programs, dtype=torch.int32),
+                    barrier=torch.zeros(1 + plan.programs, dtype=torch.int32),
                     error=torch.zeros(1, dtype=torch.int32),
                     kv=torch.empty((f.depth, entries, f.heads, plan.key_tiles, 2, 32, f.head_dim // 2), **bf))
         return self._scratch[key]
@@ -442,13 +415,6 @@ class CudaFlow:
         folded = self.tiling.fold_cross_q if folded is None else folded
         no_self = self.tiling.fuse_self or self.tiling.self_cluster
         phases = [p for p in BLOCK_PHASES if not (no_self and p == "self") and not (folded and p == "cross_q")]
-        handoff = handoff_of(dataclasses.replace(self.tiling, fold_cross_q=folded))
-        if handoff == 2:   # one barrier a block: one segment
-            phases = ["+".join(phases)]
-        elif handoff == 1:   # no barrier after these: one segment with the phase that follows
-            for first in ("self", "cross", "fc1"):
-                at = phases.index(first)
-                phases[at:at + 2] = [f"{first}+{phases[at + 1]}"]
         names = []
         for r in reuse:
             if r < 0:

@@ -68,11 +68,7 @@ class StaticRunner:
         self.fused_expert = None
         if cfg.fused_expert:
             from .fused_expert import FusedExpert
-            tiling = None
-            if cfg.expert_handoff:
-                from .fused_expert_cuda import CudaTiling
-                tiling = CudaTiling(handoff=cfg.expert_handoff)
-            self.fused_expert = FusedExpert(m.expert, fp8=cfg.expert_fp8, backend=cfg.expert_kernel, cuda_tiling=tiling)
+            self.fused_expert = FusedExpert(m.expert, fp8=cfg.expert_fp8, backend=cfg.expert_kernel)
         self.mod_table = self.flow_inputs = None
         if cfg.ctx_kv_once:
             self._make_modulation_table()

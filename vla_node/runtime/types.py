@@ -192,9 +192,6 @@ class EngineConfig:
     # compiled at start by NVRTC; bf16 weights, no expert_fp8; runtime/fused_expert_cuda.py) or auto
     # (cuda on a Hopper GPU where it takes the expert, else triton).
     expert_kernel: str = "auto"
-    # The CUDA loop's grid barriers replaced by outputs its phases poll (CudaTiling.handoff): 0 none,
-    # 1 three a block fewer, 2 one a block. The same actions bit for bit; not yet timed on a GPU.
-    expert_handoff: int = 0
     vision_cache: bool = False
     vision_cache_frames: int = 64         # frames kept by the vision cache
     # Opt-in options that change the numbers (each reported with its deviation).
@@ -254,9 +251,6 @@ class EngineConfig:
             raise ValueError(f"expert_kernel must be auto, triton or cuda, got {self.expert_kernel!r}")
         if self.expert_kernel == "cuda" and self.expert_fp8:
             raise ValueError("expert_kernel cuda runs bf16 expert weights (no expert_fp8): use expert_kernel triton")
-        if self.expert_handoff not in (0, 1, 2) or (self.expert_handoff and self.expert_kernel == "triton"):
-            raise ValueError(f"expert_handoff: 0, 1 or 2, for the CUDA loop (expert_kernel auto or cuda), got "
-                             f"{self.expert_handoff} with expert_kernel {self.expert_kernel}")
 
     @classmethod
     def for_mode(cls, mode: str, **overrides) -> "EngineConfig":

@@ -58,8 +58,6 @@ OPTIONS = {
     "expertfp8": {"fused_expert": True, "expert_fp8": True},
     "cudaexpert": {"fused_expert": True, "expert_kernel": "cuda"},  # the loop on kernels/expert_flow.cu
     "tritonexpert": {"fused_expert": True, "expert_kernel": "triton"},  # the loop on kernels/expert_flow.py
-    "handoff1": {"expert_handoff": 1},  # the CUDA loop with three grid barriers a block fewer (polled outputs)
-    "handoff2": {"expert_handoff": 2},  # the CUDA loop with one grid barrier a block
     # the prefill through flex attention only
     "flexonly": {"split_attention": False, "split_merge_kernel": False, "split_gather_kernel": False},
     "torchmerge": {"split_merge_kernel": False},  # the split prefill's merge compiled from torch ops

@@ -276,8 +276,6 @@ inline void __syncthreads() {
     cpu::barrier(p.barrier, (unsigned)(p.warps.size() * 32), [] {});
 }
 
-inline void __syncwarp(unsigned = 0xffffffffu) { cpu::barrier(cpu::warp().barrier, 32, [] {}); }
-
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
     return cpu::slot_value<float>(cpu::exchange(v), cpu::lane() ^ (unsigned)mask);
 }
@@ -307,15 +305,6 @@ inline float2 ld_cg_f2(const float* p) { return *(const float2*)p; }
 inline float4 ld_cg_f4(const float* p) { return *(const float4*)p; }
 inline float ld_cg_f(const float* p) { return *p; }
 inline float ld_cg_bf(const u16* p) { return cpu::bf16_to_float(*p); }
-// HANDOFF's polls and stores: plain ones (one CPU thread); a poll that finds nothing yet lets the
-// other fibers run before it looks again.
-inline uint4 ld_poll16(const void* p) { return *(const uint4*)p; }
-inline void st_relaxed16(void* p, uint4 v) { *(uint4*)p = v; }
-inline void st_relaxed4(void* p, u32 v) { *(u32*)p = v; }
-inline void st_relaxed2(void* p, u16 v) { *(u16*)p = v; }
-inline float ld_poll_f(const float* p) { return *p; }
-inline void st_relaxed_f2(float* p, float2 v) { *(float2*)p = v; }
-inline void spin_pause() { cpu::yield(); }
 
 // Copies complete at once (a valid order of the asynchronous ones).
 inline void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }

@@ -26,8 +26,8 @@
 //   cross_q   LN2 + modulate(x) @ Wq^T + b    -> q (A-fragment order); with FOLD_CQ no such phase:
 //             qkv and self_out compute what the cross-attention's programs make q from (Part2)
 //   cross     per (entry, head) CPP programs over its key tiles, one warp a tile at a time;
-//             warps merged in the program, programs by the last to arrive -> y
-//   cross_out x += g2 (y @ Wco^T + b)
+//             warps merged in the program, programs by the last to arrive -> yc
+//   cross_out x += g2 (yc @ Wco^T + b)
 //   fc1       LN3 + modulate(x) @ W1^T + b, GELU -> hid (A-fragment order)
 //   fc2       x += g3 (hid @ W2^T + b)
 // and per step, for the rows a program owns: out (final LN + modulate -> action_out -> v, and
@@ -58,19 +58,6 @@
 // (how a barrier polls), TRACE (per-segment timestamps), WORK (0: every phase's loads and barriers
 // without its arithmetic and stores: the loop's floor of synchronisation) and CROSS_CUT (1: the
 // cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers).
-// HANDOFF: grid barriers replaced by outputs that carry their own readiness. Buffers a phase hands
-// on are filled with SENTINEL ahead (bf16 0xffff, fp32 all ones: NaNs no producer stores, see
-// no_sentinel); producers store their values as they are made (relaxed, GPU scope); a consumer
-// polls each value it reads until it is no longer the sentinel. 1: three barriers a block go (self
-// -> self_out, cross -> cross_out, fc1 -> fc2: y, yc, hid, filled by the qkv phase). 2: one
-// barrier a block stays, before qkv; every buffer handed on within a block has two copies (block n
-// uses copy n & 1 and fills block n + 1's in its qkv phase) and the residual stream three versions
-// (rslot). Why nothing is overwritten while still read: a program writes a buffer's next version only
-// after it has polled values of every program that reads the current one, each made after that
-// program's reads (the consumers read all the fragments or statistics they sum over). That rests on
-// dependencies, not on release and acquire: a program stores what it hands on only after every load
-// it made in the phase has been used (behind the __syncthreads before each epilogue); a store placed
-// before a load's use (a prefetch consumed after it) would break it.
 // SO_STRIDE: the row stride (floats) of the cross-attention's warp partials in shared memory (HDIM,
 // or padded so that a store's rows g = 0..3 fall on different banks: head_dim 96 put them all on one).
 
@@ -167,38 +154,6 @@ __device__ __forceinline__ float ld_cg_bf(const u16* p) {
     unsigned short r;
     asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
     return __uint_as_float(((u32)r) << 16);
-}
-// HANDOFF: values written while their readers poll them (no barrier between): relaxed stores and
-// loads at GPU scope (L2, each 16-bit half single-copy atomic; all readers are on this GPU: the
-// system scope of ld/st.volatile is more than they need), issued where written.
-__device__ __forceinline__ uint4 ld_poll16(const void* p) {
-    uint4 r;
-    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void st_relaxed16(void* p, uint4 v) {
-    asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-}
-__device__ __forceinline__ void st_relaxed4(void* p, u32 v) {
-    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_relaxed2(void* p, u16 v) {
-    asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
-}
-__device__ __forceinline__ float ld_poll_f(const float* p) {
-    float r;
-    asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void st_relaxed_f2(float* p, float2 v) {
-    asm volatile("st.relaxed.gpu.global.v2.f32 [%0], {%1,%2};" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
-}
-// Between two polls of a handed-off value: POLL_BACKOFF ns asleep (0: none, a poll is an L2 round
-// trip already; a pause eases the polls' load on L2 and on the producers' lines).
-__device__ __forceinline__ void spin_pause() {
-    if (POLL_BACKOFF) __nanosleep(POLL_BACKOFF);
 }
 
 // Asynchronous copies into shared memory (no registers held while they fly).
@@ -326,43 +281,6 @@ __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xfff
 __device__ __forceinline__ u16 to_bf(float v) { return (u16)(pack_bf2(v, 0.0f) & 0xffffu); }
 __device__ __forceinline__ float round_bf(float v) { return bf_lo(pack_bf2(v, 0.0f)); }
 
-// -- HANDOFF: outputs that carry their own readiness ----------------------------------------------
-#define SENTINEL 0xffffu
-// A NaN that would read as the sentinel stored as another NaN (0x7fff: the same to the model).
-__device__ __forceinline__ u32 no_sentinel(u32 v) {
-    if ((v & 0xffffu) == SENTINEL) v ^= 0x8000u;
-    if ((v >> 16) == SENTINEL) v ^= 0x80000000u;
-    return v;
-}
-__device__ __forceinline__ bool sentinel_in(u32 v) { return (v & 0xffffu) == SENTINEL || (v >> 16) == SENTINEL; }
-__device__ __forceinline__ bool sentinel_in(uint4 a) {
-    return sentinel_in(a.x) || sentinel_in(a.y) || sentinel_in(a.z) || sentinel_in(a.w);
-}
-__device__ __forceinline__ bool sentinel_in(float v) { return __float_as_uint(v) == ~0u; }   // fp32: all ones
-// A handed-off output's fragment (y): with HANDOFF stored relaxed (GPU scope) and never as the
-// sentinel, else a plain store (its readers wait at a barrier).
-__device__ __forceinline__ void put_frag(uint4* p, uint4 v) {
-    if (HANDOFF) st_relaxed16(p, make_uint4(no_sentinel(v.x), no_sentinel(v.y), no_sentinel(v.z), no_sentinel(v.w)));
-    else *p = v;
-}
-// fp32 values (never all ones), bf16 pairs and bf16 values: handed off where `handed` (stored
-// relaxed, never as the sentinel), else plain stores.
-__device__ __forceinline__ float no_sentinel_f(float v) {
-    return sentinel_in(v) ? __uint_as_float(0x7fffffffu) : v;
-}
-__device__ __forceinline__ void put_f2(float* p, float a, float b, bool handed) {
-    if (handed) st_relaxed_f2(p, make_float2(no_sentinel_f(a), no_sentinel_f(b)));
-    else *(float2*)p = make_float2(a, b);
-}
-__device__ __forceinline__ void put_pair(u16* p, u32 v, bool handed) {
-    if (handed) st_relaxed4(p, no_sentinel(v));
-    else *(u32*)p = v;
-}
-__device__ __forceinline__ void put_half(u16* p, u16 v, bool handed) {
-    if (handed) st_relaxed2(p, (u16)no_sentinel(v));
-    else *p = v;
-}
-
 // Offset (bf16 elements) of element (r, c) of a [MP, cols] matrix stored in A-fragment order:
 // [row tile][k-step][lane][4 registers][2]. Register 0: (row g, cols 2q, 2q+1), 1: (row g + 8,
 // 2q), 2: (g, 2q + 8), 3: (g + 8, 2q + 8), lane = 4 g + q (the m16n8k16 A operand).
@@ -380,7 +298,6 @@ struct Sync {
     u32 kv_parity;  // KV_SMEM: the phase of the K/V copy's mbarrier that the next wait waits for
     u32 w_phase;    // W_SMEM: GEMV phases so far (phase n reads weight buffer n & 1)
     u32 w_parity;   // W_SMEM: bit b, the phase of buffer b's mbarrier that its next wait waits for
-    int par;        // HANDOFF 2: the block's copy of the handed-off buffers (blocks so far & 1)
 };
 
 // TRACE: per program and segment, its start (0: its wait's end), end (1: its arrival) and two
@@ -409,15 +326,6 @@ __device__ __forceinline__ u32 poll(const Params& p) {
     return ld_relaxed(p.bar);
 }
 
-// A wait gave up (programs not all resident, or a value never stored): the sticky error the host
-// reads, and this launch's own flag (after the barrier's words, zeroed with them each launch) that
-// stops the other programs' polls at once.
-__device__ __forceinline__ int* launch_failed(const Params& p) { return (int*)p.bar + 1 + NPROG; }
-__device__ __forceinline__ void give_up(const Params& p) {
-    atomicExch(p.err, 1);
-    atomicExch(launch_failed(p), 1);
-}
-
 __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
     if (POLL == 3) {
         if (threadIdx.x < 32 && !s.failed) {
@@ -427,7 +335,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
                 for (int c = threadIdx.x; c < NPROG; c += 32) here &= ld_relaxed(p.bar + 1 + c) >= s.arrivals;
                 if (__all_sync(0xffffffffu, here)) break;
                 if (++spins > SPIN_LIMIT) {
-                    if (threadIdx.x == 0) give_up(p);
+                    if (threadIdx.x == 0) atomicExch(p.err, 1);
                     s.failed = 1;
                     break;
                 }
@@ -443,7 +351,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
         int spins = 0;
         while (poll(p) < target) {
             if (++spins > SPIN_LIMIT) {
-                give_up(p);
+                atomicExch(p.err, 1);
                 s.failed = 1;
                 break;
             }
@@ -453,80 +361,6 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
     __syncthreads();
     trace_mark(p, s, 0);
 }
-
-// HANDOFF: a value loaded from src (a bf16 fragment, or an fp32 value whose sentinel is all ones),
-// polled again until no part of it is the sentinel (its producer has not stored it yet); gives up,
-// as a barrier does, after SPIN_LIMIT polls or once the launch has failed (looked at every 1024
-// polls: each look is a round trip of its own, on one word that every polling warp reads).
-__device__ __forceinline__ bool gave_up(const Params& p, int spins) {
-    if ((spins & 1023) != 1023) return false;
-    if (spins < SPIN_LIMIT && !*(volatile int*)launch_failed(p)) return false;
-    give_up(p);
-    return true;
-}
-__device__ __forceinline__ uint4 poll_value(const uint4* src) { return ld_poll16(src); }
-__device__ __forceinline__ float poll_value(const float* src) { return ld_poll_f(src); }
-template <class T> __device__ __forceinline__ T settle(const Params& p, const T* src, T v) {
-    for (int spins = 0; WORK && sentinel_in(v) && !gave_up(p, spins); ++spins) {
-        spin_pause();
-        v = poll_value(src);
-    }
-    return v;
-}
-template <int CPT> __device__ __forceinline__ void settle_cols(const Params& p, const float* src, float* v) {
-    for (int k = 0; k < CPT; ++k) v[k] = settle(p, src + k, v[k]);
-}
-
-// HANDOFF 2: where a block's phases read and write. The residual stream has three versions a block
-// (0: the block's input, written behind the block's one barrier; 1: after self_out; 2: after
-// cross_out), versions 1 and 2 in two copies; the handed-off buffers (qkv, f0, y, sq, yc, hid) in
-// two copies. Block n uses copy n & 1 (par) and fills copy par ^ 1 with the sentinel for block n + 1
-// (its readers of block n - 1 are behind the block's barrier, its producers of block n + 1 behind
-// the next). Else one copy of each, all versions one.
-__device__ __forceinline__ int rslot(int ver, int par) { return HANDOFF > 1 && ver ? 2 * ver - 1 + par : 0; }
-__device__ __forceinline__ float* x_at(const Params& p, int ver, int par) {
-    return p.x + rslot(ver, par) * (MP * WIDTH);
-}
-__device__ __forceinline__ u16* xf_at(const Params& p, int ver, int par) {
-    return p.xf + rslot(ver, par) * (MP * WIDTH);
-}
-__device__ __forceinline__ float* stats_of(const Params& p, int ver, int par) {
-    return p.stats + rslot(ver, par) * (MP * NT_W * 2);
-}
-template <class T> __device__ __forceinline__ T* at_par(T* base, int count, int par) {
-    return HANDOFF > 1 ? base + par * count : base;
-}
-// Whether a read of version ver (or of a handed-off buffer, ver 1) is polled.
-__device__ __forceinline__ constexpr bool polled(int ver) { return HANDOFF > 1 && ver != 0; }
-
-__device__ void fill_sentinel(void* dst, int bytes) {
-    const uint4 fill = make_uint4(~0u, ~0u, ~0u, ~0u);
-    for (int k = blockIdx.x * NTHREADS + threadIdx.x; k < bytes / 16; k += NPROG * NTHREADS) ((uint4*)dst)[k] = fill;
-}
-// HANDOFF 1: y, yc and hid filled with the sentinel, a share each program, by the qkv phase (their
-// readers of the block before have passed its barrier, their producers of this block wait at the one
-// after it). HANDOFF 2: copy par ^ 1 of every handed-off buffer, for the next block (its barrier
-// orders the fill before that block's producers).
-__device__ void reset_handoffs(const Params& p, int par) {
-    constexpr int W2 = MP * WIDTH * 2;   // bytes of a [rows, width] bf16 matrix
-    const int q = HANDOFF > 1 ? par ^ 1 : 0;
-    fill_sentinel(at_par(p.y, MP * WIDTH, q), W2);
-    fill_sentinel(at_par(p.yc, MP * WIDTH, q), W2);
-    fill_sentinel(at_par(p.hid, MP * MLPD, q), MP * MLPD * 2);
-    if (HANDOFF < 2) return;
-    fill_sentinel(at_par(p.qkv, MP * 3 * WIDTH, q), 3 * W2);
-    fill_sentinel(at_par(p.f0, MP * WIDTH, q), 2 * W2);
-    fill_sentinel(at_par(p.sq, MP * WIDTH, q), 2 * W2);
-    for (int ver = 1; ver <= 2; ++ver) {
-        fill_sentinel(x_at(p, ver, q), 2 * W2);
-        fill_sentinel(stats_of(p, ver, q), MP * NT_W * 2 * 4);
-    }
-    fill_sentinel(xf_at(p, 2, q), W2);   // version 1's is never read (store_x)
-}
-
-// HANDOFF: the end of a phase whose outputs are handed off: no arrival, but the program's threads
-// meet (the next phase's copies into shared memory must not land on what this one still reads).
-__device__ __forceinline__ void handed_off() { __syncthreads(); }
 
 // -- block reductions ------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
@@ -552,11 +386,11 @@ __device__ __forceinline__ int stats_at(int r, int t) { return (STATS_T ? t * MP
 
 // LayerNorm mean and 1/std of rows row0 .. row0 + rows - 1 from their 8-column tiles' (mean, M2)
 // (Chan's formula, equal counts): into mean[rows], rstd[rows] in shared memory. TPR threads a row.
-// Version ver of the residual stream at copy par (HANDOFF 2: polled unless version 0).
-__device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP, int ver = 0,
-                          int par = 0) {
+__device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP) {
     constexpr int PER = (NT_W + TPR - 1) / TPR;
-    const float* stats = stats_of(p, ver, par);
+    // a local base and each address taken outside the select below: with the loads' address folded into
+    // it, ptxas spills 20 bytes instead of 12 at B = 4 on sm_90 (212 instead of 200 at B = 8)
+    const float* stats = p.stats;
     const int lane_in_row = threadIdx.x % TPR;
     for (int base = 0; base < rows; base += NTHREADS / TPR) {
         const int rr = base + threadIdx.x / TPR, r = row0 + rr;
@@ -568,8 +402,8 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
             const bool here = ok && t < NT_W;
             const float* at = stats + stats_at(r, t);
             const float2 st = here ? ld_cg_f2(at) : make_float2(0.0f, 0.0f);
-            tm[u] = here && polled(ver) ? settle(p, at, st.x) : st.x;
-            t2[u] = here && polled(ver) ? settle(p, at + 1, st.y) : st.y;
+            tm[u] = st.x;
+            t2[u] = st.y;
         }
         float sum = 0.0f;
 #pragma unroll
@@ -631,10 +465,9 @@ template <int CPT> __device__ __forceinline__ void st_cols(float* p, const float
 
 // Row r's columns c0 .. c0 + CPT - 1 (final values; the item's EPI_SPLIT threads hold its 8 columns
 // of tile c0 / 8, consecutive lanes), and the tile's mean and M2, summed in column order by its first
-// thread. Every thread of the warp calls it (the gather shuffles). Version ver at copy par (HANDOFF 2:
-// handed off unless version 0).
+// thread. Every thread of the warp calls it (the gather shuffles).
 template <int CPT>
-__device__ __forceinline__ void store_x(const Params& p, int r, int c0, const float* v, int ver = 0, int par = 0) {
+__device__ __forceinline__ void store_x(const Params& p, int r, int c0, const float* v) {
     constexpr int Q = 8 / CPT;
     const int lane = threadIdx.x & 31, first = lane & ~(Q - 1);
     float gathered[Q > 1 ? 8 : 1];
@@ -645,21 +478,16 @@ __device__ __forceinline__ void store_x(const Params& p, int r, int c0, const fl
             for (int k = 0; k < CPT; ++k) gathered[j * CPT + k] = __shfl_sync(0xffffffffu, v[k], first + j);
         all = gathered;
     }
-    const bool handed = polled(ver);
-    float* x = x_at(p, ver, par) + r * WIDTH + c0;
-    if (handed)
-        for (int k = 0; k < CPT; k += 2) put_f2(x + k, v[k], v[k + 1], true);
-    else st_cols<CPT>(x, v);
-    if (X_FRAGS && !(HANDOFF > 1 && ver == 1))   // HANDOFF 2 (no cross_q phase): version 1's copy is never read
-        for (int k = 0; k < CPT; k += 2)
-            put_pair(xf_at(p, ver, par) + afrag_offset(r, c0 + k, KS_W), pack_bf2(v[k], v[k + 1]), handed);
+    st_cols<CPT>(p.x + r * WIDTH + c0, v);
+    if (X_FRAGS)
+        for (int k = 0; k < CPT; k += 2) *(u32*)(p.xf + afrag_offset(r, c0 + k, KS_W)) = pack_bf2(v[k], v[k + 1]);
     if (lane != first) return;
     float mu = 0.0f;
     for (int k = 0; k < 8; ++k) mu += all[k];
     mu *= 0.125f;
     float m2 = 0.0f;
     for (int k = 0; k < 8; ++k) m2 += (all[k] - mu) * (all[k] - mu);
-    put_f2(stats_of(p, ver, par) + stats_at(r, c0 >> 3), mu, m2, handed);
+    *(float2*)(p.stats + stats_at(r, c0 >> 3)) = make_float2(mu, m2);
 }
 
 // -- attention -----------------------------------------------------------------------------------
@@ -706,32 +534,19 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 // Self-attention of (entry b, head h, query tile qm) on one warp: its output rows as the A
 // fragments of the head's HK k-steps (normalised, bf16), for y or straight into self_out's dot.
-// HANDOFF 2: q, k and v of copy par, polled (a fragment's loads in flight together, then each
-// again until its producer has stored it).
-__device__ __forceinline__ void self_attend(const Params& p, int b, int h, int qm, uint4 (&out)[HK], int par = 0) {
+__device__ __forceinline__ void self_attend(const Params& p, int b, int h, int qm, uint4 (&out)[HK]) {
     const int lane = threadIdx.x & 31, q = lane & 3, qtiles = TOK16 / 16, mt = b * qtiles + qm;
     const float scale = p.scale * LOG2E;
-    const u16* qkv = at_par(p.qkv, MP * 3 * WIDTH, par);
     uint4 qa[HK];
-    for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane));
-    for (int ks = 0; ks < HK && polled(1); ++ks)
-        qa[ks] = settle(p, (const uint4*)qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane), qa[ks]);
-    if (polled(1)) __syncwarp();   // the lanes' polls ended apart: the warp meets before its mma
+    for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.qkv + ((mt * 2 * KS_W + h * HK + ks) * 32 + lane));
     float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
     for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     for (int kt = 0; kt < qtiles; ++kt) {
         const int km = b * qtiles + kt;
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-        uint4 kp[HK];
-        for (int ks = 0; ks < HK && polled(1); ++ks)
-            kp[ks] = ld_cg16((const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
-        for (int ks = 0; ks < HK && polled(1); ++ks)
-            kp[ks] = settle(p, (const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane), kp[ks]);
-        if (polled(1)) __syncwarp();
         for (int ks = 0; ks < HK; ++ks) {
             // k in A-fragment order: registers (0, 2) are key rows 0-7's B fragment, (1, 3) rows 8-15's.
-            const uint4* src = (const uint4*)qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane);
-            uint4 k = polled(1) ? kp[ks] : ld_cg16(src);
+            uint4 k = ld_cg16((const uint4*)p.qkv + ((km * 2 * KS_W + KS_W + h * HK + ks) * 32 + lane));
             mma(sc[0], qa[ks], k.x, k.z);
             mma(sc[1], qa[ks], k.y, k.w);
         }
@@ -743,10 +558,8 @@ __device__ __forceinline__ void self_attend(const Params& p, int b, int h, int q
             }
         uint4 pa = softmax_tile(sc, ok, m, l, o);
         uint4 v[HK];
-        const uint4* vsrc = (const uint4*)(qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
+        const uint4* vsrc = (const uint4*)(p.qkv + MP * 2 * WIDTH) + ((km * HEADS + h) * 32 + lane) * HK;
         for (int u = 0; u < HK; ++u) v[u] = ld_cg16(vsrc + u);
-        for (int u = 0; u < HK && polled(1); ++u) v[u] = settle(p, vsrc + u, v[u]);
-        if (polled(1)) __syncwarp();
         pv(o, pa, v);
     }
     const float inv0 = 1.0f / quad_sum(l[0]), inv1 = 1.0f / quad_sum(l[1]);
@@ -778,9 +591,8 @@ __device__ __forceinline__ float2 x_pair(const XRaw& raw, int reg) { return raw.
 // (SELF_CLUSTER): each program of a cluster computes a share of the self-attention's (entry, head,
 // query tile) items into its shared memory, and self_out's warps read their A fragments from the
 // program that holds them (distributed shared memory): the self phase and its barrier go, and each
-// item is computed once a cluster. FROM_HANDOFF: stored fragments polled until their producers have
-// stored them (HANDOFF; the phase has no barrier before it).
-enum Source { FROM_X_LN, FROM_FRAGS, FROM_SELF, FROM_CLUSTER, FROM_HANDOFF };
+// item is computed once a cluster.
+enum Source { FROM_X_LN, FROM_FRAGS, FROM_SELF, FROM_CLUSTER };
 
 // SELF_CLUSTER: item i (of (entry, head, query tile), in y's order) is warp i / CLUSTER's of the
 // cluster's program i % CLUSTER; its fragments [HK][32 lanes] at C_OFF floats in that program.
@@ -797,20 +609,6 @@ __device__ void self_items(const Params& p, float* smem) {
     }
 }
 enum Epilogue { TO_QKV, TO_FRAGS, TO_FRAGS_GELU, TO_RESIDUAL };
-
-// The GEMV phases of a block, the version of the residual stream each reads (its LayerNorm's source
-// or its residual's old values) and writes, and whether it waits at a grid barrier before its dots
-// and arrives at one after its epilogue (HANDOFF 1: not where the phase before it hands off; HANDOFF
-// 2: one barrier a block, before qkv).
-enum Phase { P_QKV, P_SELF_OUT, P_CROSS_Q, P_CROSS_OUT, P_FC1, P_FC2 };
-__device__ __forceinline__ constexpr int v_in(int ph) { return ph <= P_SELF_OUT ? 0 : ph >= P_FC1 ? 2 : 1; }
-__device__ __forceinline__ constexpr int v_out(int ph) { return ph == P_SELF_OUT ? 1 : ph == P_CROSS_OUT ? 2 : 0; }
-__device__ __forceinline__ constexpr bool waits(int ph) {
-    return HANDOFF == 0 || ph == P_QKV || (HANDOFF == 1 && (ph == P_CROSS_Q || ph == P_FC1));
-}
-__device__ __forceinline__ constexpr bool arrives(int ph) {
-    return HANDOFF == 0 || ph == P_FC2 || (HANDOFF == 1 && ph != P_FC1);
-}
 
 // The largest chunk of at most `most` k-steps that divides a warp's k steps.
 constexpr int whole_chunk(int ksteps, int most) {
@@ -905,12 +703,9 @@ struct Part2 {
 // y = src @ Wf^T (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
 // A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait. Output
-// columns from NA on are the second part (FOLD_CQ; a program's tiles are all in one part). par: the
-// block's copy of the handed-off buffers (HANDOFF 2).
-template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gemv {
+// columns from NA on are the second part (FOLD_CQ; a program's tiles are all in one part).
+template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gemv {
     typedef Shape<N, K, TPCX, SPLIT> S;
-    static constexpr int VIN = v_in(PH), VOUT = v_out(PH);
-    int par;
     static constexpr int NA8 = NA / 8;
     static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
     uint4 wr[S::TPC][S::KP];
@@ -937,12 +732,11 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
             } else if (second) {
                 if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + c);
                 // F0 is the qkv phase's: one barrier back without a self phase, read after the wait
-                else if (!FUSE_SELF && !SELF_CLUSTER)
-                    cp_async16(slot + 4 * ch, at_par(p.f0, MP * WIDTH, par) + r * WIDTH + c);
+                else if (!FUSE_SELF && !SELF_CLUSTER) cp_async16(slot + 4 * ch, p.f0 + r * WIDTH + c);
             } else if (ch == 0) {
                 cp_async16(slot, bias + c0);
             } else if (EPI == TO_RESIDUAL) {
-                const float* old = x_at(p, VIN, par) + r * WIDTH + c0 + (ch - 2) * 4;
+                const float* old = p.x + r * WIDTH + c0 + (ch - 2) * 4;
                 cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : old);
             }
         }
@@ -977,36 +771,24 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
                 wr[tt][kp] = t0 + tt < S::NT8 ? buf[(tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane] : make_uint4(0, 0, 0, 0);
     }
 
-    // Where this lane's bf16 residual values of k-step ks (of its warp's) of row tile mt are (X_FRAGS).
-    __device__ __forceinline__ const uint4* x_frag_src(const Params& p, int mt, int ks) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        return (const uint4*)xf_at(p, VIN, par) + ((mt * KS_W + warp * S::KSW + ks) * 32 + lane);
-    }
-
     // The residual stream's values of this warp's A fragments of row tile mt (LN sources).
     __device__ __forceinline__ void load_x(const Params& p, int mt, XRaw (&raw)[S::KSW]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #if X_FRAGS
 #pragma unroll
-        for (int ks = 0; ks < S::KSW; ++ks) raw[ks] = ld_cg16(x_frag_src(p, mt, ks));
+        for (int ks = 0; ks < S::KSW; ++ks)
+            raw[ks] = ld_cg16((const uint4*)p.xf + ((mt * KS_W + warp * S::KSW + ks) * 32 + lane));
 #else
         const int g = lane >> 2, q = lane & 3, r0 = mt * 16 + g, r1 = r0 + 8;
 #pragma unroll
         for (int ks = 0; ks < S::KSW; ++ks) {
             const int c = (warp * S::KSW + ks) * 16 + 2 * q;
-            const float* x = x_at(p, VIN, par);
-            raw[ks].v[0] = ld_cg_f2(x + r0 * WIDTH + c);
-            raw[ks].v[1] = ld_cg_f2(x + r1 * WIDTH + c);
-            raw[ks].v[2] = ld_cg_f2(x + r0 * WIDTH + c + 8);
-            raw[ks].v[3] = ld_cg_f2(x + r1 * WIDTH + c + 8);
+            raw[ks].v[0] = ld_cg_f2(p.x + r0 * WIDTH + c);
+            raw[ks].v[1] = ld_cg_f2(p.x + r1 * WIDTH + c);
+            raw[ks].v[2] = ld_cg_f2(p.x + r0 * WIDTH + c + 8);
+            raw[ks].v[3] = ld_cg_f2(p.x + r1 * WIDTH + c + 8);
         }
 #endif
-    }
-
-    // Where this lane's A fragment of k-step ks (of its warp's) of row tile mt is in frags.
-    __device__ __forceinline__ const uint4* frag_src(const u16* frags, int src_ksteps, int mt, int ks) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        return (const uint4*)frags + ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane);
     }
 
     // The A fragment of k-step ks (of this warp's) of row tile mt: from frags, or LN + modulate
@@ -1020,8 +802,9 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
             const int item = (mt / qtiles * HEADS + h) * qtiles + mt % qtiles;
             return ld_peer16(self_slot(dynamic_smem(), item) + u * 32 + lane, item % CLUSTER);
         }
-        if (SRC == FROM_FRAGS) return ld_cg16(frag_src(frags, src_ksteps, mt, ks));
-        if (SRC == FROM_HANDOFF) return ld_poll16(frag_src(frags, src_ksteps, mt, ks));   // then settle
+        if (SRC != FROM_X_LN)
+            return ld_cg16((const uint4*)frags +
+                           ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane));
         const int r0 = mt * 16 + g, r1 = r0 + 8;
         const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
         const float2 x00 = x_pair(raw[ks], 0), x10 = x_pair(raw[ks], 1), x01 = x_pair(raw[ks], 2), x11 = x_pair(raw[ks], 3);
@@ -1052,21 +835,9 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
 #pragma unroll
             for (int k0 = 0; k0 < S::KSW; k0 += KC) {
                 uint4 a[KC];
-#if X_FRAGS
-                // HANDOFF 2: the LayerNorm's source values polled until their producers stored them
-#pragma unroll
-                for (int k = 0; k < KC && SRC == FROM_X_LN && polled(VIN); ++k)
-                    raw[k0 + k] = settle(p, x_frag_src(p, mt, k0 + k), raw[k0 + k]);
-#endif
 #pragma unroll
                 for (int k = 0; k < KC; ++k)
                     a[k] = SRC == FROM_SELF ? att[(k0 + k) % HK] : a_frag<SRC>(frags, src_ksteps, mt, k0 + k, raw, mean, rstd);
-                // the chunk's polls in flight together, then each again until its producer has stored it
-#pragma unroll
-                for (int k = 0; k < KC && SRC == FROM_HANDOFF; ++k)
-                    a[k] = settle(p, frag_src(frags, src_ksteps, mt, k0 + k), a[k]);
-                // the lanes' polls ended apart: the warp meets before its mma (an .aligned instruction)
-                if (SRC == FROM_HANDOFF || (SRC == FROM_X_LN && polled(VIN))) __syncwarp();
                 // X_AHEAD: the next row tile's values in flight during this one's dots (raw is free now)
                 if (X_AHEAD && SRC == FROM_X_LN && k0 + KC == S::KSW && mt + 1 < MT) load_x(p, mt + 1, raw);
 #pragma unroll
@@ -1137,20 +908,17 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
                     if (first) ld_cols<CPT, SHARED>(slot + k0, rho);
                     else ld_cols<CPT, READ_ONLY>(p2.fc + WIDTH + c, rho);
                     for (int k = 0; k < CPT; ++k) v[k] = v[k] / rstd[r] + mean[r] * rho[k];
-                    float* f0 = at_par(p.f0, MP * WIDTH, par) + r * WIDTH + c;
-                    for (int k = 0; k < CPT; k += 2) put_f2(f0 + k, v[k], v[k + 1], polled(1));
+                    float* f0 = p.f0 + r * WIDTH + c;
+                    for (int k = 0; k < CPT; k += 2) *(float2*)(f0 + k) = make_float2(v[k], v[k + 1]);
                 } else {               // S = F0 + y M + eps, in A-fragment order
                     float e[CPT], f[CPT];
                     if (first) ld_cols<CPT, SHARED>(slot + k0, e);
                     else ld_cols<CPT, READ_ONLY>(p2.fc + c, e);
-                    const float* f0 = at_par(p.f0, MP * WIDTH, par) + r * WIDTH + c;
                     if (first && !FUSE_SELF && !SELF_CLUSTER) ld_cols<CPT, SHARED>(slot + 8 + k0, f);
-                    else ld_cols<CPT, L2>(f0, f);
-                    if (polled(1)) settle_cols<CPT>(p, f0, f);   // HANDOFF 2: the qkv phase's F0
-                    float* sq = at_par(p.sq, MP * WIDTH, par);
+                    else ld_cols<CPT, L2>(p.f0 + r * WIDTH + c, f);
                     for (int k = 0; k < CPT; k += 2)
-                        put_f2(sq + afrag_offset(r, c + k, KS_W), v[k] + (e[k] + f[k]),
-                               v[k + 1] + (e[k + 1] + f[k + 1]), polled(1));
+                        *(float2*)(p.sq + afrag_offset(r, c + k, KS_W)) = make_float2(v[k] + (e[k] + f[k]),
+                                                                                      v[k + 1] + (e[k + 1] + f[k + 1]));
                 }
                 continue;
             }
@@ -1165,11 +933,10 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
                     ld_cols<CPT, SHARED>(slot + 8 + k0, old);
                 } else {
                     ld_bf_cols<CPT, READ_ONLY>(mod + gate_off + c0, g);
-                    ld_cols<CPT, L2>(x_at(p, VIN, par) + r * WIDTH + c0, old);
+                    ld_cols<CPT, L2>(p.x + r * WIDTH + c0, old);
                 }
-                if (polled(VIN)) settle_cols<CPT>(p, x_at(p, VIN, par) + r * WIDTH + c0, old);
                 for (int k = 0; k < CPT; ++k) v[k] = old[k] + g[k] * v[k];
-                store_x<CPT>(p, r, c0, v, VOUT, par);
+                store_x<CPT>(p, r, c0, v);
             } else if (EPI == TO_QKV && ct >= 2 * WIDTH) {
                 // v of head h in the B-fragment order of P @ V: [row tile][head][lane][HDIM/8][2][2] with
                 // (key = half 8 + 2 q + e, d = 8 dn + g) of the tile's 16 keys.
@@ -1177,32 +944,27 @@ template <int PH, int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> st
                 const int half = kk >> 3, qq = (kk & 7) >> 1, e = kk & 1, dn = d0 >> 3;
                 u16* vb = out + MP * 2 * WIDTH + ((r >> 4) * HEADS + h) * 32 * (HDIM / 2);
                 for (int k = 0; k < CPT; ++k)
-                    put_half(vb + ((k0 + k) * 4 + qq) * (HDIM / 2) + dn * 4 + half * 2 + e, to_bf(v[k]), polled(1));
+                    vb[((k0 + k) * 4 + qq) * (HDIM / 2) + dn * 4 + half * 2 + e] = to_bf(v[k]);
             } else {
                 if (EPI == TO_FRAGS_GELU)
                     for (int k = 0; k < CPT; ++k) v[k] = 0.5f * v[k] * (1.0f + erff(v[k] * 0.7071067811865476f));
                 const int cols = EPI == TO_QKV ? 2 * WIDTH : N;
-                // handed off: the MLP hidden (HANDOFF 1, 2), q and k (2)
-                const bool handed = EPI == TO_FRAGS_GELU ? HANDOFF > 0 : EPI == TO_QKV && polled(1);
                 for (int k = 0; k < CPT; k += 2)
-                    put_pair(out + afrag_offset(r, c0 + k, cols / 16), pack_bf2(v[k], v[k + 1]), handed);
+                    *(u32*)(out + afrag_offset(r, c0 + k, cols / 16)) = pack_bf2(v[k], v[k + 1]);
             }
         }
     }
 };
 
-// One GEMV phase PH of block j: weights (and the epilogue's inputs) before the wait, then the dot.
-// HANDOFF: waits and arrivals as Phase says; the qkv phase fills handed-off buffers with the sentinel.
-template <int PH, int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N, int SPLIT = 1>
+// One GEMV phase of block j: weights (and the epilogue's inputs) before the wait, then the dot.
+template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N, int SPLIT = 1>
 __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
                                            const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{},
                                            const WRef& next_w = WRef{nullptr, 0u}) {
     typedef Shape<N, K, TPCX, SPLIT> S;
-    static_assert(SPLIT == 1 || ((SRC == FROM_FRAGS || SRC == FROM_HANDOFF) && NA == N && !W_SMEM),
-                  "SPLIT: dots of stored fragments only");
-    Gemv<PH, N, K, EPI, TPCX, NA, SPLIT> gemv;
-    gemv.par = s.par;
+    static_assert(SPLIT == 1 || (SRC == FROM_FRAGS && NA == N && !W_SMEM), "SPLIT: dots of stored fragments only");
+    Gemv<N, K, EPI, TPCX, NA, SPLIT> gemv;
     w_issue(s, smem, next_w, 1);   // W_SMEM: the next GEMV phase's weights stream in while this one runs
     float* mean = smem;
     float* rstd = smem + MP;
@@ -1210,7 +972,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* pre = red + NWARPS * S::TPC * MP * 8;   // the epilogue's inputs: 16 floats an item of its first round
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
-    if (waits(PH)) grid_wait(p, s);
+    grid_wait(p, s);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
         self_items(p, smem);
         cluster_sync();
@@ -1233,7 +995,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
             gemv.load_x(p, 0, raw);
-            row_stats(p, mean, rstd, 0, MP, gemv.VIN, s.par);
+            row_stats(p, mean, rstd);
             __syncthreads();
         }
         trace_mark(p, s, 2);
@@ -1243,28 +1005,24 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         trace_mark(p, s, 3);
         gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2);
     }
-    if (HANDOFF && WORK && PH == P_QKV) reset_handoffs(p, s.par);   // after the dots: off their path
     cp_async_wait();
     s.w_phase++;
-    if (arrives(PH)) grid_arrive(p, s);
-    else handed_off();
+    grid_arrive(p, s);
 }
 
 // Self-attention: one warp per (entry, head, query tile), warps spread over the programs first.
-// HANDOFF: no arrival (self_out polls y); 2: no wait either (q, k, v polled).
 __device__ void self_phase(const Params& p, Sync& s) {
-    if (HANDOFF < 2) grid_wait(p, s);
+    grid_wait(p, s);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int item = warp * NPROG + blockIdx.x, qtiles = TOK16 / 16;
     if (WORK && item < ENTRIES * HEADS * qtiles) {
         const int b = item / (HEADS * qtiles), h = (item / qtiles) % HEADS, qm = item % qtiles;
         uint4 out[HK];
-        self_attend(p, b, h, qm, out, s.par);
-        uint4* dst = (uint4*)at_par(p.y, MP * WIDTH, s.par) + (((b * qtiles + qm) * KS_W + h * HK) * 32 + lane);
-        for (int u = 0; u < HK; ++u) put_frag(dst + u * 32, out[u]);
+        self_attend(p, b, h, qm, out);
+        uint4* dst = (uint4*)p.y + (((b * qtiles + qm) * KS_W + h * HK) * 32 + lane);
+        for (int u = 0; u < HK; ++u) dst[u * 32] = out[u];
     }
-    if (HANDOFF) handed_off();
-    else grid_arrive(p, s);
+    grid_arrive(p, s);
 }
 
 // Flash-decoding merge weights of n partials per row: m [n][TOK16] (log2 maxima) becomes each
@@ -1331,14 +1089,10 @@ __device__ __forceinline__ void stage_fold_constants(const float* fc, int h, flo
     for (int k = threadIdx.x; k < HDIM / 2; k += NTHREADS)   // 16-byte chunks: HDIM / 4 of rho, then of delta
         cp_async16(dst + 4 * k, fc + (k < HDIM / 4 ? WIDTH + 4 * k : 2 * WIDTH + 4 * (k - HDIM / 4)) + h * HDIM);
 }
-// HANDOFF 2 (settle): after the copies, each thread's chunks polled again until self_out stored them.
-__device__ __forceinline__ void stage_fold_s(const Params& p, int b, int h, float* stage, int par, bool settle) {
-    const float* sq = at_par(p.sq, MP * WIDTH, par);
+__device__ __forceinline__ void stage_fold_s(const Params& p, int b, int h, float* stage) {
     for (int k = threadIdx.x; k < (TOK16 / 16) * HK * 64; k += NTHREADS) {
         const int qm = k / (HK * 64), ks = (k / 64) % HK, chunk = k % 64, mt = b * (TOK16 / 16) + qm;
-        const float* src = sq + ((mt * KS_W + h * HK + ks) * 32) * 8 + 4 * chunk;
-        if (settle) settle_cols<4>(p, src, stage + 4 * k);
-        else cp_async16(stage + 4 * k, src);
+        cp_async16(stage + 4 * k, p.sq + ((mt * KS_W + h * HK + ks) * 32) * 8 + 4 * chunk);
     }
 }
 
@@ -1383,7 +1137,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
     const int partials = NWARPS * (SO_STRIDE + 2) > p.cpp * (HDIM + 2) ? NWARPS * (SO_STRIDE + 2) : p.cpp * (HDIM + 2);
     float* stage = smem + 4 + 2 * TOK16 + partials * TOK16;
     if (FOLD_CQ && WORK && active) stage_fold_constants(fc, h, stage);
-    if (HANDOFF < 2) grid_wait(p, s);   // HANDOFF 2: S and x1's statistics polled
+    grid_wait(p, s);
     const uint4* kvs = (const uint4*)(smem + KV_OFF + 4);   // KV_SMEM: this program's tiles, from kv_prefetch
     if (KV_SMEM && active && part * p.tiles_per_cta < p.key_tiles) {
         mbar_wait((unsigned long long*)(smem + KV_OFF), s.kv_parity);
@@ -1398,10 +1152,9 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
         float* sl = sm + NWARPS * TOK16;
         const float scale = p.scale * LOG2E;
         if (FOLD_CQ) {   // S copied in while the statistics load
-            stage_fold_s(p, b, h, stage, s.par, false);
-            row_stats(p, qmean, qrstd, b * TOK16, TOK16, 1, s.par);
+            stage_fold_s(p, b, h, stage);
+            row_stats(p, qmean, qrstd, b * TOK16, TOK16);
             cp_async_wait();
-            if (polled(1)) stage_fold_s(p, b, h, stage, s.par, true);
             __syncthreads();
         }
         trace_mark(p, s, 2);
@@ -1452,15 +1205,14 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
         }
         __syncthreads();
         // The program's warps merged (each row's weights once: sm becomes them, sl the sum); with
-        // one program a pair, straight into y.
+        // one program a pair, straight into yc.
         merge_weights(sm, sl, NWARPS);
         for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
             const int row = e / HDIM, d = e % HDIM;
             float acc = 0.0f;
             for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * SO_STRIDE + d];
             if (p.cpp == 1) {
-                put_half(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
-                       to_bf(acc / sl[row]), HANDOFF > 0);
+                p.yc[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sl[row]);
             } else if (CLUSTER > 1) {   // for the cluster's merge: a region no other phase writes
                 float* cpart = smem + C_OFF;
                 cpart[e] = acc;
@@ -1502,8 +1254,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     sum += f * l[c];
                     acc += f * o[c];
                 }
-                put_half(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
-                       to_bf(acc / sum), HANDOFF > 0);
+                p.yc[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sum);
             }
         } else if (p.cpp > 1 && !CROSS_CUT) {
             __syncthreads();
@@ -1529,15 +1280,13 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     const int row = e / HDIM, d = e % HDIM;
                     float acc = 0.0f;
                     for (int c = 0; c < p.cpp; ++c) acc += gm[c * TOK16 + row] * gpart[(c * TOK16 + row) * HDIM + d];
-                    put_half(at_par(p.yc, MP * WIDTH, s.par) + afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W),
-                           to_bf(acc / gl[row]), HANDOFF > 0);
+                    p.yc[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / gl[row]);
                 }
                 if (threadIdx.x == 0) p.counter[pair] = 0;
             }
         }
     }
-    if (HANDOFF) handed_off();   // cross_out polls yc
-    else grid_arrive(p, s);
+    grid_arrive(p, s);
 }
 
 // -- the step boundary: rows owned by a program ---------------------------------------------------
@@ -1628,7 +1377,7 @@ __device__ void boundary(const Params& p, float* smem, int done, int first_reuse
 // -- the loop --------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Params p) {
     float* smem = dynamic_smem();
-    Sync s = {0u, 0, 0u, 0u, 0u, 0};
+    Sync s = {0u, 0, 0u, 0u, 0u};
     trace_mark(p, s, 0);
     if (KV_SMEM && threadIdx.x == 0) mbar_init((unsigned long long*)(smem + KV_OFF));
     if (W_SMEM && threadIdx.x == 0) {
@@ -1638,10 +1387,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
     __syncthreads();
     // The weights of each GEMV phase of block j at step i (W_SMEM streams each in during the phase before it)
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
-    constexpr int FRAGS_IN = HANDOFF ? FROM_HANDOFF : FROM_FRAGS;   // self_out's, cross_out's and fc2's A fragments
-    static_assert(!HANDOFF || !(FUSE_SELF || SELF_CLUSTER || CROSS_CUT), "HANDOFF: y from the self phase, yc merged");
-    static_assert(HANDOFF < 2 || (FOLD_CQ && X_FRAGS), "HANDOFF 2: no cross_q phase, LayerNorm sources in bf16");
-    if (HANDOFF > 1 && WORK) reset_handoffs(p, 1);   // copy 0 for the first block (the boundary's barrier follows)
     constexpr size_t WW = (size_t)WIDTH * WIDTH / 8, WM = (size_t)WIDTH * MLPD / 8;   // uint4s of a block's matrix
     auto qkv_w = [&](int i, int j) { return wref<QKV_N, WIDTH, QKV_TPC, 3 * WIDTH>(p.wqkv + j * 3 * WW, p.wq + j * WW); };
     auto so_w = [&](int i, int j) {
@@ -1675,40 +1420,38 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WW : nullptr, fc, 0};
             const WRef none = {nullptr, 0u};
             kv_prefetch(p, smem, j);
-            gemv_phase<P_QKV, QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
-                p, s, smem, p.wqkv + j * 3 * WW, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0,
-                at_par(p.qkv, MP * 3 * WIDTH, s.par), f0_part, so_w(next, j));
+            gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
+                p, s, smem, p.wqkv + j * 3 * WW, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
+                so_w(next, j));
 #if FUSE_SELF
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
-            gemv_phase<P_SELF_OUT, SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
+            gemv_phase<SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #elif SELF_CLUSTER
-            gemv_phase<P_SELF_OUT, SO_N, WIDTH, FROM_CLUSTER, TO_RESIDUAL, SO_TPC, WIDTH>(
+            gemv_phase<SO_N, WIDTH, FROM_CLUSTER, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, KS_W, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #else
             self_phase(p, s);
-            gemv_phase<P_SELF_OUT, SO_N, WIDTH, FRAGS_IN, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, at_par(p.y, MP * WIDTH, s.par),
-                KS_W, nullptr, s_part, FOLD_CQ ? co_w(j) : cq_w(j));
+            gemv_phase<SO_N, WIDTH, FROM_FRAGS, TO_RESIDUAL, SO_TPC, WIDTH>(
+                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
+                FOLD_CQ ? co_w(j) : cq_w(j));
 #endif
             if (!FOLD_CQ)
-                gemv_phase<P_CROSS_Q, WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
+                gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
                     p, s, smem, p.wq + j * WW, p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
                     co_w(j));
             cross_phase(p, s, smem, j, fc);
-            gemv_phase<P_CROSS_OUT, WIDTH, WIDTH, FRAGS_IN, TO_RESIDUAL>(
-                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, at_par(p.yc, MP * WIDTH, s.par),
-                KS_W, nullptr, Part2{}, fc1_w(j));
-            u16* hid = at_par(p.hid, MP * MLPD, s.par);
-            gemv_phase<P_FC1, MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
-                p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, hid, Part2{},
+            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(
+                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.yc, KS_W, nullptr, Part2{},
+                fc1_w(j));
+            gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
+                p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
                 fc2_w(j));
-            gemv_phase<P_FC2, WIDTH, MLPD, FRAGS_IN, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
-                p, s, smem, p.w2 + j * WM, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, hid, KS_MLP, nullptr, Part2{},
+            gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
+                p, s, smem, p.w2 + j * WM, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
                 j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
-            if (HANDOFF > 1) s.par ^= 1;
         }
         grid_wait(p, s);
         done = next;
