@@ -258,7 +258,7 @@ def test_gelu_epilogue_matches_the_two_pass_vit_mlp_on_the_gpu(dtype):
 
 
 @pytest.mark.cuda
-# `fast` has rotary_kernel, add_norm_kernel, split_gather_kernel and window_attention_ops
+# `fast` has rotary_kernel, add_norm_kernel, pattern_kernel and window_attention_ops
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])   # fp32: once NaN, once 4e-2 off
 def test_fast_matches_eager_within_bf16_noise(dtype):
     eager = PolicyEngine(gpu_config("eager", dtype=dtype))

@@ -111,10 +111,9 @@ _LADDER = {
     "static": ("static_shapes",),
     "ctxkv": ("ctx_kv_once",),
     "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
-    "compile": ("compile", "flex_attention", "split_attention", "window_attention_ops"),
+    "compile": ("compile", "flex_attention", "pattern_kernel", "window_attention_ops"),
     "graphs": ("cuda_graphs",),
-    "triton": ("triton_attention", "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel",
-               "rotary_kernel"),
+    "triton": ("triton_attention", "triton_layer_norm", "add_norm_kernel", "rotary_kernel"),
     "fast": ("fused_expert", "vision_cache"),
 }
 MODES: dict[str, tuple[str, ...]] = {}
@@ -160,7 +159,8 @@ class EngineConfig:
     cuda_graphs: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
     # The full prefill's pattern as two maskless causal calls merged by log-sum-exp instead
-    # (runtime/kernels/prefill_attention.SplitPattern); streaming steps keep flex.
+    # (runtime/kernels/prefill_attention.SplitPattern; streaming steps keep flex): in no mode since
+    # pattern_kernel (vla-bench `+split`).
     split_attention: bool = False
     # The split's merge as one Triton pass writing the output projection's layout (kernels/split_merge):
     # the DROID LLM stage 14.36 against 14.69 ms with the compiled merge on the H200 (BENCHMARKS.md).
@@ -177,7 +177,9 @@ class EngineConfig:
     # The prefill's pattern in one Triton flash-attention kernel that reads no mask and walks only the
     # key tiles the pattern shows each query tile (runtime/kernels/pattern_attention), for the full
     # prefill (instead of the split: no gathers, no merge, no second call) and the streaming step
-    # (instead of flex): in no mode until timed on the GPU.
+    # (instead of flex). On an H100 one layer's attention 43.7 us against the compiled split's 79.9
+    # at DROID, 145.3 against 178.6 at 8 images; the DROID LLM stage 14.20 -> 13.07 ms, the
+    # 8-image one 26.75 -> 26.16 (BENCHMARKS.md, twenty-second session).
     pattern_kernel: bool = False
     # The LLM attention's q/k norms, RoPE and head layout in one pass (runtime/kernels/rotary_heads):
     # the DROID LLM stage 14.15 -> 13.73 ms on the H200.
@@ -231,6 +233,8 @@ class EngineConfig:
                 raise ValueError(f"{feature} needs split_attention (it is one of the split's passes)")
         if self.split_attention and not self.flex_attention:
             raise ValueError("split_attention needs flex_attention (streaming steps run the pattern through flex)")
+        if self.pattern_kernel and self.split_attention:
+            raise ValueError("pattern_kernel and split_attention: two ways of the prefill's pattern, take one")
         if self.pattern_kernel and not self.flex_attention:
             raise ValueError("pattern_kernel needs flex_attention (its device image flags and the layers' dispatch, "
                              "runtime/kernels/prefill_attention.flex_attend)")
