@@ -41,7 +41,6 @@ class Bucket:
             # On the device and padded to the cache length: the streaming step's keys reach past the bucket.
             self.image_token_dev = torch.zeros(cache_len, dtype=torch.bool, device=dev)
             self.image_token_dev[:self.length] = self.image_token
-            self.attn_mask = block_mask(self.image_token_dev, 0, self.length, self.length)
             if engine.config.pattern_kernel:
                 from .kernels.pattern_attention import PatternAttention
 
@@ -55,6 +54,8 @@ class Bucket:
                                               merge_kernel=engine.config.split_merge_kernel,
                                               gather_kernel=engine.config.split_gather_kernel,
                                               one_call=engine.config.split_one_call)
+            else:
+                self.attn_mask = block_mask(self.image_token_dev, 0, self.length, self.length)
         self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
         self.slots = torch.arange(self.length, device=dev)
         llm = m.cfg.llm
