@@ -40,7 +40,7 @@ from vla_node.model.tokenizer import load_tokenizer
 from vla_node.model.weights import TINY_TOKENIZER
 from vla_node.runtime import LAYOUTS, EngineConfig
 from vla_node.runtime.fusion import fuse_projections
-from vla_node.runtime.kernels.pattern_attention import PatternAttention
+from vla_node.runtime.kernels.pattern_attention import PatternAttention, pattern_mask
 from vla_node.runtime.kernels.prefill_attention import SplitPattern, block_mask, causal_attend_lse, flex_attend
 
 dynamo_config.cache_size_limit = dynamo_config.recompile_limit = 256  # every way recompiles flex
@@ -66,12 +66,6 @@ def image_tokens(layout_name: str) -> tuple[torch.Tensor, int]:
     img = torch.zeros(length, dtype=torch.bool)
     img[:prompt.instruction_start] = torch.tensor(prompt.image_token[:prompt.instruction_start])
     return img, prompt.instruction_start
-
-
-def dense_mask(img: torch.Tensor) -> torch.Tensor:
-    t = img.numel()
-    pos = torch.arange(t, device=img.device)
-    return (pos[None, :] <= pos[:, None]) | (img[:, None] & img[None, :])
 
 
 def timed(fn, calls: int = 10, replays: int = 20) -> float:
@@ -233,7 +227,7 @@ def main() -> None:
     ap.add_argument("--parts", default="attention,layer", help="attention (the ways alone), layer (a whole "
                     "decoder layer with some ways, and its linears alone)")
     ap.add_argument("--ways", default="", help="only the ways whose names hold one of these comma-separated "
-                    "strings (default: every way), e.g. 'cuDNN causal + lse,split, compiled,pattern'")
+                    "strings (default: every way), e.g. 'lse,split,pattern kernel' (a comma always separates)")
     args = ap.parse_args()
     only = [w for w in args.ways.split(",") if w]
     parts = args.parts.split(",")
@@ -250,7 +244,7 @@ def main() -> None:
             capacity = int(img.sum()) + 8
         t = img.numel()
         img = img.to(DEVICE)
-        mask = dense_mask(img)
+        mask = pattern_mask(img, 0, img.numel())
         g = torch.Generator(device=DEVICE).manual_seed(0)
         q = torch.randn(1, heads, t, hd, device=DEVICE, generator=g).to(dtype)
         k = torch.randn(1, kv_heads, t, hd, device=DEVICE, generator=g).to(dtype)
