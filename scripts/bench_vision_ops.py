@@ -3,17 +3,14 @@ floor): molmobot-4b's SigLIP (width 1152, 16 heads of 72, 729 patches an image) 
 and the 8-image window, random bf16 inputs, each way 10 calls in one CUDA graph (us a call, median
 of replays; scripts/bench_prefill_attention.timed), its error against fp32 beside it.
 
-- attention: SDPA by each backend PyTorch has for head_dim 72 (cuDNN is what the engine got), and
+- attention: SDPA by each backend PyTorch has for head_dim 72 (cuDNN is what the engine gets), and
   with q/k/v zero-padded to head_dim 80 / 128 (the padding's copies not counted: what a layout the
-  kernels like would buy); as the model calls it (model.vision.vit_sdpa on the fused q/k/v's views,
-  compiled: the output's layout copy included) and the Triton kernel (kernels/vit_attention,
-  `vit_attention_kernel`) on the same views at each of VIT_TILES;
+  kernels like would buy);
 - LayerNorm over [images * 729, 1152]: kernels/layer_norm, eager, compiled, and compiled with the
   residual add before it;
-- one compiled ViT block as the engine runs it (fused q/k/v, the GELU epilogue, with and without the
-  attention kernel), and its GEMMs alone.
+- one compiled ViT block as the engine runs it (fused q/k/v, the GELU epilogue), and its GEMMs alone.
 
-    PYTHONPATH=$PWD python3 scripts/bench_vision_ops.py [--images 4,8] [--parts attention,layernorm,block] [--json F]
+    PYTHONPATH=$PWD python3 scripts/bench_vision_ops.py [--images 4,8] [--json F]
 """
 import argparse
 import json
@@ -25,18 +22,12 @@ from bench_prefill_attention import CUDA, timed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vla_node.model import get_preset
-from vla_node.model.vision import ViTBlock, vit_sdpa
+from vla_node.model.vision import ViTBlock
 from vla_node.runtime.fusion import fuse_projections, use_gelu_epilogues
 from vla_node.runtime.kernels.layer_norm import TritonLayerNorm, layer_norm_into
-from vla_node.runtime.kernels.vit_attention import use_vit_attention_kernel, vit_attention
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-# The attention kernel's tilings: (BLOCK_M, BLOCK_N, num_warps, num_stages), its default first. Compiled
-# for sm_90 by Triton 3.9 at head_dim 72 in bf16 (no GPU), every one pipelines its loads, none spills:
-# 64x64 w4 s3 70 KB of shared memory, 154 registers; 128x64 w8 s3 80 KB, 153; 128x128 w8 s2 100 KB, 225.
-VIT_TILES = {"64x64 w4 s3": (64, 64, 4, 3), "64x64 w4 s2": (64, 64, 4, 2), "128x64 w8 s3": (128, 64, 8, 3),
-             "128x64 w8 s2": (128, 64, 8, 2), "64x32 w4 s3": (64, 32, 4, 3), "128x128 w8 s2": (128, 128, 8, 2)}
 
 
 def attention_rows(images: int, dev, dtype) -> dict[str, float]:
@@ -60,16 +51,6 @@ def attention_rows(images: int, dev, dtype) -> dict[str, float]:
                 rows[label] = (timed(call), err)
             except RuntimeError as e:
                 rows[label] = (float("nan"), str(e).splitlines()[0][:80])
-    # q, k, v as the block makes them: views [images, t, heads, hd] of the fused projection's output
-    fused = torch.cat([x.transpose(1, 2).reshape(images, t, -1) for x in (q, k, v)], -1)
-    views = [x.view(images, t, cfg.heads, hd) for x in fused.split(cfg.width, -1)]
-    model_sdpa = torch.compile(vit_sdpa, fullgraph=True, dynamic=False)
-    ref = ref.transpose(1, 2).reshape(images, t, -1)
-    rows["attention as the model calls it (vit_sdpa compiled, its layout copy)"] = (
-        timed(lambda: model_sdpa(*views)), (model_sdpa(*views).float() - ref).abs().max().item())
-    for name, tiles in VIT_TILES.items():
-        rows[f"attention kernel {name}"] = (timed(lambda tiles=tiles: vit_attention(*views, *tiles)),
-                                            (vit_attention(*views, *tiles).float() - ref).abs().max().item())
     return rows
 
 
@@ -101,14 +82,11 @@ def block_rows(images: int, dev, dtype) -> dict[str, float]:
     rows = {}
     with torch.no_grad():
         for label in ("block compiled, GELU pass", "block compiled, GELU epilogue",
-                      "block compiled, GELU epilogue, Triton LayerNorms",
-                      "block compiled, GELU epilogue, Triton LayerNorms, attention kernel"):
+                      "block compiled, GELU epilogue, Triton LayerNorms"):
             if "epilogue" in label:
                 use_gelu_epilogues(block)
             if "Triton" in label:
                 block.norm1, block.norm2 = TritonLayerNorm(block.norm1), TritonLayerNorm(block.norm2)
-            if "attention kernel" in label:
-                use_vit_attention_kernel(block)
             fn = torch.compile(block, fullgraph=True, dynamic=False)
             rows[label] = (timed(lambda fn=fn: fn(x, x)), float("nan"))   # a middle block: an MLP output added in
         h = block.norm2(x)
@@ -122,14 +100,12 @@ def block_rows(images: int, dev, dtype) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", default="4,8")
-    ap.add_argument("--parts", default="attention,layernorm,block")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
-    parts = {"attention": attention_rows, "layernorm": layer_norm_rows, "block": block_rows}
     table = {}
     for images in (int(n) for n in args.images.split(",")):
-        for part in (parts[name] for name in args.parts.split(",")):
+        for part in (attention_rows, layer_norm_rows, block_rows):
             for label, (us, err) in part(images, dev, dtype).items():
                 table[f"{images} images: {label}"] = {"us": us, "max_abs_err": err}
     if args.json:

@@ -21,19 +21,12 @@ class ViTAttention(nn.Module):
         self.heads = cfg.heads
         self.qkv = FusableProjection(cfg.width, {"q": cfg.width, "k": cfg.width, "v": cfg.width}, bias=True)
         self.out = nn.Linear(cfg.width, cfg.width)
-        # attend(q, k, v) with vit_sdpa's meaning; the runtime may put one kernel here.
-        self.attend = vit_sdpa
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        return self.out(self.attend(*(y.view(b, t, self.heads, -1) for y in self.qkv(x))))
-
-
-def vit_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q, k, v [B, T, heads, head_dim] -> [B, T, heads * head_dim]: every token of an image attends
-    to every other."""
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return y.transpose(1, 2).flatten(2)
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
 def add_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

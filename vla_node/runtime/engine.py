@@ -104,9 +104,6 @@ class PolicyEngine:
         if config.rotary_kernel:
             from .kernels.rotary_heads import use_rotary_kernel
             use_rotary_kernel(self.model.llm)
-        if config.vit_attention_kernel:
-            from .kernels.vit_attention import use_vit_attention_kernel
-            use_vit_attention_kernel(self.model)
         if config.triton_layer_norm:
             from .kernels.layer_norm import use_triton_layer_norms
             use_triton_layer_norms(self.model)

@@ -104,8 +104,7 @@ BATCH_SIZES = (1, 2, 4, 8)
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
                      "flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
                      "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel",
-                     "split_one_call", "pattern_kernel", "rotary_kernel", "vit_attention_kernel", "fused_expert",
-                     "vision_cache")
+                     "split_one_call", "pattern_kernel", "rotary_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
@@ -123,7 +122,7 @@ for _mode, _adds in _LADDER.items():
 # Rungs a CPU engine skips.
 GPU_FEATURES = ("flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
                 "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel", "split_one_call",
-                "pattern_kernel", "rotary_kernel", "vit_attention_kernel", "fused_expert")
+                "pattern_kernel", "rotary_kernel", "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -185,10 +184,6 @@ class EngineConfig:
     # The LLM attention's q/k norms, RoPE and head layout in one pass (runtime/kernels/rotary_heads):
     # the DROID LLM stage 14.15 -> 13.73 ms on the H200.
     rotary_kernel: bool = False
-    # The ViT's attention as one Triton kernel reading the fused q/k/v's views and writing the out
-    # projection's layout, its 72-wide heads as 64 + 16 lanes (runtime/kernels/vit_attention): cuDNN
-    # took 38.8 us a layer at DROID on the H200 against a 12.4 us floor. In no mode until timed.
-    vit_attention_kernel: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     triton_layer_norm: bool = False       # the ViT's and the context's LayerNorms in one pass (kernels/layer_norm)
     # The ViT blocks' residual adds and the LayerNorms after them in one pass each

@@ -68,7 +68,6 @@ OPTIONS = {
     "torchmerge": {"split_merge_kernel": False},
     "torchgather": {"split_gather_kernel": False},
     "onecall": {"split_one_call": True},
-    "vitattn": {"vit_attention_kernel": True},  # the ViT's attention as kernels/vit_attention, not cuDNN SDPA
     "poolsdpa": {"window_attention_ops": False},  # the vision pool's window attention through SDPA
     "addpass": {"add_norm_kernel": False},  # the ViT blocks' residual adds as passes of their own
     "torchrotary": {"rotary_kernel": False},  # the LLM's q/k norms, RoPE and head layout compiled from torch ops
