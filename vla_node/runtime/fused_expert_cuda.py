@@ -182,8 +182,7 @@ class Scratch:
     stats: torch.Tensor     # each 8-column tile's row mean and M2: [rows, W / 8, 2] (stats_t: [W / 8, rows, 2])
     qkv: torch.Tensor       # q, k in A-fragment order, then v in P V's B-fragment order (bf16)
     q: torch.Tensor         # cross-attention queries, A-fragment order
-    y: torch.Tensor         # the self-attention's outputs, A-fragment order
-    yc: torch.Tensor        # the cross-attention's outputs, A-fragment order
+    y: torch.Tensor         # the self-attention's outputs, then the cross-attention's: A-fragment order
     hid: torch.Tensor       # the MLP hidden, A-fragment order
     f0: torch.Tensor        # [rows, W] fp32 x0 (1 + c2) Wq^T (fold_cross_q)
     sq: torch.Tensor        # x1 (1 + c2) Wq^T in A-fragment order, fp32 (fold_cross_q)
@@ -360,7 +359,7 @@ class CudaFlow:
                     vel=torch.empty((steps, entries * tokens, f.action_dim), **bf),
                     x=torch.empty((rows, w), **f32), xf=torch.empty(rows * w, **bf),
                     stats=torch.empty(rows * w // 4, **f32), qkv=torch.empty(rows * 3 * w, **bf),
-                    q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf), yc=torch.empty(rows * w, **bf),
+                    q=torch.empty(rows * w, **bf), y=torch.empty(rows * w, **bf),
                     hid=torch.empty(rows * f.mlp, **bf), f0=torch.empty((rows, w), **f32),
                     sq=torch.empty(rows * w, **f32),
                     opart=torch.empty(pairs * plan.cpp * tok16 * f.head_dim, **f32),
@@ -438,7 +437,7 @@ class CudaFlow:
                    kv=ptr(buf.kv), mask=ptr(buf.mask) if buf.mask is not None else ptr(buf.kv),
                    fold_m=ptr(inputs.cuda_fold[0]) if folded else ptr(buf.kv),
                    fold_c=ptr(inputs.cuda_fold[1]) if folded else ptr(buf.kv),
-                   **{k: ptr(getattr(buf, k)) for k in ("x", "xf", "stats", "qkv", "q", "y", "yc", "hid", "f0", "sq",
+                   **{k: ptr(getattr(buf, k)) for k in ("x", "xf", "stats", "qkv", "q", "y", "hid", "f0", "sq",
                                                         "opart", "mlpart", "counter")},
                    bar=ptr(buf.barrier), err=ptr(buf.error),
                    trace=ptr(buf.trace) if buf.trace is not None else ptr(buf.counter), segments=segments,

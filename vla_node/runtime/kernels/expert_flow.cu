@@ -26,8 +26,9 @@
 //   cross_q   LN2 + modulate(x) @ Wq^T + b    -> q (A-fragment order); with FOLD_CQ no such phase:
 //             qkv and self_out compute what the cross-attention's programs make q from (Part2)
 //   cross     per (entry, head) CPP programs over its key tiles, one warp a tile at a time;
-//             warps merged in the program, programs by the last to arrive -> yc
-//   cross_out x += g2 (yc @ Wco^T + b)
+//             warps merged in the program, programs by the last to arrive -> y (self_out has read
+//             it: a barrier between them)
+//   cross_out x += g2 (y @ Wco^T + b)
 //   fc1       LN3 + modulate(x) @ W1^T + b, GELU -> hid (A-fragment order)
 //   fc2       x += g3 (hid @ W2^T + b)
 // and per step, for the rows a program owns: out (final LN + modulate -> action_out -> v, and
@@ -83,7 +84,7 @@ struct Params {
     const u16* win; const u16* bin; const u16* pos; const u16* wout; const u16* bout;
     const u16* mods; const u16* fmods; const uint4* kv; const unsigned char* mask;
     const uint4* fold_m; const float* fold_c;
-    float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* yc; u16* hid; float* f0; float* sq;
+    float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* f0; float* sq;
     float* opart; float* mlpart;
     u32* counter; u32* bar; int* err; long long* trace;
     int n_keys, key_tiles, cpp, tiles_per_cta, mask_stride, has_mask, step_lo, step_hi, euler, segments;
@@ -1205,14 +1206,14 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
         }
         __syncthreads();
         // The program's warps merged (each row's weights once: sm becomes them, sl the sum); with
-        // one program a pair, straight into yc.
+        // one program a pair, straight into y.
         merge_weights(sm, sl, NWARPS);
         for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
             const int row = e / HDIM, d = e % HDIM;
             float acc = 0.0f;
             for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * SO_STRIDE + d];
             if (p.cpp == 1) {
-                p.yc[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sl[row]);
+                p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sl[row]);
             } else if (CLUSTER > 1) {   // for the cluster's merge: a region no other phase writes
                 float* cpart = smem + C_OFF;
                 cpart[e] = acc;
@@ -1254,7 +1255,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     sum += f * l[c];
                     acc += f * o[c];
                 }
-                p.yc[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sum);
+                p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sum);
             }
         } else if (p.cpp > 1 && !CROSS_CUT) {
             __syncthreads();
@@ -1280,7 +1281,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     const int row = e / HDIM, d = e % HDIM;
                     float acc = 0.0f;
                     for (int c = 0; c < p.cpp; ++c) acc += gm[c * TOK16 + row] * gpart[(c * TOK16 + row) * HDIM + d];
-                    p.yc[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / gl[row]);
+                    p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / gl[row]);
                 }
                 if (threadIdx.x == 0) p.counter[pair] = 0;
             }
@@ -1444,7 +1445,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                     co_w(j));
             cross_phase(p, s, smem, j, fc);
             gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(
-                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.yc, KS_W, nullptr, Part2{},
+                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{},
                 fc1_w(j));
             gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
                 p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},

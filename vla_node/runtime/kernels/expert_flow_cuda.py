@@ -34,7 +34,7 @@ class Params(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "xa", "vel", "reuse", "wqkv", "bqkv", "wso", "bso", "wq", "bq", "wco", "bco", "w1", "b1", "w2", "b2",
         "win", "bin", "pos", "wout", "bout", "mods", "fmods", "kv", "mask", "fold_m", "fold_c",
-        "x", "xf", "stats", "qkv", "q", "y", "yc", "hid", "f0", "sq", "opart", "mlpart", "counter", "bar", "err",
+        "x", "xf", "stats", "qkv", "q", "y", "hid", "f0", "sq", "opart", "mlpart", "counter", "bar", "err",
         "trace")] + [
         (name, ctypes.c_int) for name in (
             "n_keys", "key_tiles", "cpp", "tiles_per_cta", "mask_stride", "has_mask", "step_lo", "step_hi", "euler",
