@@ -9,10 +9,10 @@ pairs the pattern makes visible (790 TFLOP/s).
 
 Ways: causal flash SDPA (the wrong pattern: the speed of the plain causal kernel), SDPA with the
 dense boolean mask (default backend; cuDNN forced), flex attention compiled with the runtime's
-block mask (default kernel options and a few tile choices), and `split`: the pattern as two
-maskless causal calls merged by their log-sum-exps (runtime/kernels/prefill_attention.py), eager
-and compiled, and the two calls as one of batch 2 (`split_one_call`), eager and compiled, and
-`pattern kernel`: the pattern in one Triton kernel (runtime/kernels/pattern_attention.py,
+block mask (default kernel options and a few tile choices), two causal SDPA calls merged by their
+log-sum-exps (two_causal_calls, eager and compiled; the runtime's prefill before the pattern kernel),
+with bounds beside it (cuDNN's causal kernel alone, the two calls alone, the two as one call of
+batch 2), and `pattern kernel`: the pattern in one Triton kernel (runtime/kernels/pattern_attention.py,
 `pattern_kernel`) at PATTERN_TILES. The layer part times a whole decoder layer (compiled) with some
 of the ways and with none, and its four linears alone. Without CUDA it is a dry run on the CPU at a
 small size (the Triton kernels interpreted).
@@ -41,7 +41,7 @@ from vla_node.model.weights import TINY_TOKENIZER
 from vla_node.runtime import LAYOUTS, EngineConfig
 from vla_node.runtime.fusion import fuse_projections
 from vla_node.runtime.kernels.pattern_attention import PatternAttention, pattern_mask
-from vla_node.runtime.kernels.prefill_attention import SplitPattern, block_mask, causal_attend_lse, flex_attend
+from vla_node.runtime.kernels.prefill_attention import block_mask, flex_attend
 
 dynamo_config.cache_size_limit = dynamo_config.recompile_limit = 256  # every way recompiles flex
 CUDA = torch.cuda.is_available()
@@ -54,9 +54,8 @@ PEAK = 790e12  # bf16 FLOP/s, the H200's measured matmul rate
 PATTERN_TILES = {"64x64 w4 s3": (64, 64, 4, 3), "64x64 w4 s2": (64, 64, 4, 2), "128x64 w8 s2": (128, 64, 8, 2)}
 
 
-def image_tokens(layout_name: str) -> tuple[torch.Tensor, int]:
-    """The bucket's image-token flags (prompt + instruction budget) of molmobot-4b at the layout,
-    and where the instruction starts."""
+def image_tokens(layout_name: str) -> torch.Tensor:
+    """The bucket's image-token flags (prompt + instruction budget) of molmobot-4b at the layout."""
     layout = LAYOUTS[layout_name]
     cfg = get_preset("molmobot-4b")
     cfg = dataclasses.replace(cfg, prompt=dataclasses.replace(cfg.prompt, max_images=max(cfg.prompt.max_images,
@@ -65,7 +64,7 @@ def image_tokens(layout_name: str) -> tuple[torch.Tensor, int]:
     length = prompt.instruction_start + EngineConfig().max_instruction_tokens
     img = torch.zeros(length, dtype=torch.bool)
     img[:prompt.instruction_start] = torch.tensor(prompt.image_token[:prompt.instruction_start])
-    return img, prompt.instruction_start
+    return img
 
 
 def timed(fn, calls: int = 10, replays: int = 20) -> float:
@@ -94,19 +93,55 @@ def timed(fn, calls: int = 10, replays: int = 20) -> float:
     return statistics.median(times)
 
 
-def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
+def causal_attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal maskless attention (top-left aligned, equal lengths; k/v with fewer heads are read as
+    grouped heads) and its log-sum-exp [B, H, T] fp32: cuDNN's kernel on CUDA in half precision
+    (on the H200 31 us against the flash kernel's 54 at the DROID prompt, BENCHMARKS.md), the
+    memory-efficient kernel on CUDA in fp32 (cuDNN's takes half precision only: given fp32 it
+    returned NaN without an error), the flash kernel on the CPU."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    elif q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)[:2]
+    else:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[:2]
+    # cuDNN's is [B, H, T, 1], the memory-efficient kernel's [B, H, T rounded up to 32]
+    return out, lse.reshape(*out.shape[:2], -1)[..., :out.shape[2]]
+
+
+def two_causal_calls(img: torch.Tensor):
+    """attend(q, k, v) for the pattern of `img` as two maskless causal calls merged by their
+    log-sum-exps: every query over the keys at or before it, and every image query over the image
+    keys after it, gathered in reverse order (where "after" is "before": a causal call of one
+    token's offset). The two key sets are disjoint and together are what the pattern shows."""
+    reversed_images = torch.nonzero(img).flatten().flip(0)
+    rows, keys = reversed_images[1:], reversed_images[:-1]   # query rows[r] sees keys[0 .. r]
+
+    def attend(q, k, v):
+        out, lse = causal_attend_lse(q, k, v)
+        extra, lse_extra = causal_attend_lse(q[:, :, rows], k[:, :, keys], v[:, :, keys])
+        lse_rows = lse[:, :, rows]
+        top = torch.maximum(lse_rows, lse_extra)
+        w_causal, w_extra = torch.exp(lse_rows - top), torch.exp(lse_extra - top)
+        merged = (out[:, :, rows].float() * w_causal[..., None] + extra.float() * w_extra[..., None]) \
+            / (w_causal + w_extra)[..., None]
+        return out.index_copy(2, rows, merged.to(out.dtype))
+    return attend
+
+
+def ways(img: torch.Tensor, mask: torch.Tensor):
     """name -> attend(q, k, v) for the pattern of `img`."""
     bm = block_mask(img, 0, img.numel(), img.numel())
-    split = SplitPattern(img, capacity)
-    one_call = SplitPattern(img, capacity, one_call=True)   # the engine's split_one_call
+    two_calls = two_causal_calls(img)
     flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     out = {
         "sdpa causal (not the pattern)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                         enable_gqa=True),
         "sdpa dense mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
         "flex (runtime)": lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True),
-        "split (2 causal calls + merge)": split.attend,
-        "split as one call of batch 2": one_call.attend,
+        "two causal calls + merge": two_calls,
         **{f"pattern kernel {name}": pattern(img, tiles).attend for name, tiles in PATTERN_TILES.items()},
     }
     if CUDA:
@@ -114,29 +149,29 @@ def ways(img: torch.Tensor, mask: torch.Tensor, capacity: int):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         out["sdpa dense mask, cuDNN"] = cudnn
-        out["split, compiled"] = torch.compile(split.attend, fullgraph=True, dynamic=False)
-        out["split as one call of batch 2, compiled"] = torch.compile(one_call.attend, fullgraph=True, dynamic=False)
+        out["two causal calls + merge, compiled"] = torch.compile(two_calls, fullgraph=True, dynamic=False)
         out["cuDNN causal + lse (not the pattern)"] = lambda q, k, v: causal_attend_lse(q, k, v)[0]
-        # The split's two causal calls alone (the image rows' call as long as the bucket's capacity),
+        # The two causal calls alone (the image rows' call as long as two_causal_calls' gathers),
         # then as one call of batch 2, the second sequence padded at its end to the first's length
         # (a causal row never sees the padding after it): whether one launch fills the SMs better.
+        rows = int(img.sum()) - 1
         inputs: dict[str, list[torch.Tensor]] = {}
 
-        def split_inputs(q, k, v) -> list[torch.Tensor]:
+        def two_calls_inputs(q, k, v) -> dict[str, list[torch.Tensor]]:
             if not inputs:   # made once, outside the timed calls
-                inputs["rows"] = [x[:, :, :capacity - 1].contiguous() for x in (q, k, v)]
+                inputs["rows"] = [x[:, :, :rows].contiguous() for x in (q, k, v)]
                 inputs["batch2"] = [torch.cat([x, F.pad(r, (0, 0, 0, x.shape[2] - r.shape[2]))])
                                     for x, r in zip((q, k, v), inputs["rows"])]
             return inputs
 
-        def two_calls(q, k, v):   # returns the first call's [B, H, T, D] (the error column compares T rows)
+        def two_calls_alone(q, k, v):   # returns the first call's [B, H, T, D] (the error column compares T rows)
             out = causal_attend_lse(q, k, v)[0]
-            causal_attend_lse(*split_inputs(q, k, v)["rows"])
+            causal_attend_lse(*two_calls_inputs(q, k, v)["rows"])
             return out
 
-        out["cuDNN causal, the split's two calls alone (not the pattern)"] = two_calls
+        out["cuDNN causal, the two calls alone (not the pattern)"] = two_calls_alone
         out["cuDNN causal, the two as one call of batch 2 (not the pattern)"] = \
-            lambda q, k, v: causal_attend_lse(*split_inputs(q, k, v)["batch2"])[0][:1]
+            lambda q, k, v: causal_attend_lse(*two_calls_inputs(q, k, v)["batch2"])[0][:1]
         for name, opts in {"flex 128x64 w8 s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                            "flex 128x128 w8 s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
                            "flex 64x64 w4 s3": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -173,7 +208,7 @@ def chosen(name: str, only: list[str]) -> bool:
     return not only or any(part in name for part in only)
 
 
-def layer_times(img: torch.Tensor, capacity: int, only: list[str]) -> dict:
+def layer_times(img: torch.Tensor, only: list[str]) -> dict:
     """us per call of one molmobot-4b decoder layer (fused projections, compiled as the runtime
     compiles it) with each attention way, and with none (attention's output = q: the rest)."""
     cfg = get_preset("molmobot-4b").llm
@@ -188,7 +223,6 @@ def layer_times(img: torch.Tensor, capacity: int, only: list[str]) -> dict:
             "flex 64x64 w4 s3": (lambda q, k, v, m: flex_attention(q.contiguous(), k.contiguous(), v.contiguous(),
                                                                    block_mask=m, enable_gqa=True,
                                                                    kernel_options=tiles), bm),
-            "split": (flex_attend, SplitPattern(img, capacity)),
             **{f"pattern {name}": (flex_attend, pattern(img, tiles)) for name, tiles in PATTERN_TILES.items()},
             "no attention (the rest)": (lambda q, k, v, m: q, None)}
     out = {}
@@ -227,7 +261,7 @@ def main() -> None:
     ap.add_argument("--parts", default="attention,layer", help="attention (the ways alone), layer (a whole "
                     "decoder layer with some ways, and its linears alone)")
     ap.add_argument("--ways", default="", help="only the ways whose names hold one of these comma-separated "
-                    "strings (default: every way), e.g. 'lse,split,pattern kernel' (a comma always separates)")
+                    "strings (default: every way), e.g. 'lse,two causal,pattern kernel' (a comma always separates)")
     args = ap.parse_args()
     only = [w for w in args.ways.split(",") if w]
     parts = args.parts.split(",")
@@ -236,12 +270,9 @@ def main() -> None:
     dtype = torch.bfloat16 if CUDA else torch.float32
     results, rows = {}, []
     for name in args.layouts.split(","):
-        img, instruction_start = image_tokens(name)
-        # The bucket's capacity: the prompt's image tokens and every instruction token.
-        capacity = int(img.sum()) + img.numel() - instruction_start
+        img = image_tokens(name)
         if not CUDA:
             img = img[:96] | (torch.arange(96) % 40 > 30)  # a small pattern of the same kind
-            capacity = int(img.sum()) + 8
         t = img.numel()
         img = img.to(DEVICE)
         mask = pattern_mask(img, 0, img.numel())
@@ -254,7 +285,7 @@ def main() -> None:
         floor_us = 4 * pairs * hd * heads / PEAK * 1e6
         results[name] = {"tokens": t, "image_tokens": int(img.sum()), "visible_pairs": pairs, "floor_us": floor_us,
                          "ways": {}}
-        for way, fn in (ways(img, mask, capacity).items() if "attention" in parts else ()):
+        for way, fn in (ways(img, mask).items() if "attention" in parts else ()):
             if not chosen(way, only):
                 continue
             try:
@@ -269,7 +300,7 @@ def main() -> None:
             rows.append((name, t, way, entry))
             print(name, way, entry, flush=True)
         if "layer" in parts and CUDA:
-            results[name]["layer"] = layer_times(img, capacity, only)
+            results[name]["layer"] = layer_times(img, only)
             results[name]["gemms"] = gemms(t)
     if args.json:
         with open(args.json, "w") as f:

@@ -9,7 +9,7 @@ with q/k/v made contiguous before the attention call, 1.2e-7 (BENCHMARKS.md, fif
 
     python3 scripts/bisect_regions.py --mode compile --dtype float32 --llm-parts attn,mlp,rope,sdpa
     python3 scripts/bisect_regions.py --backend aot_eager                # decompositions, no codegen
-    python3 scripts/bisect_regions.py --set split_attention=0,split_merge_kernel=0 --contiguous
+    python3 scripts/bisect_regions.py --set pattern_kernel=0,window_attention_ops=0 --contiguous
 """
 import argparse
 
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--set", default="", help="boolean config overrides, e.g. split_attention=0,flex_attention=0")
+    ap.add_argument("--set", default="", help="boolean config overrides, e.g. pattern_kernel=0,flex_attention=0")
     ap.add_argument("--backend", default="inductor", help="the regions' compile backend (aot_eager: no codegen)")
     ap.add_argument("--contiguous", action="store_true", help="q, k, v made contiguous before every LLM attention call")
     ap.add_argument("--llm-parts", default="", help="decoder-layer parts to compile alone afterwards: submodules "

@@ -139,8 +139,8 @@ def test_a_killed_worker_is_named_by_its_exit_code_whether_a_send_or_a_receive_f
 
 @pytest.mark.parametrize("mode", ["eager", "ctxkv"])   # the reference loop; the static runner's buckets
 def test_an_engine_giving_non_finite_actions_fails_its_warm_up_in_one_line(mode):
-    """A feature broken on the device (fp32 split attention on CUDA returned NaN) stops the start
-    instead of having every chunk refused, and says what to try."""
+    """A feature broken on the device (the removed split attention once returned NaN in fp32 on CUDA)
+    stops the start instead of having every chunk refused, and says what to try."""
     engine = PolicyEngine(EngineConfig.for_mode(mode))
     engine.model.expert.action_out.register_forward_hook(lambda module, inputs, out: out * float("nan"))
     with pytest.raises(RuntimeError, match="warm-up gave non-finite actions") as failed:

@@ -316,20 +316,17 @@ def test_interleaved_buckets_leave_each_other_alone():
         assert np.array_equal(fast.predict(obs_a, noise=noise_a).normalized, first)
 
 
-@pytest.mark.parametrize("split, one_call, pattern", [(False, False, False), (True, False, False), (True, True, False),
-                                                     (False, False, True)])
-def test_flex_prefill_matches_the_dense_mask(split, one_call, pattern):
+@pytest.mark.parametrize("pattern", [False, True])
+def test_flex_prefill_matches_the_dense_mask(pattern):
     """The prefill's attention pattern through flex attention (compiled, a block mask per bucket),
-    and with `split` the full prefill as two maskless causal calls (`one_call`: as one call of batch
-    2), or with `pattern` the full prefill and the streaming step as one Triton kernel (interpreted
-    on the CPU), gives the dense-mask results:
+    or with `pattern` the full prefill and the streaming step as one Triton kernel (interpreted on
+    the CPU), gives the dense-mask results:
     full windows, an episode's start, an instruction that types an image special token (the masks
     are rebuilt in place), and streaming steps (queries offset into the cache: flex or the kernel)."""
     opts = dict(vision_cache=True, streaming_kv=True)
     dense = PolicyEngine(EngineConfig.for_mode("ctxkv", **opts))
-    flex = PolicyEngine(EngineConfig.for_mode("compile", flex_attention=True, split_attention=split,
-                                              split_one_call=one_call, pattern_kernel=pattern, **opts))
-    kind = "PatternAttention" if pattern else "SplitPattern" if split else "BlockMask"
+    flex = PolicyEngine(EngineConfig.for_mode("compile", flex_attention=True, pattern_kernel=pattern, **opts))
+    kind = "PatternAttention" if pattern else "BlockMask"
     assert type(flex.static.bucket(flex.layout).attn_mask).__name__ == kind
     layout = flex.layout
     rng = np.random.default_rng(0)
@@ -345,8 +342,7 @@ def test_flex_prefill_matches_the_dense_mask(split, one_call, pattern):
         a, b = dense.predict(obs, noise=noise).normalized, flex.predict(obs, noise=noise).normalized
         assert np.abs(a - b).max() < 1e-5, (ids, text)
     assert flex.static.stream_steps == dense.static.stream_steps >= 1
-    stream_kind = "PatternAttention" if pattern else "BlockMask"
-    assert type(flex.static.bucket(flex.layout).stream.attn_mask).__name__ == stream_kind
+    assert type(flex.static.bucket(flex.layout).stream.attn_mask).__name__ == kind
 
 
 @pytest.mark.cuda

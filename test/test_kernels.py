@@ -12,8 +12,6 @@ import torch.nn.functional as F
 from vla_node.runtime.kernels.few_query_attention import few_query_attention
 from vla_node.runtime.kernels.layer_norm import TritonLayerNorm, layer_norm_into
 from vla_node.runtime.kernels.rotary_heads import rotary_heads_kernel
-from vla_node.runtime.kernels.split_gather import split_gather
-from vla_node.runtime.kernels.split_merge import merge_split
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -162,90 +160,9 @@ def test_engine_with_triton_layer_norms_keeps_keys_and_results(options):
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < (1e-6 if DEVICE == "cpu" else 1e-2)
 
 
-def test_split_merge_kernel_is_the_torch_merge():
-    """kernels/split_merge's one pass (the interpreter on the CPU) against SplitPattern's torch merge,
-    on the two calls' real outputs: image tokens merged, the rest copied, the reserve rows unused."""
-    from vla_node.runtime.kernels.prefill_attention import SplitPattern, causal_attend_lse
-
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, h, 70, 16, generator=g).to(DEVICE, dtype) for h in (4, 2, 2))
-    image = torch.zeros(70, dtype=torch.bool, device=DEVICE)
-    image[3:21] = image[25:43] = True
-    split = SplitPattern(image, capacity=int(image.sum()) + 6)
-    ref = split.attend(q, k, v)
-    out, lse = causal_attend_lse(q, k, v)
-    rows, keys = split.order[1:], split.order[:-1]
-    extra, lse_extra = causal_attend_lse(q[:, :, rows], k[:, :, keys], v[:, :, keys])
-    y = merge_split(out, lse, extra, lse_extra, split.extra_row, split.unused)
-    assert y.shape == (2, 70, 4, 16) and y.is_contiguous()
-    assert (y.transpose(1, 2).float() - ref.float()).abs().max().item() <= (1e-6 if DEVICE == "cpu" else 1e-2)
-    assert torch.equal(y.transpose(1, 2)[:, :, ~image], out[:, :, ~image])   # text tokens: their causal result
-
-
-def test_split_gather_kernel_is_torch_indexing():
-    """kernels/split_gather's one pass (the interpreter on the CPU) against indexing, on the strided
-    head views a decoder layer makes (q, k, v slices of one projection's output, transposed) and
-    grouped heads of a width that is not a power of two; the reserve rows (token 0) gathered too."""
-    from vla_node.runtime.kernels.prefill_attention import SplitPattern
-
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(2)
-    heads, kv_heads, d, t = 3, 1, 24, 70
-    projected = torch.randn(2, t, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE, dtype)
-    widths = [heads * d, kv_heads * d, kv_heads * d]
-    q, k, v = (x.view(2, t, -1, d).transpose(1, 2) for x in projected.split(widths, -1))
-    image = torch.zeros(t, dtype=torch.bool, device=DEVICE)
-    image[3:21] = image[25:43] = True
-    split = SplitPattern(image, capacity=int(image.sum()) + 6)
-    rows, keys = split.order[1:], split.order[:-1]
-    got = split_gather(q, k, v, rows, keys)
-    for x, want in zip(got, (q[:, :, rows], k[:, :, keys], v[:, :, keys]), strict=True):
-        assert x.is_contiguous() and torch.equal(x, want)
-    with pytest.raises(ValueError, match="head dim contiguous"):
-        split_gather(q.transpose(2, 3), k, v, rows, keys)
-
-
 def _pattern(image: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(image.numel(), device=image.device)
     return (pos[None, :] <= pos[:, None]) | (image[:, None] & image[None, :])
-
-
-@pytest.mark.parametrize("device, dtype", [
-    pytest.param("cpu", torch.float32, marks=pytest.mark.skipif(torch.cuda.is_available(),
-                                                                 reason="the CPU run is CI's")),
-    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda),
-    pytest.param("cuda", torch.float32, marks=pytest.mark.cuda)])   # not cuDNN's kernel: half precision only
-@pytest.mark.parametrize("merge_kernel, gather_kernel, one_call",
-                         [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
-                          (True, False, True)])
-def test_split_pattern_matches_the_dense_mask(device, dtype, merge_kernel, gather_kernel, one_call):
-    """The prefill's pattern as two causal calls merged by log-sum-exp (or the two as one call of
-    batch 2B) gives the dense-mask result for every entry of a batch (grouped heads, image runs with
-    text between them, rows held in reserve), also after the image tokens change in place (a refresh
-    into the same tensors, as captured graphs need), and refuses more image tokens than its capacity."""
-    from vla_node.runtime.kernels.prefill_attention import SplitPattern
-
-    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6 if device == "cpu" else 1e-5
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 70, 16, generator=g).to(device, dtype) for h in (4, 2, 2))
-    image = torch.zeros(70, dtype=torch.bool, device=device)
-    image[3:21] = image[25:43] = True
-    split = SplitPattern(image, capacity=int(image.sum()) + 6, merge_kernel=merge_kernel,
-                         gather_kernel=gather_kernel, one_call=one_call)
-    order = split.order
-    for typed in (None, 60, 61):  # special tokens typed into the instruction
-        if typed is not None:
-            image[typed] = True
-            split.refresh(image)
-        assert split.order is order  # rewritten in place
-        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=_pattern(image),
-                                             enable_gqa=True)
-        out = split.attend(q, k, v).float()
-        assert float((out - ref).norm() / ref.norm()) < tolerance, typed
-    image[50:60] = True
-    with pytest.raises(ValueError, match="image tokens, the bucket holds"):
-        split.refresh(image)
 
 
 PATTERN_DEVICES = [

@@ -33,7 +33,7 @@ class Bucket:
         if m.cfg.prompt.bidirectional_images:
             self.image_token[:self.instruction_start] = torch.tensor(prompt.image_token[:self.instruction_start])
         self.mask = self._mask().to(dev)  # [length, length]
-        self.attn_mask = self.mask  # the prefill's attention's: this, a BlockMask, a SplitPattern or a PatternAttention
+        self.attn_mask = self.mask  # the prefill's attention's: this, a BlockMask or a PatternAttention
         self.image_token_dev = None
         if engine.config.flex_attention:
             from .kernels.prefill_attention import block_mask
@@ -45,15 +45,6 @@ class Bucket:
                 from .kernels.pattern_attention import PatternAttention
 
                 self.attn_mask = PatternAttention(self.image_token_dev[:self.length])
-            elif engine.config.split_attention:
-                from .kernels.prefill_attention import SplitPattern
-
-                # Room for every instruction token to be an image token (special tokens typed in).
-                capacity = int(self.image_token.sum()) + self.length - self.instruction_start
-                self.attn_mask = SplitPattern(self.image_token_dev[:self.length], capacity,
-                                              merge_kernel=engine.config.split_merge_kernel,
-                                              gather_kernel=engine.config.split_gather_kernel,
-                                              one_call=engine.config.split_one_call)
             else:
                 self.attn_mask = block_mask(self.image_token_dev, 0, self.length, self.length)
         self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
@@ -116,10 +107,10 @@ class Bucket:
         """Rewrite every attention mask in place (captured graphs keep reading the same tensors)."""
         self.mask.copy_(self._mask())
         if self.image_token_dev is not None:
-            from .kernels.prefill_attention import PatternAttention, SplitPattern, refresh_
+            from .kernels.prefill_attention import PatternAttention, refresh_
 
             self.image_token_dev[:self.length].copy_(self.image_token)
-            if isinstance(self.attn_mask, (SplitPattern, PatternAttention)):
+            if isinstance(self.attn_mask, PatternAttention):
                 self.attn_mask.refresh(self.image_token_dev[:self.length])
             else:
                 refresh_(self.attn_mask, self.image_token_dev, 0)

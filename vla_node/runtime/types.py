@@ -102,9 +102,8 @@ BATCH_SIZES = (1, 2, 4, 8)
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
-                     "flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
-                     "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel",
-                     "split_one_call", "pattern_kernel", "rotary_kernel", "fused_expert", "vision_cache")
+                     "flex_attention", "window_attention_ops", "cuda_graphs", "triton_attention", "triton_layer_norm",
+                     "add_norm_kernel", "pattern_kernel", "rotary_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
@@ -120,9 +119,8 @@ MODES: dict[str, tuple[str, ...]] = {}
 for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
-GPU_FEATURES = ("flex_attention", "split_attention", "window_attention_ops", "cuda_graphs", "triton_attention",
-                "triton_layer_norm", "add_norm_kernel", "split_merge_kernel", "split_gather_kernel", "split_one_call",
-                "pattern_kernel", "rotary_kernel", "fused_expert")
+GPU_FEATURES = ("flex_attention", "window_attention_ops", "cuda_graphs", "triton_attention", "triton_layer_norm",
+                "add_norm_kernel", "pattern_kernel", "rotary_kernel", "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -158,28 +156,15 @@ class EngineConfig:
     compile: bool = False
     cuda_graphs: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
-    # The full prefill's pattern as two maskless causal calls merged by log-sum-exp instead
-    # (runtime/kernels/prefill_attention.SplitPattern; streaming steps keep flex): in no mode since
-    # pattern_kernel (vla-bench `+split`).
-    split_attention: bool = False
-    # The split's merge as one Triton pass writing the output projection's layout (kernels/split_merge):
-    # the DROID LLM stage 14.36 against 14.69 ms with the compiled merge on the H200 (BENCHMARKS.md).
-    split_merge_kernel: bool = False
     # The vision pool's one-query window attention as plain ops a compiled region fuses
     # (runtime/fusion.window_attention_ops), not SDPA: the DROID vision stage 5.77 -> 5.55 ms on the H200.
     window_attention_ops: bool = False
-    # The split's second call's gathers (image rows of q, k, v, reversed) as one Triton pass
-    # (kernels/split_gather): the DROID LLM stage 14.15 -> 14.00 ms on the H200.
-    split_gather_kernel: bool = False
-    # The split's two causal calls as one call of batch 2B (SplitPattern.one_call; its gathers then
-    # fused into the copy that builds the batch): in no mode until timed on the GPU.
-    split_one_call: bool = False
     # The prefill's pattern in one Triton flash-attention kernel that reads no mask and walks only the
     # key tiles the pattern shows each query tile (runtime/kernels/pattern_attention), for the full
-    # prefill (instead of the split: no gathers, no merge, no second call) and the streaming step
-    # (instead of flex). On an H100 one layer's attention 43.7 us against the compiled split's 79.9
-    # at DROID, 145.3 against 178.6 at 8 images; the DROID LLM stage 14.20 -> 13.07 ms, the
-    # 8-image one 26.75 -> 26.16 (BENCHMARKS.md, twenty-second session).
+    # prefill and the streaming step (instead of flex). On an H100 one layer's attention 43.7 us at
+    # DROID against 79.9 for the compiled split it replaced (two causal cuDNN calls merged by their
+    # log-sum-exps, removed since), 145.3 against 178.6 at 8 images; the DROID LLM stage 14.20 ->
+    # 13.07 ms, the 8-image one 26.75 -> 26.16 (BENCHMARKS.md, twenty-second session).
     pattern_kernel: bool = False
     # The LLM attention's q/k norms, RoPE and head layout in one pass (runtime/kernels/rotary_heads):
     # the DROID LLM stage 14.15 -> 13.73 ms on the H200.
@@ -228,13 +213,6 @@ class EngineConfig:
                              f"{_modes_with('static_shapes')}")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
-        for feature in ("split_merge_kernel", "split_gather_kernel", "split_one_call"):
-            if getattr(self, feature) and not self.split_attention:
-                raise ValueError(f"{feature} needs split_attention (it is one of the split's passes)")
-        if self.split_attention and not self.flex_attention:
-            raise ValueError("split_attention needs flex_attention (streaming steps run the pattern through flex)")
-        if self.pattern_kernel and self.split_attention:
-            raise ValueError("pattern_kernel and split_attention: two ways of the prefill's pattern, take one")
         if self.pattern_kernel and not self.flex_attention:
             raise ValueError("pattern_kernel needs flex_attention (its device image flags and the layers' dispatch, "
                              "runtime/kernels/prefill_attention.flex_attend)")

@@ -60,14 +60,6 @@ OPTIONS = {
     "tritonexpert": {"fused_expert": True, "expert_kernel": "triton"},  # the loop on kernels/expert_flow.py
     # the prefill through flex attention only
     "flexonly": {"pattern_kernel": False},
-    # the full prefill's pattern as two causal calls, a gather pass and a merge pass (the default before
-    # pattern_kernel); +split+torchmerge / +torchgather: those passes compiled from torch ops, +onecall:
-    # the two calls as one of batch 2
-    "split": {"pattern_kernel": False, "split_attention": True, "split_merge_kernel": True,
-              "split_gather_kernel": True},
-    "torchmerge": {"split_merge_kernel": False},
-    "torchgather": {"split_gather_kernel": False},
-    "onecall": {"split_one_call": True},
     "poolsdpa": {"window_attention_ops": False},  # the vision pool's window attention through SDPA
     "addpass": {"add_norm_kernel": False},  # the ViT blocks' residual adds as passes of their own
     "torchrotary": {"rotary_kernel": False},  # the LLM's q/k norms, RoPE and head layout compiled from torch ops

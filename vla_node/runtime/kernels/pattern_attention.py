@@ -1,7 +1,7 @@
 """The LLM prefill's attention pattern in one Triton flash-attention kernel: query i (at position
 q_offset + i) sees key j when j <= its position, or when both are image tokens. No [T, S] mask is
-read, nothing is gathered or merged (kernels/prefill_attention.SplitPattern runs the same pattern
-as two causal cuDNN calls, a gather and a merge).
+read, nothing is gathered or merged (the split it replaced ran the full prefill's pattern as two
+causal cuDNN calls, a gather and a merge by their log-sum-exps; removed since).
 
 Each query tile walks only the key tiles the pattern shows it, from small int32 tables built on the
 device from the image flags (no host sync; `PatternAttention.refresh` rewrites them in place, so a
