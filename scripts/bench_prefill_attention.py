@@ -47,14 +47,11 @@ dynamo_config.cache_size_limit = dynamo_config.recompile_limit = 256  # every wa
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 PEAK = 790e12  # bf16 FLOP/s, the H200's measured matmul rate
-# The pattern kernel's tilings: (BLOCK_M, BLOCK_N, num_warps, num_stages, heads a tile packs), its
-# default first. Compiled for sm_90 by Triton 3.9 at head_dim 128 in bf16 (no GPU): 64x64 w4 s3 112 KB
-# of shared memory and 190 registers a thread (two programs a SM; packing 2 or 4 heads: 186), s2 80 KB;
-# 128x64 w8 s2 96 KB and 191 registers (one program a SM: the registers; packing 4: 181); 128x128 w8
-# s2 spills.
-PATTERN_TILES = {"64x64 w4 s3": (64, 64, 4, 3, 1), "64x64 w4 s2": (64, 64, 4, 2, 1), "128x64 w8 s2": (128, 64, 8, 2, 1),
-                 "64x64 w4 s3 pack2": (64, 64, 4, 3, 2), "64x64 w4 s3 pack4": (64, 64, 4, 3, 4),
-                 "128x64 w8 s2 pack4": (128, 64, 8, 2, 4)}
+# The pattern kernel's tilings: (BLOCK_M, BLOCK_N, num_warps, num_stages), its default first. Compiled
+# for sm_90 by Triton 3.9 at head_dim 128 in bf16 (no GPU): 64x64 w4 s3 112 KB of shared memory and
+# 190 registers a thread (two programs a SM), s2 80 KB; 128x64 w8 s2 96 KB and 191 registers (one
+# program a SM: the registers); 128x128 w8 s2 spills.
+PATTERN_TILES = {"64x64 w4 s3": (64, 64, 4, 3), "64x64 w4 s2": (64, 64, 4, 2), "128x64 w8 s2": (128, 64, 8, 2)}
 
 
 def image_tokens(layout_name: str) -> torch.Tensor:
@@ -185,10 +182,9 @@ def ways(img: torch.Tensor, mask: torch.Tensor):
     return out
 
 
-def pattern(img: torch.Tensor, tiles: tuple[int, int, int, int, int]) -> PatternAttention:
-    block_m, block_n, num_warps, num_stages, pack = tiles
-    return PatternAttention(img, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                            pack=pack)
+def pattern(img: torch.Tensor, tiles: tuple[int, int, int, int]) -> PatternAttention:
+    block_m, block_n, num_warps, num_stages = tiles
+    return PatternAttention(img, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def gemms(t: int) -> dict:

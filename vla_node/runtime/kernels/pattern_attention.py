@@ -86,23 +86,19 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, Img, Tiles, lo, hi, n_visible, start, 
 @triton.jit
 def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, heads, group, qk_scale,
                        sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, n_key_tiles,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr):
-    # A tile's BLOCK_M rows: BLOCK_M / PACK queries of each of PACK heads that read one key/value head
-    QM: tl.constexpr = BLOCK_M // PACK
-    bh = tl.program_id(0)                        # (entry, PACK heads) fastest: every head of a query tile together
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    bh = tl.program_id(0)                        # (entry, head) fastest: every head of a query tile together
     m = tl.load(Order + tl.program_id(1))        # the query tile, heaviest first
-    b = (bh // (heads // PACK)).to(tl.int64)
-    h0 = bh % (heads // PACK) * PACK
-    r = tl.arange(0, BLOCK_M)
-    h = h0 + r // QM
-    rows = m * QM + r % QM
+    b = (bh // heads).to(tl.int64)
+    h = bh % heads
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row = tl.minimum(rows, T - 1)                # rows past T repeat the last query (and are not stored)
     pos = q_offset + row
     d = tl.arange(0, D)
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + row[:, None] * sqt + d[None, :])
+    q = tl.load(Q + b * sqb + h * sqh + row[:, None] * sqt + d[None, :])
     img_q = tl.load(Img + pos) != 0
-    K += b * skb + (h0 // group) * skh
-    V += b * svb + (h0 // group) * svh
+    K += b * skb + (h // group) * skh
+    V += b * svb + (h // group) * svh
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -115,7 +111,7 @@ def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, 
     acc, m_i, l_i, start = _attend_tiles(acc, m_i, l_i, q, K, V, Img, tiles, n_full, n_visible, n_visible, start, skt,
                                          svt, S, pos, img_q, qk_scale, D, BLOCK_N, True)
     out = acc / l_i[:, None]
-    tl.store(Out + ((b * T + rows[:, None]) * heads + h[:, None]) * D + d[None, :], out.to(Out.dtype.element_ty),
+    tl.store(Out + ((b * T + rows[:, None]) * heads + h) * D + d[None, :], out.to(Out.dtype.element_ty),
              mask=(rows < T)[:, None])
 
 
@@ -151,42 +147,36 @@ def key_tiles(image_token: torch.Tensor, q_offset: int, q_len: int, block_m: int
 
 def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: torch.Tensor, tiles: torch.Tensor,
                       counts: torch.Tensor, order: torch.Tensor, q_offset: int, block_m: int, block_n: int,
-                      num_warps: int, num_stages: int, pack: int = 1) -> torch.Tensor:
+                      num_warps: int, num_stages: int) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, KV, S, D] (grouped heads; any strides, the head dim contiguous),
-    image [S] int8 flags, the tables of key_tiles at these tiles (block_m / pack queries a tile: a
-    tile packs `pack` heads of one group) -> y [B, T, H, D] contiguous."""
+    image [S] int8 flags, the tables of key_tiles at these tiles -> y [B, T, H, D] contiguous."""
     b, heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
     if any(x.stride(-1) != 1 for x in (q, k, v)) or k.shape != v.shape or heads % kv_heads:
         raise ValueError("pattern_attention needs the head dim contiguous, k and v alike and whole head groups")
-    if (heads // kv_heads) % pack or block_m % pack:
-        raise ValueError(f"pattern_attention: {pack} heads a tile must divide the group of {heads // kv_heads} "
-                         f"and the tile's {block_m} rows")
-    tables = (triton.cdiv(t, block_m // pack), triton.cdiv(s, block_n))
-    if d < 16 or d & (d - 1) or image.numel() != s or tiles.shape != tables:
+    if d < 16 or d & (d - 1) or image.numel() != s or tiles.shape != (triton.cdiv(t, block_m), triton.cdiv(s, block_n)):
         raise ValueError(f"pattern_attention: head_dim {d} (a power of two >= 16), {s} keys and {t} queries against "
                          f"flags of {image.numel()} and tables {tuple(tiles.shape)} at tiles {block_m}x{block_n}")
     out = q.new_empty((b, t, heads, d))
-    _pattern_attention[(b * heads // pack, order.numel())](
+    _pattern_attention[(b * heads, order.numel())](
         q, k, v, image, tiles, counts, order, out, t, s, q_offset, heads, heads // kv_heads, LOG2E / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), tiles.shape[1],
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, num_warps=num_warps, num_stages=num_stages)
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @torch.library.custom_op("vla::pattern_attention", mutates_args=())
 def pattern_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: torch.Tensor,
                          tiles: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, q_offset: int, block_m: int,
-                         block_n: int, num_warps: int, num_stages: int, pack: int) -> torch.Tensor:
+                         block_n: int, num_warps: int, num_stages: int) -> torch.Tensor:
     """pattern_attention as one op a compiled region keeps whole (on the CPU the kernel itself,
     interpreted: TRITON_INTERPRET=1)."""
-    return pattern_attention(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages,
-                             pack)
+    return pattern_attention(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages)
 
 
 @pattern_attention_op.register_fake
-def _(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages, pack):
+def _(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages):
     b, heads, t, d = q.shape
     return q.new_empty((b, t, heads, d))
 
@@ -202,24 +192,19 @@ class PatternAttention:
     shared memory and 190 registers a thread, two programs a SM, and at DROID its tiles cover 1.14x
     the visible pairs (128x64: 1.22x). On an H100 the fastest of the three timed
     (scripts/bench_prefill_attention.py): 43.7 us at DROID, 145.3 at 8 images, against 48.2 / 163.2 for
-    64x64 w4 s2 and 54.0 / 189.5 for 128x64 w8 s2.
-
-    pack > 1 puts that many heads of one key/value group in a tile (block_m / pack queries of each):
-    each key/value tile is then loaded once for them, where each head's program loaded it again
-    (at 64x64 a program reads 32 KB of keys and values for 2 MFLOP of dots; not yet timed)."""
+    64x64 w4 s2 and 54.0 / 189.5 for 128x64 w8 s2."""
 
     def __init__(self, image_token: torch.Tensor, q_offset: int = 0, q_len: int | None = None, block_m: int = 64,
-                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3, pack: int = 1):
+                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
         kv_len = image_token.numel()
         self.q_offset, self.q_len = q_offset, kv_len - q_offset if q_len is None else q_len
         if q_offset < 0 or self.q_len < 1 or q_offset + self.q_len > kv_len:
             raise ValueError(f"queries {q_offset} .. {q_offset + self.q_len - 1} must lie within the {kv_len} keys")
-        if any(n < 16 or n & (n - 1) for n in (block_m, block_n)) or pack < 1 or pack & (pack - 1):
-            raise ValueError(f"tiles must be powers of two >= 16 (tl.dot), got {block_m}x{block_n}, and the heads a "
-                             f"tile packs a power of two, got {pack}")
-        self.launch = (block_m, block_n, num_warps, num_stages, pack)
+        if any(n < 16 or n & (n - 1) for n in (block_m, block_n)):
+            raise ValueError(f"tiles must be powers of two >= 16 (tl.dot), got {block_m}x{block_n}")
+        self.launch = (block_m, block_n, num_warps, num_stages)
         dev = image_token.device
-        n_m, n_n = triton.cdiv(self.q_len, block_m // pack), triton.cdiv(kv_len, block_n)
+        n_m, n_n = triton.cdiv(self.q_len, block_m), triton.cdiv(kv_len, block_n)
         self.image = torch.zeros(kv_len, dtype=torch.int8, device=dev)
         self.tiles = torch.zeros((n_m, n_n), dtype=torch.int32, device=dev)
         self.counts = torch.zeros((n_m, 2), dtype=torch.int32, device=dev)
@@ -229,8 +214,7 @@ class PatternAttention:
     def refresh(self, image_token: torch.Tensor) -> None:
         """After image_token changed (same length): the same tensors, rewritten on the device."""
         self.image.copy_(image_token)
-        block_m, block_n, *_, pack = self.launch
-        fresh = key_tiles(image_token, self.q_offset, self.q_len, block_m // pack, block_n)
+        fresh = key_tiles(image_token, self.q_offset, self.q_len, *self.launch[:2])
         for mine, new in zip((self.tiles, self.counts, self.order), fresh, strict=True):
             mine.copy_(new)
 
