@@ -36,17 +36,13 @@ class Bucket:
         self.attn_mask = self.mask  # the prefill's attention's: this, a BlockMask or a PatternAttention
         self.image_token_dev = None
         if engine.config.flex_attention:
-            from .kernels.prefill_attention import block_mask
+            from .kernels.prefill_attention import pattern_for
 
             # On the device and padded to the cache length: the streaming step's keys reach past the bucket.
             self.image_token_dev = torch.zeros(cache_len, dtype=torch.bool, device=dev)
             self.image_token_dev[:self.length] = self.image_token
-            if engine.config.pattern_kernel:
-                from .kernels.pattern_attention import PatternAttention
-
-                self.attn_mask = PatternAttention(self.image_token_dev[:self.length])
-            else:
-                self.attn_mask = block_mask(self.image_token_dev, 0, self.length, self.length)
+            self.attn_mask = pattern_for(self.image_token_dev, 0, self.length, self.length,
+                                         engine.config.pattern_kernel)
         self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
         self.slots = torch.arange(self.length, device=dev)
         llm = m.cfg.llm
@@ -107,12 +103,9 @@ class Bucket:
         """Rewrite every attention mask in place (captured graphs keep reading the same tensors)."""
         self.mask.copy_(self._mask())
         if self.image_token_dev is not None:
-            from .kernels.prefill_attention import PatternAttention, refresh_
+            from .kernels.prefill_attention import refresh_
 
             self.image_token_dev[:self.length].copy_(self.image_token)
-            if isinstance(self.attn_mask, PatternAttention):
-                self.attn_mask.refresh(self.image_token_dev[:self.length])
-            else:
-                refresh_(self.attn_mask, self.image_token_dev, 0)
+            refresh_(self.attn_mask, self.image_token_dev, 0)
         if self.stream is not None:
             self.stream.refresh_mask(self)

@@ -53,14 +53,11 @@ class StreamBuffers:
         self.cache_len = m.llm.layers[0].attn.cache.k.shape[2]
         self.mask = torch.zeros((len(self.new_slots), self.cache_len), dtype=torch.bool, device=dev)
         self.attn_mask = self.mask
-        if bucket.image_token_dev is not None and engine.config.pattern_kernel:   # the new rows over the cache
-            from .kernels.pattern_attention import PatternAttention
+        if bucket.image_token_dev is not None:   # the new rows over the cache
+            from .kernels.prefill_attention import pattern_for
 
-            self.attn_mask = PatternAttention(bucket.image_token_dev, self.new_start, len(self.new_slots))
-        elif bucket.image_token_dev is not None:
-            from .kernels.prefill_attention import block_mask
-
-            self.attn_mask = block_mask(bucket.image_token_dev, self.new_start, len(self.new_slots), self.cache_len)
+            self.attn_mask = pattern_for(bucket.image_token_dev, self.new_start, len(self.new_slots), self.cache_len,
+                                         engine.config.pattern_kernel)
         self.refresh_mask(bucket)
         self.new_patch_positions = bucket.patch_positions[(n - cams) * m.cfg.vision.tokens_per_image:] - self.new_start
         heads, hd = m.cfg.action.heads, m.cfg.action.width // m.cfg.action.heads
@@ -72,12 +69,9 @@ class StreamBuffers:
     def refresh_mask(self, bucket: Bucket) -> None:
         self.mask[:, :bucket.length].copy_(bucket.mask[self.new_start:])
         if self.attn_mask is not self.mask:
-            from .kernels.prefill_attention import PatternAttention, refresh_
+            from .kernels.prefill_attention import refresh_
 
-            if isinstance(self.attn_mask, PatternAttention):
-                self.attn_mask.refresh(bucket.image_token_dev)
-            else:
-                refresh_(self.attn_mask, bucket.image_token_dev, self.new_start)
+            refresh_(self.attn_mask, bucket.image_token_dev, self.new_start)
 
     def slides_from(self, frame_ids: Sequence[Optional[Hashable]]) -> bool:
         """Is this window the last one moved on by one frame time (surviving frames known)?"""

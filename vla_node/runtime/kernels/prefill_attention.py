@@ -6,8 +6,9 @@ entirely; compiled (the `compile` rung), flex attention becomes one Triton kerne
 The full prefill and the streaming step can instead run the pattern as one Triton kernel that
 computes it from the image flags (kernels/pattern_attention.PatternAttention, `pattern_kernel`).
 
-`block_mask` builds the mask once per bucket (lengths fixed); `refresh_` rebuilds it in place, so
-CUDA graphs that captured it keep reading the right tensors.
+`pattern_for` builds the block mask (or the pattern kernel's tables) once per bucket (lengths
+fixed); `refresh_` rebuilds either in place, so CUDA graphs that captured it keep reading the right
+tensors.
 """
 from __future__ import annotations
 
@@ -35,8 +36,20 @@ def block_mask(image_token: torch.Tensor, q_offset: int, q_len: int, kv_len: int
     return create_block_mask(visible, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=img.device)
 
 
-def refresh_(mask: BlockMask, image_token: torch.Tensor, q_offset: int) -> None:
-    """Rebuild `mask` in place after `image_token` changed (same lengths, same tensors)."""
+def pattern_for(image_token: torch.Tensor, q_offset: int, q_len: int, kv_len: int,
+                kernel: bool) -> Union[BlockMask, PatternAttention]:
+    """What flex_attend takes for block_mask's pattern: the pattern kernel's tables (`kernel`,
+    EngineConfig.pattern_kernel) or flex attention's block mask."""
+    if kernel:
+        return PatternAttention(image_token[:kv_len], q_offset, q_len)
+    return block_mask(image_token, q_offset, q_len, kv_len)
+
+
+def refresh_(mask: Union[BlockMask, PatternAttention], image_token: torch.Tensor, q_offset: int) -> None:
+    """Rebuild a pattern_for result in place after `image_token` changed (same lengths, same tensors)."""
+    if isinstance(mask, PatternAttention):
+        mask.refresh(image_token[:mask.image.numel()])
+        return
     new = block_mask(image_token, q_offset, mask.seq_lengths[0], mask.seq_lengths[1])
     for field in _INDEX_FIELDS:
         old, fresh = getattr(mask, field), getattr(new, field)
