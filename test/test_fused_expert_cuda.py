@@ -365,3 +365,21 @@ def test_self_attention_fused_into_self_out_and_the_trace_on_the_cpu_build(fold)
     assert trace.shape[1] == len(names) and "self" not in names and ("cross_q" in names) != fold
     assert (trace > 0).all() and (trace[:, :, 1] >= trace[:, :, 0]).all()
     assert (trace[:, 1:, 0] >= trace[:, :-1, 1]).all()      # each segment starts after the one before ends
+
+
+@pytest.mark.parametrize("marks", [1, 2])
+def test_cross_marks_move_the_cross_attentions_trace_marks_not_its_result_on_the_cpu_build(marks):
+    """The measurement knob cross_marks: the cross-attention phase's two marks in order between its
+    start and its arrival, the loop's numbers bit for bit the default's."""
+    cfg, e, truth = small_expert("cpu")
+    run = flow_case(cfg, e, truth, entries=1, steps=2, device="cpu")
+    fused = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(trace=True, cross_marks=marks))
+    with torch.inference_mode():
+        got = run.launcher(fused)().clone()
+        want = run.launcher(FusedExpert(e, backend="cuda"))().clone()
+    assert torch.equal(got, want)
+    names = fused.cuda.segment_names((-1, -1))
+    trace = next(iter(fused.cuda._scratch.values())).trace[:, [i for i, n in enumerate(names) if n == "cross"]]
+    marked = trace[(trace[..., 2:] > 0).all(-1)]     # [marked (program, cross phase), (start, end, mark 2, mark 3)]
+    assert len(marked) and (marked[:, 0] <= marked[:, 2]).all() and (marked[:, 2] <= marked[:, 3]).all()
+    assert (marked[:, 3] <= marked[:, 1]).all()

@@ -43,6 +43,11 @@ class CudaTiling:
     # measurement: the cross-attention's programs merge their own warps' partials but not each
     # other's (what the merge across programs costs; wrong numbers)
     cross_cut: bool = False
+    # measurement (trace): where the cross-attention phase puts its two marks. 0: once its queries
+    # are made and once its warps are merged; 1: once its key tiles are done and once its warps are
+    # merged; 2: once its first query fragments are made and once its first key tile's K has
+    # arrived (its Q K^T issued)
+    cross_marks: int = 0
     # the LayerNorm statistics stored tile-major (expert_flow.cu, stats_at): the statistics' reads
     # coalesced where 1-2 threads read a row. None: where entries >= 4 (on the H200 with epi_split 4
     # the loop 19.36 -> 18.58 ms at B = 4, 32.66 -> 27.20 at B = 8; at B = 1 9.40 -> 11.26:
@@ -133,6 +138,8 @@ class CudaTiling:
             raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
         if self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
+        if self.cross_marks not in (0, 1, 2):
+            raise ValueError(f"cross_marks: 0, 1 or 2, got {self.cross_marks}")
         if self.epi_split not in (1, 2, 4):
             raise ValueError(f"epi_split: 1, 2 or 4 threads a GEMV epilogue's item of 8 columns, got {self.epi_split}")
 
@@ -311,7 +318,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
-                     EPI_SPLIT=t.epi_split, CLUSTER=cluster,
+                     EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride)

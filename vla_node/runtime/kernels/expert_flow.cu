@@ -57,8 +57,9 @@
 // floats; 1: through global memory, the
 // last program to arrive merging), and the measurement knobs POLL
 // (how a barrier polls), TRACE (per-segment timestamps), WORK (0: every phase's loads and barriers
-// without its arithmetic and stores: the loop's floor of synchronisation) and CROSS_CUT (1: the
-// cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers).
+// without its arithmetic and stores: the loop's floor of synchronisation), CROSS_CUT (1: the
+// cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers) and
+// CROSS_MARKS (where the cross-attention's two trace marks go: CudaTiling.cross_marks).
 // SO_STRIDE: the row stride (floats) of the cross-attention's warp partials in shared memory (HDIM,
 // or padded so that a store's rows g = 0..3 fall on different banks: head_dim 96 put them all on one).
 
@@ -1158,13 +1159,14 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             cp_async_wait();
             __syncthreads();
         }
-        trace_mark(p, s, 2);
+        if (CROSS_MARKS == 0) trace_mark(p, s, 2);
         for (int qm = 0; qm < TOK16 / 16; ++qm) {
             const int mt = b * (TOK16 / 16) + qm;
             uint4 qa[HK];
             if (FOLD_CQ) folded_queries(stage, qm, qmean, qrstd, qa);
             else
                 for (int ks = 0; ks < HK; ++ks) qa[ks] = ld_cg16((const uint4*)p.q + ((mt * KS_W + h * HK + ks) * 32 + lane));
+            if (CROSS_MARKS == 2 && qm == 0) trace_mark(p, s, 2);
             float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
             for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
             for (int tile = tile_lo; tile < tile_hi; tile += NWARPS) {
@@ -1180,6 +1182,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     mma(sc[0], qa[ks], kv[ks].x, kv[ks].y);
                     mma(sc[1], qa[ks], kv[ks].z, kv[ks].w);
                 }
+                if (CROSS_MARKS == 2 && qm == 0 && tile == tile_lo) trace_mark(p, s, 3);
                 const u32 bits = tile == tile_lo ? first_bits : key_bits(p, b, tile);
                 bool ok[2][4];
                 for (int nt = 0; nt < 2; ++nt)
@@ -1204,6 +1207,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                 sl[warp * TOK16 + r0 + 8] = l[1];
             }
         }
+        if (CROSS_MARKS == 1) trace_mark(p, s, 2);
         __syncthreads();
         // The program's warps merged (each row's weights once: sm becomes them, sl the sum); with
         // one program a pair, straight into y.
@@ -1230,7 +1234,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                 }
             }
         }
-        trace_mark(p, s, 3);
+        if (CROSS_MARKS != 2) trace_mark(p, s, 3);
         if (CLUSTER > 1 && !CROSS_CUT) {
             // The pair's programs are a cluster: after its barrier each merges its share of the
             // outputs from every program's partial in distributed shared memory (programs in order;
