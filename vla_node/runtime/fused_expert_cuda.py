@@ -105,8 +105,11 @@ class CudaTiling:
     # (cp.async.bulk.prefetch.L2) from the start of the phase before it, and the cross-attention's
     # key tiles from the start of the block: the loads before a phase's wait then come from L2
     # (without weights_smem). On the H200 no faster: B = 1 / 2 / 4 / 8 9.38 / 12.56 / 18.25 / 27.47 ms
-    # against 9.39 / 12.90 / 18.43 / 27.08 (BENCHMARKS.md, tenth session)
-    l2_prefetch: bool = False
+    # against 9.39 / 12.90 / 18.43 / 27.08 (BENCHMARKS.md, tenth session). 2: the key tiles only
+    l2_prefetch: int = 0
+    # a GEMV phase's weights loaded into registers after its wait instead of between the arrival
+    # before it and the wait (their latency then in the phase; the barrier's release without them)
+    late_weights: bool = False
     # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
     # chunks of 6; the largest divisor of a warp's k-steps up to it): 12 and 24 no faster on the
     # H200 (fc2's dots at B = 4 are bound by every program reading all of the MLP hidden, not by
@@ -138,6 +141,8 @@ class CudaTiling:
             raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
         if self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
+        if int(self.l2_prefetch) not in (0, 1, 2):
+            raise ValueError(f"l2_prefetch: 0, 1 (weights and key tiles) or 2 (key tiles), got {self.l2_prefetch}")
         if self.cross_marks not in (0, 1, 2):
             raise ValueError(f"cross_marks: 0, 1 or 2, got {self.cross_marks}")
         if self.epi_split not in (1, 2, 4):
@@ -319,7 +324,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
-                     C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch),
+                     C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), LATE_W=int(t.late_weights),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)

@@ -48,9 +48,10 @@
 // K split over that many programs of a cluster, partial sums through distributed shared memory at
 // C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), A_CHUNK (k-steps of A fragments a warp
 // loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
-// residual values before the dots of this one), L2_PREFETCH (each GEMV phase's weights pulled into
+// residual values before the dots of this one), L2_PREFETCH (1: each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
-// the start of the block), STATS_T (the LayerNorm statistics stored tile-major: stats_at),
+// the start of the block; 2: only the key tiles), LATE_W (a GEMV phase's weights loaded into
+// registers after its wait instead of before: what their loads cost the barrier's release), STATS_T (the LayerNorm statistics stored tile-major: stats_at),
 // EPI_SPLIT (threads of a GEMV epilogue's (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its
 // columns), CLUSTER (the cross-attention's programs of an (entry, head) are a thread-block cluster
 // of that many and merge their partials through distributed shared memory, each program's at C_OFF
@@ -668,7 +669,7 @@ __device__ __forceinline__ uint4* w_buf(float* smem, int b) { return (uint4*)(sm
 // reader, phase w_phase + ahead - 2, has ended).
 // L2_PREFETCH (without W_SMEM): the copy engine pulls them into L2 instead, for the register loads.
 __device__ __forceinline__ void w_issue(Sync& s, float* smem, const WRef& r, int ahead) {
-    if (L2_PREFETCH && !W_SMEM && threadIdx.x == 0 && r.bytes) prefetch_l2(r.p, r.bytes);
+    if (L2_PREFETCH == 1 && !W_SMEM && threadIdx.x == 0 && r.bytes) prefetch_l2(r.p, r.bytes);
     if (!W_SMEM || threadIdx.x != 0 || r.bytes == 0) return;
     const int b = (s.w_phase + ahead) & 1;
     fence_proxy_async();
@@ -742,13 +743,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : old);
             }
         }
-        const uint4* w = first_weights<N, K, TPCX, NA, SPLIT>(wf, p2.w);   // W_SMEM: its buffer's source
-#pragma unroll
-        for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt)
-#pragma unroll
-            for (int kp = 0; kp < S::KP; ++kp)
-                wr[tt][kp] = t0 + tt < S::NT8 ? ld_in16(w + ((tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
-                                              : make_uint4(0, 0, 0, 0);
+        if (!LATE_W) load_w(wf, p2);
         if (modulated && t0 < S::NT8) {
             const int q = lane & 3;
             const int so = second ? p2.scale_off : scale_off;
@@ -761,6 +756,19 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 scale[ks][1] = ld_in4(mod + so + c + 8);
             }
         }
+    }
+
+    // This program's weights into registers (without W_SMEM): before the phase's wait, or with
+    // LATE_W after it.
+    __device__ __forceinline__ void load_w(const uint4* wf, const Part2& p2) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t0 = S::t0();
+        const uint4* w = first_weights<N, K, TPCX, NA, SPLIT>(wf, p2.w);
+#pragma unroll
+        for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt)
+#pragma unroll
+            for (int kp = 0; kp < S::KP; ++kp)
+                wr[tt][kp] = t0 + tt < S::NT8 ? ld_in16(w + ((tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
+                                              : make_uint4(0, 0, 0, 0);
     }
 
     // W_SMEM: this program's weights from its buffer (the same order as in memory, from its first tile).
@@ -975,6 +983,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
+    if (LATE_W) gemv.load_w(wf, p2);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
         self_items(p, smem);
         cluster_sync();
