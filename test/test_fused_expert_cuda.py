@@ -154,10 +154,12 @@ def test_the_kernel_compiles_for_hopper(entries, tiling):
 ON_BOTH = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")]
 
 
-def small_expert(device: str, heads: int = 2):
-    """A random bf16 expert the CUDA kernel takes (width and MLP multiples of 256), its fp32 twin."""
+def small_expert(device: str, heads: int = 2, horizon: int = 0):
+    """A random bf16 expert the CUDA kernel takes (width and MLP multiples of 256), its fp32 twin
+    (horizon: the tiny preset's unless given)."""
     tiny = get_preset("tiny")
-    cfg = dataclasses.replace(tiny, action=dataclasses.replace(tiny.action, width=256, heads=heads, mlp=512))
+    cfg = dataclasses.replace(tiny, action=dataclasses.replace(tiny.action, width=256, heads=heads, mlp=512,
+                                                               horizon=horizon or tiny.action.horizon))
     with torch.device(device):
         e = init_random_(ActionExpert(cfg).eval().requires_grad_(False), seed=0)
     e = e.to(torch.bfloat16)
@@ -181,11 +183,10 @@ def test_the_auto_backend_takes_the_cuda_kernel_on_a_gpu_where_it_fits(device):
     assert FusedExpert(narrow.to(torch.bfloat16), backend="auto").backend == "triton"
 
 
-def flow_case(cfg, e, truth, entries: int, steps: int, device: str):
+def flow_case(cfg, e, truth, entries: int, steps: int, device: str, context: int = 37):
     """Random context and noise for `entries` observations (some keys masked), the modulations
     of every step, and a function (schedule, known) -> (kernel's actions, fp32 truth's, bf16
     eager's) for a FusedExpert on the CUDA kernel."""
-    context = 37
     g = torch.Generator(device=device).manual_seed(entries)
     hidden = [torch.randn(entries, context, cfg.llm.dim, device=device, generator=g) for _ in e.blocks]
     state = torch.rand(entries, cfg.action.state_dim, device=device, generator=g) * 2 - 1
@@ -383,3 +384,18 @@ def test_cross_marks_move_the_cross_attentions_trace_marks_not_its_result_on_the
     marked = trace[(trace[..., 2:] > 0).all(-1)]     # [marked (program, cross phase), (start, end, mark 2, mark 3)]
     assert len(marked) and (marked[:, 0] <= marked[:, 2]).all() and (marked[:, 2] <= marked[:, 3]).all()
     assert (marked[:, 3] <= marked[:, 1]).all()
+
+
+@pytest.mark.parametrize("tiling", [CudaTiling(kv_ahead=True), CudaTiling(kv_ahead=True, cluster=1, cross_programs=1),
+                                    CudaTiling(kv_ahead=True, kv_smem=True, cross_programs=1)],
+                         ids=["clusters", "one_program_a_head", "kv_smem"])
+def test_key_tiles_fetched_a_tile_ahead_keep_the_result_bit_for_bit_on_the_cpu_build(tiling):
+    """kv_ahead: each warp's next key tile's mask and K/V fetched while its tile computes. 300 keys
+    (19 tiles; one program a head: 2-3 tiles a warp, and two query tiles at horizon 20) against the
+    same tiling without it."""
+    cfg, e, truth = small_expert("cpu", horizon=20)
+    run = flow_case(cfg, e, truth, entries=2, steps=2, device="cpu", context=300)
+    with torch.inference_mode():
+        got, want = (run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
+                     for t in (tiling, dataclasses.replace(tiling, kv_ahead=False)))
+    assert torch.equal(got, want) and got.isfinite().all()

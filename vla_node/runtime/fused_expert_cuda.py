@@ -110,6 +110,10 @@ class CudaTiling:
     # a GEMV phase's weights loaded into registers after its wait instead of between the arrival
     # before it and the wait (their latency then in the phase; the barrier's release without them)
     late_weights: bool = False
+    # the cross-attention's warps load the next key tile's mask bits and pull its K/V into L2 while
+    # the current tile computes (where a warp takes several tiles: B >= 2 at molmobot-4b's DROID
+    # context; at B = 4 each further tile took ~2 us, two round trips one after the other)
+    kv_ahead: bool = False
     # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
     # chunks of 6; the largest divisor of a warp's k-steps up to it): 12 and 24 no faster on the
     # H200 (fc2's dots at B = 4 are bound by every program reading all of the MLP hidden, not by
@@ -325,6 +329,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), LATE_W=int(t.late_weights),
+                     KV_AHEAD=int(t.kv_ahead),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)

@@ -329,6 +329,7 @@ inline void mbar_wait(unsigned long long* bar, u32 parity) {
 inline void mbar_init(unsigned long long* bar) { *bar = 0; }
 inline void fence_proxy_async() {}
 inline void prefetch_l2(const void*, u32) {}   // a hint: nothing to do on the host
+inline void prefetch_line(const void*) {}
 
 inline float* dynamic_smem() { return (float*)cpu::me().program->smem.data(); }
 

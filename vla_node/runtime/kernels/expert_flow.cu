@@ -50,7 +50,9 @@
 // loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
 // residual values before the dots of this one), L2_PREFETCH (1: each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
-// the start of the block; 2: only the key tiles), LATE_W (a GEMV phase's weights loaded into
+// the start of the block; 2: only the key tiles), KV_AHEAD (the cross-attention's warps load a key
+// tile's mask bits and pull its K/V into L2 a tile ahead: a warp of several tiles waited a round
+// trip for each tile's K/V and then another for its mask), LATE_W (a GEMV phase's weights loaded into
 // registers after its wait instead of before: what their loads cost the barrier's release), STATS_T (the LayerNorm statistics stored tile-major: stats_at),
 // EPI_SPLIT (threads of a GEMV epilogue's (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its
 // columns), CLUSTER (the cross-attention's programs of an (entry, head) are a thread-block cluster
@@ -188,6 +190,10 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
 // nothing to wait for), so the loads that follow a phase later find them there.
 __device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+// The 128-byte line at src pulled into L2 (a hint: no registers, nothing to wait for).
+__device__ __forceinline__ void prefetch_line(const void* src) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
 }
 // Shared memory that generic loads read before, written next by the copy engine (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -1078,6 +1084,13 @@ __device__ __forceinline__ void kv_prefetch(const Params& p, float* smem, int j)
     else prefetch_l2(src, (u32)tiles * 2 * 32 * HK * 16);
 }
 
+// KV_AHEAD: key tile `tile` of (entry b, head h) in block j pulled into L2 a tile ahead of its
+// loads, a 128-byte line a lane.
+__device__ __forceinline__ void kv_lines_l2(const Params& p, int j, int b, int h, int tile) {
+    const char* src = (const char*)(p.kv + (((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + tile) * 2 * 32 * HK);
+    for (int line = threadIdx.x & 31; line < 2 * 32 * HK * 16 / 128; line += 32) prefetch_line(src + line * 128);
+}
+
 // Which of key tile `tile`'s keys a lane's scores (nt, e) are valid for entry b (in range, not
 // masked): bit 2 nt + e. Read-only inputs, so loaded before a barrier's wait.
 __device__ __forceinline__ u32 key_bits(const Params& p, int b, int tile) {
@@ -1178,7 +1191,14 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             if (CROSS_MARKS == 2 && qm == 0) trace_mark(p, s, 2);
             float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f}, o[HDIM / 8][4];
             for (int dn = 0; dn < HDIM / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+            u32 bits_next = first_bits;   // KV_AHEAD: the next tile's, loaded a tile ahead
             for (int tile = tile_lo; tile < tile_hi; tile += NWARPS) {
+                u32 bits = bits_next;
+                if (KV_AHEAD) {   // the next tile's mask and K/V on their way while this one computes
+                    const int next = tile + NWARPS;
+                    bits_next = next < tile_hi ? key_bits(p, b, next) : first_bits;   // (the next query tile's first)
+                    if (!KV_SMEM && next < tile_hi) kv_lines_l2(p, j, b, h, next);
+                }
                 if (KV_SMEM) {
                     const uint4* src = kvs + ((tile - part * p.tiles_per_cta) * 2 * 32 + lane) * HK;
                     for (int u = 0; u < HK; ++u) kv[u] = src[u];
@@ -1192,7 +1212,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     mma(sc[1], qa[ks], kv[ks].z, kv[ks].w);
                 }
                 if (CROSS_MARKS == 2 && qm == 0 && tile == tile_lo) trace_mark(p, s, 3);
-                const u32 bits = tile == tile_lo ? first_bits : key_bits(p, b, tile);
+                if (!KV_AHEAD && tile != tile_lo) bits = key_bits(p, b, tile);
                 bool ok[2][4];
                 for (int nt = 0; nt < 2; ++nt)
                     for (int k = 0; k < 4; ++k) {
