@@ -117,12 +117,16 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     assert dict(plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, held=lambda c: 0).constants)["CLUSTER"] == 1
     with pytest.raises(ValueError, match="clusters of 8: 16"):
         plan_of(MOLMOBOT_4B, 2, 16, 892, H200_SMS, CudaTiling(cluster=8), held=h200)
-    # key tiles in shared memory: 3 programs a head, 19 tiles each, 114 KB of them (unpadded warp
-    # partials leave room for 2 programs of 28)
+    # key tiles in shared memory without clusters: 3 programs a head, 19 tiles each, 114 KB of them
+    # (unpadded warp partials leave room for 2 programs of 28)
     for pad, cpp, tiles in ((True, 3, 19), (False, 2, 28)):
-        smem = plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(kv_smem=True, cross_pad=pad))
+        smem = plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(kv_smem=True, cross_pad=pad, cluster=1))
         assert (smem.cpp, smem.tiles_per_cta, dict(smem.constants)["KV_SMEM"]) == (cpp, tiles, 1)
         assert smem.smem <= 227 * 1024
+    # with clusters a cluster's share: 7 tiles at B = 1, 14 at B = 2; at B = 4 its 28 do not fit
+    for entries, tiles, fits in ((1, 7, 1), (2, 14, 1), (4, 28, 0)):
+        smem = plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, CudaTiling(kv_smem=True), held=h200)
+        assert (smem.tiles_per_cta, dict(smem.constants)["KV_SMEM"]) == (tiles, fits) and smem.smem <= 227 * 1024
     p8 = plan_of(MOLMOBOT_4B, entries=8, tokens=16, n_keys=892, programs=H200_SMS)
     assert p8.cpp * 8 * MOLMOBOT_4B.heads <= H200_SMS and p8.smem <= 227 * 1024
     # weight buffers: two of 48 KB at one observation; at eight the phases' scratch leaves no room

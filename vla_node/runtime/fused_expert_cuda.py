@@ -83,9 +83,9 @@ class CudaTiling:
     # self_out 2 us, the self phase and its barrier 2.25: BENCHMARKS.md, tenth session)
     self_cluster: bool = False
     # the cross-attention's key tiles copied into shared memory by one bulk copy a block, issued
-    # before the block's first phase (so they land while qkv .. cross_q run); cross_programs:
-    # programs per (entry, head) (0: as few as fit). Off: on the H200 it was no faster (the phase
-    # is bound by its merges and mma chain, not its loads; BENCHMARKS.md)
+    # before the block's first phase (so they land while qkv .. self_out run); cross_programs:
+    # programs per (entry, head) (0: a cluster's, else as few as fit). Off: on the H200 it was no
+    # faster without clusters (BENCHMARKS.md, sixth session)
     kv_smem: bool = False
     cross_programs: int = 0
     # the LayerNorm phases read the residual stream's bf16 copy in A-fragment order (one 16-byte
@@ -217,14 +217,14 @@ def cross_cluster(t: CudaTiling, pairs: int, held: Callable[[int], int]) -> int:
     """The cross-attention's cluster size for `pairs` (entry, head) pairs (CudaTiling.cluster; 1:
     none), where held(c) programs fit on the GPU at once in clusters of c."""
     if t.cluster > 1:
-        if t.kv_smem or t.cross_programs:
-            raise ValueError("cross-attention clusters take neither kv_smem nor cross_programs")
+        if t.cross_programs:
+            raise ValueError("cross-attention clusters take no cross_programs (a cluster is a pair's programs)")
         if pairs * t.cluster > held(t.cluster):
             raise ValueError(f"cross-attention clusters of {t.cluster}: {pairs} (entry, head) pairs do not fit in the "
                              f"{held(t.cluster)} programs the GPU holds in such clusters")
         return t.cluster
     fits = [c for c in (8, 4, 2) if pairs * c <= held(c)]
-    return fits[0] if t.cluster == 0 and fits and not (t.kv_smem or t.cross_programs) else 1
+    return fits[0] if t.cluster == 0 and fits and not t.cross_programs else 1
 
 
 def check_shape(dims, t: CudaTiling, entries: int, tokens: int, rows: int, programs: int, cluster: int):
@@ -293,12 +293,19 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     # tile), after two mbarriers (16 bytes); off where they do not fit beside the rest
     w_buf = 16 * max([n * w for n in (qkv, so, cq, rest, fc1)] + [rest * dims.mlp])
     w_bytes = 16 + 2 * w_buf if t.weights_smem else 0
-    # The cross-attention's programs per (entry, head): with kv_smem, as few as hold their key tiles
-    # in shared memory (an mbarrier, then the tiles) at most 4 tiles a warp; else enough that a warp
-    # takes one tile, each loaded into registers before the phase's wait.
+    # The cross-attention's programs per (entry, head): a cluster's; else with kv_smem as few as hold
+    # their key tiles in shared memory (an mbarrier, then the tiles) at most 4 tiles a warp; else
+    # enough that a warp takes one tile, each loaded into registers before the phase's wait.
+    # kv_smem with clusters: where the cluster's share of the tiles fits beside the rest.
     tile_bytes = 2 * 32 * dims.head_dim // 16 * 16
     kv_smem, cpp = False, max(1, min(math.ceil(key_tiles / 8), programs // pairs))
-    if t.kv_smem:
+    cluster_region = 4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
+                             8 * dims.head_dim * 8 * t.self_cluster) if cluster > 1 else 0
+    if t.kv_smem and cluster > 1:
+        cpp = cluster
+        kv_bytes = 16 + math.ceil(key_tiles / cpp) * tile_bytes
+        kv_smem = 4 * general(cpp) + w_bytes + kv_bytes + cluster_region <= smem_limit
+    elif t.kv_smem:
         for c in range(max(1, math.ceil(key_tiles / 32)), programs // pairs + 1):
             if t.cross_programs and c != t.cross_programs:
                 continue
@@ -317,8 +324,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     c_off = gen + (w_bytes + kv_bytes) // 4   # clusters: each program's merged partial
     # clusters: the cross-attention's merged partial, fc2's split sums [tiles][rows][8], the
     # self-attention items' fragments [8][head_dim / 16][32][4]
-    smem = 4 * c_off + (4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
-                                8 * dims.head_dim * 8 * t.self_cluster) if cluster > 1 else 0)
+    smem = 4 * c_off + cluster_region
     if smem > smem_limit:
         raise ValueError(f"the CUDA expert kernel's plan needs {smem} bytes of shared memory, {smem_limit} a program")
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,

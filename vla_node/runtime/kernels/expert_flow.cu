@@ -1080,7 +1080,10 @@ __device__ __forceinline__ void kv_prefetch(const Params& p, float* smem, int j)
     if (!(KV_SMEM || L2_PREFETCH) || threadIdx.x != 0 || pair >= ENTRIES * HEADS || tiles <= 0) return;
     const int b = pair / HEADS, h = pair % HEADS;
     const uint4* src = p.kv + (((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + first) * 2 * 32 * HK;
-    if (KV_SMEM) bulk_copy(smem + KV_OFF + 4, src, (u32)tiles * 2 * 32 * HK * 16, (unsigned long long*)(smem + KV_OFF));
+    if (KV_SMEM) {   // over the tiles the last block's cross-attention read with generic loads
+        fence_proxy_async();
+        bulk_copy(smem + KV_OFF + 4, src, (u32)tiles * 2 * 32 * HK * 16, (unsigned long long*)(smem + KV_OFF));
+    }
     else prefetch_l2(src, (u32)tiles * 2 * 32 * HK * 16);
 }
 
