@@ -84,8 +84,9 @@ class CudaTiling:
     self_cluster: bool = False
     # the cross-attention's key tiles copied into shared memory by one bulk copy a block, issued
     # before the block's first phase (so they land while qkv .. self_out run); cross_programs:
-    # programs per (entry, head) (0: a cluster's, else as few as fit). Off: on the H200 it was no
-    # faster without clusters (BENCHMARKS.md, sixth session)
+    # programs per (entry, head) (0: a cluster's, else as few as fit). Off: on the H200 no faster
+    # without clusters (sixth session) nor with them (the loop 8.66 -> 8.70 ms at B = 1, 11.31 ->
+    # 11.19 at B = 2; B >= 4's tiles do not fit: BENCHMARKS.md, twenty-fourth session)
     kv_smem: bool = False
     cross_programs: int = 0
     # the LayerNorm phases read the residual stream's bf16 copy in A-fragment order (one 16-byte
@@ -105,14 +106,18 @@ class CudaTiling:
     # (cp.async.bulk.prefetch.L2) from the start of the phase before it, and the cross-attention's
     # key tiles from the start of the block: the loads before a phase's wait then come from L2
     # (without weights_smem). On the H200 no faster: B = 1 / 2 / 4 / 8 9.38 / 12.56 / 18.25 / 27.47 ms
-    # against 9.39 / 12.90 / 18.43 / 27.08 (BENCHMARKS.md, tenth session). 2: the key tiles only
+    # against 9.39 / 12.90 / 18.43 / 27.08 (BENCHMARKS.md, tenth session). 2: the key tiles only (on the
+    # H100 slower: thread 0's bulk prefetch at the block's start held qkv's release, 2.00 -> 2.75 us)
     l2_prefetch: int = 0
     # a GEMV phase's weights loaded into registers after its wait instead of between the arrival
-    # before it and the wait (their latency then in the phase; the barrier's release without them)
+    # before it and the wait. On the H100 qkv's, fc1's and fc2's releases 0.75-1.0 us shorter (the
+    # loads in flight hold the barrier's release) and their work 1.25-1.5 us longer: the loop 9.06 ->
+    # 9.48 ms at B = 1 (BENCHMARKS.md, twenty-fourth session)
     late_weights: bool = False
     # the cross-attention's warps load the next key tile's mask bits and pull its K/V into L2 while
     # the current tile computes (where a warp takes several tiles: B >= 2 at molmobot-4b's DROID
-    # context; at B = 4 each further tile took ~2 us, two round trips one after the other)
+    # context). On the H100 the loop 11.85 -> 12.06 ms at B = 2, 15.94 -> 15.96 at B = 4, 22.27 ->
+    # 21.95 at B = 8: a B = 4 warp's tiles still ~2 us each (BENCHMARKS.md, twenty-fourth session)
     kv_ahead: bool = False
     # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
     # chunks of 6; the largest divisor of a warp's k-steps up to it): 12 and 24 no faster on the
