@@ -119,10 +119,6 @@ class CudaTiling:
     # context). On the H100 the loop 11.85 -> 12.06 ms at B = 2, 15.94 -> 15.96 at B = 4, 22.27 ->
     # 21.95 at B = 8: a B = 4 warp's tiles still ~2 us each (BENCHMARKS.md, twenty-fourth session)
     kv_ahead: bool = False
-    # fc1's, fc2's and the next block's qkv's weights loaded by the GEMV phase before each once its
-    # dots are done (the registers they free), a phase ahead of their wait: with late_weights on the
-    # H100 the releases of those phases were 0.75-1.0 us shorter without weights in flight at them
-    early_weights: bool = False
     # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
     # chunks of 6; the largest divisor of a warp's k-steps up to it): 12 and 24 no faster on the
     # H200 (fc2's dots at B = 4 are bound by every program reading all of the MLP hidden, not by
@@ -156,8 +152,6 @@ class CudaTiling:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
         if int(self.l2_prefetch) not in (0, 1, 2):
             raise ValueError(f"l2_prefetch: 0, 1 (weights and key tiles) or 2 (key tiles), got {self.l2_prefetch}")
-        if self.early_weights and (self.late_weights or self.weights_smem):
-            raise ValueError("early_weights loads weights a phase ahead: not with late_weights or weights_smem")
         if self.cross_marks not in (0, 1, 2):
             raise ValueError(f"cross_marks: 0, 1 or 2, got {self.cross_marks}")
         if self.epi_split not in (1, 2, 4):
@@ -346,7 +340,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), LATE_W=int(t.late_weights),
-                     KV_AHEAD=int(t.kv_ahead), EARLY_W=int(t.early_weights),
+                     KV_AHEAD=int(t.kv_ahead),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride)
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)

@@ -50,9 +50,7 @@
 // loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
 // residual values before the dots of this one), L2_PREFETCH (1: each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
-// the start of the block; 2: only the key tiles), EARLY_W (fc1's, fc2's and the next block's qkv's
-// weights loaded by the phase before them once its dots are done, instead of between its arrival
-// and their wait), KV_AHEAD (the cross-attention's warps load a key
+// the start of the block; 2: only the key tiles), KV_AHEAD (the cross-attention's warps load a key
 // tile's mask bits and pull its K/V into L2 a tile ahead: a warp of several tiles waited a round
 // trip for each tile's K/V and then another for its mask), LATE_W (a GEMV phase's weights loaded into
 // registers after its wait instead of before: what their loads cost the barrier's release), STATS_T (the LayerNorm statistics stored tile-major: stats_at),
@@ -726,7 +724,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     // this phase, so copied in before its wait); in the second part rho (qkv) or eps and F0 (self_out).
     __device__ __forceinline__ void load(const Params& p, const uint4* wf, const u16* bias, const u16* mod,
                                          int shift_off, int scale_off, int gate_off, bool modulated, float* pre,
-                                         const Part2& p2, bool weights) {
+                                         const Part2& p2) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         const int t0 = S::t0();
         const bool second = NA < N && t0 >= NA8;
@@ -751,7 +749,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 cp_async16(slot + 4 * ch, ch == 1 ? (const void*)(mod + gate_off + c0) : old);
             }
         }
-        if (!LATE_W && weights) load_w(wf, p2);
+        if (!LATE_W) load_w(wf, p2);
         if (modulated && t0 < S::NT8) {
             const int q = lane & 3;
             const int so = second ? p2.scale_off : scale_off;
@@ -974,37 +972,24 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     }
 };
 
-// EARLY_W: what a GEMV phase runs once its dots are done (its weights' registers free): the next
-// phase's weight loads, a phase ahead of its wait.
-struct NoNext {
-    __device__ __forceinline__ void operator()() const {}
-};
-
 // One GEMV phase of block j: weights (and the epilogue's inputs) before the wait, then the dot.
-// gemv: the phase's registers, its weights already loaded where `preloaded` (EARLY_W: by the phase
-// before, through its `next`); next: run once this phase's dots are done.
-template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N, int SPLIT = 1, class Next = NoNext>
+template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N, int SPLIT = 1>
 __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
-                                           const u16* frags, int src_ksteps, u16* out, const Part2& p2,
-                                           const WRef& next_w, Gemv<N, K, EPI, TPCX, NA, SPLIT>& gemv,
-                                           bool preloaded = false, const Next& next = Next{}) {
+                                           const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{},
+                                           const WRef& next_w = WRef{nullptr, 0u}) {
     typedef Shape<N, K, TPCX, SPLIT> S;
     static_assert(SPLIT == 1 || (SRC == FROM_FRAGS && NA == N && !W_SMEM), "SPLIT: dots of stored fragments only");
-    bool issued = false;
-    auto next_once = [&]() {
-        if (!issued) next();
-        issued = true;
-    };
+    Gemv<N, K, EPI, TPCX, NA, SPLIT> gemv;
     w_issue(s, smem, next_w, 1);   // W_SMEM: the next GEMV phase's weights stream in while this one runs
     float* mean = smem;
     float* rstd = smem + MP;
     float* red = smem + 2 * MP;
     float* pre = red + NWARPS * S::TPC * MP * 8;   // the epilogue's inputs: 16 floats an item of its first round
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
-    gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2, !preloaded);
+    gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
-    if (LATE_W && !preloaded) gemv.load_w(wf, p2);
+    if (LATE_W) gemv.load_w(wf, p2);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
         self_items(p, smem);
         cluster_sync();
@@ -1019,7 +1004,6 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
             __syncthreads();
             gemv.split_sums(red, red_k);
         }
-        next_once();
         cp_async_wait();
         cluster_sync();
         trace_mark(p, s, 3);
@@ -1033,13 +1017,11 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         }
         trace_mark(p, s, 2);
         gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
-        next_once();
         cp_async_wait();   // pre: an item's inputs came through its threads' copies
         __syncthreads();
         trace_mark(p, s, 3);
         gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2);
     }
-    next_once();   // a program without tiles here, or WORK 0
     cp_async_wait();
     s.w_phase++;
     grid_arrive(p, s);
@@ -1466,7 +1448,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
         }
         grid_arrive(p, s);
         const u16* mods = p.mods + (size_t)next * DEPTH * 9 * WIDTH;
-        Gemv<QKV_N, WIDTH, TO_QKV, QKV_TPC, 3 * WIDTH> g_qkv;   // EARLY_W: loaded by the block before's fc2
         for (int j = 0; j < DEPTH; ++j) {
             const u16* mod = mods + j * 9 * WIDTH;
             // FOLD_CQ: the step and block's M and fold constants; qkv and self_out gain a second part
@@ -1478,49 +1459,36 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             kv_prefetch(p, smem, j);
             gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
                 p, s, smem, p.wqkv + j * 3 * WW, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
-                so_w(next, j), g_qkv, EARLY_W && j > 0);
-            Gemv<SO_N, WIDTH, TO_RESIDUAL, SO_TPC, WIDTH> g_so;
+                so_w(next, j));
 #if FUSE_SELF
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
             gemv_phase<SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr, s_part,
-                FOLD_CQ ? co_w(j) : cq_w(j), g_so);
+                FOLD_CQ ? co_w(j) : cq_w(j));
 #elif SELF_CLUSTER
             gemv_phase<SO_N, WIDTH, FROM_CLUSTER, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, KS_W, nullptr, s_part,
-                FOLD_CQ ? co_w(j) : cq_w(j), g_so);
+                FOLD_CQ ? co_w(j) : cq_w(j));
 #else
             self_phase(p, s);
             gemv_phase<SO_N, WIDTH, FROM_FRAGS, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
-                FOLD_CQ ? co_w(j) : cq_w(j), g_so);
+                FOLD_CQ ? co_w(j) : cq_w(j));
 #endif
-            if (!FOLD_CQ) {
-                Gemv<WIDTH, WIDTH, TO_FRAGS, CQ_TPC> g_cq;
+            if (!FOLD_CQ)
                 gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
                     p, s, smem, p.wq + j * WW, p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
-                    co_w(j), g_cq);
-            }
+                    co_w(j));
             cross_phase(p, s, smem, j, fc);
-            // EARLY_W: cross_out's dots done, fc1's weights load; fc1's, fc2's; fc2's, the next block's qkv's
-            Gemv<WIDTH, WIDTH, TO_RESIDUAL, 0> g_co;
-            Gemv<MLPD, WIDTH, TO_FRAGS_GELU, FC1_TPC> g_fc1;
-            Gemv<WIDTH, MLPD, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT> g_fc2;
-            auto fc1_ahead = [&]() { if (EARLY_W) g_fc1.load_w(p.w1 + j * WM, Part2{}); };
-            auto fc2_ahead = [&]() { if (EARLY_W) g_fc2.load_w(p.w2 + j * WM, Part2{}); };
-            auto qkv_ahead = [&]() {
-                if (EARLY_W && j + 1 < DEPTH)
-                    g_qkv.load_w(p.wqkv + (j + 1) * 3 * WW, Part2{p.wq + (size_t)(j + 1) * WIDTH * WIDTH / 8, nullptr, 0});
-            };
             gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(
                 p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{},
-                fc1_w(j), g_co, false, fc1_ahead);
+                fc1_w(j));
             gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
                 p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
-                fc2_w(j), g_fc1, EARLY_W, fc2_ahead);
+                fc2_w(j));
             gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
                 p, s, smem, p.w2 + j * WM, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
-                j + 1 < DEPTH ? qkv_w(next, j + 1) : none, g_fc2, EARLY_W, qkv_ahead);
+                j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
         }
         grid_wait(p, s);
         done = next;
