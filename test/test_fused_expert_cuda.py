@@ -120,7 +120,8 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     # key tiles in shared memory without clusters: 3 programs a head, 19 tiles each, 114 KB of them
     # (unpadded warp partials leave room for 2 programs of 28)
     for pad, cpp, tiles in ((True, 3, 19), (False, 2, 28)):
-        smem = plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(kv_smem=True, cross_pad=pad, cluster=1))
+        smem = plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(kv_smem=True, cross_pad=pad, cluster=1,
+                                                                     weights_smem=False))
         assert (smem.cpp, smem.tiles_per_cta, dict(smem.constants)["KV_SMEM"]) == (cpp, tiles, 1)
         assert smem.smem <= 227 * 1024
     # with clusters a cluster's share: 7 tiles at B = 1, 14 at B = 2; at B = 4 its 28 do not fit
@@ -132,6 +133,9 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     # weight buffers: two of 48 KB at one observation; at eight the phases' scratch leaves no room
     w1, w8 = (plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, CudaTiling(weights_smem=True)) for e in (1, 8))
     assert (dict(w1.constants)["W_SMEM"], dict(w8.constants)["W_SMEM"]) == (1, 0)
+    # the default: the buffers at one observation (fc2's K unsplit), none at two (fc2 split)
+    d1, d2 = (dict(plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, held=h200).constants) for e in (1, 2))
+    assert (d1["W_SMEM"], d1["FC2_SPLIT"], d2["W_SMEM"], d2["FC2_SPLIT"]) == (1, 1, 0, 2)
     assert w1.smem <= 227 * 1024 and w8.smem <= 227 * 1024
     with pytest.raises(ValueError, match="at most 128 padded rows"):
         plan_of(MOLMOBOT_4B, entries=9, tokens=16, n_keys=892, programs=H200_SMS)
@@ -147,7 +151,8 @@ def test_the_kernel_compiles_for_hopper(entries, tiling):
     constants = dict(plan_of(MOLMOBOT_4B, entries, tokens=16, n_keys=892, programs=H200_SMS, tiling=tiling).constants)
     cubin, log = nvrtc_compile(constants, "sm_90", verbose=True)
     assert cubin[:4] == b"\x7fELF", log
-    assert constants["W_SMEM"] == int(tiling.weights_smem)    # both weight buffers fit on the H200 at B = 4
+    # both weight buffers fit on the H200 at B = 4; the default takes them at B = 1
+    assert constants["W_SMEM"] == int(tiling.weights_smem if tiling.weights_smem is not None else entries == 1)
     # The kernel holds each phase's weights in registers: a change that pushes them out shows here
     # (the tiling shipped spills 0 bytes at one observation, 20 at four: scripts/cuda_expert_spills.py).
     spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))

@@ -100,8 +100,13 @@ class CudaTiling:
     fold_cross_q: bool = True
     # each GEMV phase's weights copied into shared memory by the copy engine (cp.async.bulk, two
     # buffers) while the phase before it runs, instead of loaded into registers by every thread
-    # between its arrival and its wait (off where two buffers do not fit; not yet timed on a GPU)
-    weights_smem: bool = False
+    # between its arrival and its wait (off where two buffers do not fit). None: at B = 1 (with
+    # fc2's K unsplit). A program's 48 KB of weight loads hold its warps ~1.5-2 us wherever they are
+    # issued (before a wait: that barrier's release); the copy engine holds none. On the H100 the loop
+    # 9.06 -> 8.90 ms at B = 1 (qkv's release 2.00 -> 1.25 us, fc2's 1.75 -> 1.25), 11.89 -> 12.06
+    # at B = 2 (fc2 unsplit); on the H200 9.40 -> 9.32 at B = 1 (BENCHMARKS.md, tenth and
+    # twenty-fourth sessions)
+    weights_smem: Optional[bool] = None
     # each GEMV phase's weights (a program's own tiles) pulled into L2 by the copy engine
     # (cp.async.bulk.prefetch.L2) from the start of the phase before it, and the cross-attention's
     # key tiles from the start of the block: the loads before a phase's wait then come from L2
@@ -245,10 +250,16 @@ def check_shape(dims, t: CudaTiling, entries: int, tokens: int, rows: int, progr
                          f"on {programs} programs")
 
 
+def weights_smem_of(t: CudaTiling, entries: int) -> bool:
+    """Whether the GEMV phases' weights go through shared memory (CudaTiling.weights_smem; None: at
+    B = 1 where fc2's K is not split)."""
+    return t.weights_smem if t.weights_smem is not None else entries == 1 and (t.fc2_split or 1) == 1
+
+
 def fc2_split_of(t: CudaTiling, entries: int, cluster: int, mlp: int) -> int:
     """fc2's K split (CudaTiling.fc2_split): as asked, at most the cluster, and a warp's k-steps of
     its part in whole 16-byte pairs (mlp / 16 / split / 8 even)."""
-    split = t.fc2_split or (2 if entries >= 2 and not t.weights_smem else 1)
+    split = t.fc2_split or (2 if entries >= 2 and not weights_smem_of(t, entries) else 1)
     while split > 1 and (cluster % split or mlp % (256 * split)):
         split //= 2
     return split
@@ -297,7 +308,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
     # tile), after two mbarriers (16 bytes); off where they do not fit beside the rest
     w_buf = 16 * max([n * w for n in (qkv, so, cq, rest, fc1)] + [rest * dims.mlp])
-    w_bytes = 16 + 2 * w_buf if t.weights_smem else 0
+    w_bytes = 16 + 2 * w_buf if weights_smem_of(t, entries) else 0
     # The cross-attention's programs per (entry, head): a cluster's; else with kv_smem as few as hold
     # their key tiles in shared memory (an mbarrier, then the tiles) at most 4 tiles a warp; else
     # enough that a warp takes one tile, each loaded into registers before the phase's wait.
