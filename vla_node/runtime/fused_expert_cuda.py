@@ -274,6 +274,24 @@ def tiles_a_program(n: int, asked: int, first_part: int = 0, *, programs: int) -
     return c
 
 
+def cross_split(t: CudaTiling, key_tiles: int, tile_bytes: int, most: int, cluster: int,
+                fits: Callable[[int, int], bool]) -> tuple[bool, int]:
+    """Whether the cross-attention's key tiles go to shared memory (kv_smem), and its programs per
+    (entry, head) (at most `most`): a cluster's, with kv_smem where the cluster's share of the tiles
+    fits beside the rest; else with kv_smem as few as hold their tiles (an mbarrier, then the tiles) at
+    most 4 tiles a warp; else as asked (cross_programs, without kv_smem) or enough that a warp takes
+    one tile, loaded into registers before the phase's wait. fits(programs, kv_bytes): a program's shared memory holds
+    the phases' scratch and kv_bytes of tiles."""
+    def kv_bytes(c: int) -> int:
+        return 16 + math.ceil(key_tiles / c) * tile_bytes
+    if cluster > 1:
+        return bool(t.kv_smem) and fits(cluster, kv_bytes(cluster)), cluster
+    for c in range(max(1, math.ceil(key_tiles / 32)), most + 1) if t.kv_smem else ():
+        if (not t.cross_programs or c == t.cross_programs) and fits(c, kv_bytes(c)):
+            return True, c
+    return False, (not t.kv_smem and t.cross_programs) or max(1, min(math.ceil(key_tiles / 8), most))
+
+
 def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling(),
             smem_limit: int = SMEM_LIMIT, held: Optional[Callable[[int], int]] = None) -> Plan:
     """The kernel's constants and launch shape for `dims` (a FusedExpert's width, heads, head_dim,
@@ -309,29 +327,11 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     # tile), after two mbarriers (16 bytes); off where they do not fit beside the rest
     w_buf = 16 * max([n * w for n in (qkv, so, cq, rest, fc1)] + [rest * dims.mlp])
     w_bytes = 16 + 2 * w_buf if weights_smem_of(t, entries) else 0
-    # The cross-attention's programs per (entry, head): a cluster's; else with kv_smem as few as hold
-    # their key tiles in shared memory (an mbarrier, then the tiles) at most 4 tiles a warp; else
-    # enough that a warp takes one tile, each loaded into registers before the phase's wait.
-    # kv_smem with clusters: where the cluster's share of the tiles fits beside the rest.
     tile_bytes = 2 * 32 * dims.head_dim // 16 * 16
-    kv_smem, cpp = False, max(1, min(math.ceil(key_tiles / 8), programs // pairs))
     cluster_region = 4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
                              8 * dims.head_dim * 8 * t.self_cluster) if cluster > 1 else 0
-    if t.kv_smem and cluster > 1:
-        cpp = cluster
-        kv_bytes = 16 + math.ceil(key_tiles / cpp) * tile_bytes
-        kv_smem = 4 * general(cpp) + w_bytes + kv_bytes + cluster_region <= smem_limit
-    elif t.kv_smem:
-        for c in range(max(1, math.ceil(key_tiles / 32)), programs // pairs + 1):
-            if t.cross_programs and c != t.cross_programs:
-                continue
-            if 4 * general(c) + w_bytes + 16 + math.ceil(key_tiles / c) * tile_bytes <= smem_limit:
-                kv_smem, cpp = True, c
-                break
-    elif t.cross_programs:
-        cpp = t.cross_programs
-    elif cluster > 1:
-        cpp = cluster
+    kv_smem, cpp = cross_split(t, key_tiles, tile_bytes, programs // pairs, cluster, lambda c, kv_bytes:
+                               4 * general(c) + w_bytes + kv_bytes + cluster_region <= smem_limit)
     tiles_per_cta = math.ceil(key_tiles / cpp)
     gen = general(cpp)
     kv_bytes = 16 + tiles_per_cta * tile_bytes if kv_smem else 0
