@@ -278,14 +278,14 @@ def cross_split(t: CudaTiling, key_tiles: int, tile_bytes: int, most: int, clust
                 fits: Callable[[int, int], bool]) -> tuple[bool, int]:
     """Whether the cross-attention's key tiles go to shared memory (kv_smem), and its programs per
     (entry, head) (at most `most`): a cluster's, with kv_smem where the cluster's share of the tiles
-    fits beside the rest; else with kv_smem as few as hold their tiles (an mbarrier, then the tiles) at
-    most 4 tiles a warp; else as asked (cross_programs, without kv_smem) or enough that a warp takes
-    one tile, loaded into registers before the phase's wait. fits(programs, kv_bytes): a program's shared memory holds
-    the phases' scratch and kv_bytes of tiles."""
+    fits beside the rest; else with kv_smem as few as hold their tiles (an mbarrier, then the tiles)
+    at most 4 tiles a warp; else as asked (cross_programs, without kv_smem) or enough that a warp
+    takes one tile, loaded into registers before the phase's wait. fits(programs, kv_bytes): a
+    program's shared memory holds the phases' scratch and kv_bytes of tiles."""
     def kv_bytes(c: int) -> int:
         return 16 + math.ceil(key_tiles / c) * tile_bytes
     if cluster > 1:
-        return bool(t.kv_smem) and fits(cluster, kv_bytes(cluster)), cluster
+        return t.kv_smem and fits(cluster, kv_bytes(cluster)), cluster
     for c in range(max(1, math.ceil(key_tiles / 32)), most + 1) if t.kv_smem else ():
         if (not t.cross_programs or c == t.cross_programs) and fits(c, kv_bytes(c)):
             return True, c
