@@ -53,16 +53,16 @@
 // the start of the block; 2: only the key tiles), KV_AHEAD (the cross-attention's warps load a key
 // tile's mask bits and pull its K/V into L2 a tile ahead: a warp of several tiles waited a round
 // trip for each tile's K/V and then another for its mask), LATE_W (a GEMV phase's weights loaded into
-// registers after its wait instead of before: what their loads cost the barrier's release), STATS_T (the LayerNorm statistics stored tile-major: stats_at),
-// EPI_SPLIT (threads of a GEMV epilogue's (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its
-// columns), CLUSTER (the cross-attention's programs of an (entry, head) are a thread-block cluster
-// of that many and merge their partials through distributed shared memory, each program's at C_OFF
-// floats; 1: through global memory, the
-// last program to arrive merging), and the measurement knobs POLL
-// (how a barrier polls), TRACE (per-segment timestamps), WORK (0: every phase's loads and barriers
-// without its arithmetic and stores: the loop's floor of synchronisation), CROSS_CUT (1: the
-// cross-attention's programs merge no partials but their own: the merge's cost; wrong numbers) and
-// CROSS_MARKS (where the cross-attention's two trace marks go: CudaTiling.cross_marks).
+// registers after its wait instead of before: what their loads cost the barrier's release), STATS_T
+// (the LayerNorm statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV epilogue's
+// (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its columns), CLUSTER (the cross-attention's
+// programs of an (entry, head) are a thread-block cluster of that many and merge their partials
+// through distributed shared memory, each program's at C_OFF floats; 1: through global memory, the
+// last program to arrive merging), and the measurement knobs POLL (how a barrier polls), TRACE
+// (per-segment timestamps), WORK (0: every phase's loads and barriers without its arithmetic and
+// stores: the loop's floor of synchronisation), CROSS_CUT (1: the cross-attention's programs merge
+// no partials but their own: the merge's cost; wrong numbers) and CROSS_MARKS (where the
+// cross-attention's two trace marks go: CudaTiling.cross_marks).
 // SO_STRIDE: the row stride (floats) of the cross-attention's warp partials in shared memory (HDIM,
 // or padded so that a store's rows g = 0..3 fall on different banks: head_dim 96 put them all on one).
 
@@ -1063,10 +1063,16 @@ __device__ void merge_weights(float* m, float* l, int n) {
     __syncthreads();
 }
 
+// Where key tile `tile` of (entry b, head h) in block j starts in p.kv, in lanes' fragment rows of
+// HK 16-byte loads: its K then its V, 32 rows each (host-packed, kernels/pack_kv.py).
+#define KV_TILE_BYTES (2 * 32 * HK * 16)
+__device__ __forceinline__ size_t kv_tile(const Params& p, int j, int b, int h, int tile) {
+    return (((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + tile) * 2 * 32;
+}
+
 // The K/V fragments of key tile `tile` of (entry b, head h) in block j: 2 HK 16-byte loads a lane.
 __device__ __forceinline__ void load_kv(const Params& p, int j, int b, int h, int tile, uint4* kv) {
-    const int lane = threadIdx.x & 31;
-    const uint4* src = p.kv + ((((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + tile) * 2 * 32 + lane) * HK;
+    const uint4* src = p.kv + (kv_tile(p, j, b, h, tile) + (threadIdx.x & 31)) * HK;
     for (int u = 0; u < HK; ++u) kv[u] = ld_in16(src + u);
     for (int u = 0; u < HK; ++u) kv[HK + u] = ld_in16(src + 32 * HK + u);
 }
@@ -1079,19 +1085,19 @@ __device__ __forceinline__ void kv_prefetch(const Params& p, float* smem, int j)
     const int first = part * p.tiles_per_cta, tiles = min(p.tiles_per_cta, p.key_tiles - first);
     if (!(KV_SMEM || L2_PREFETCH) || threadIdx.x != 0 || pair >= ENTRIES * HEADS || tiles <= 0) return;
     const int b = pair / HEADS, h = pair % HEADS;
-    const uint4* src = p.kv + (((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + first) * 2 * 32 * HK;
+    const uint4* src = p.kv + kv_tile(p, j, b, h, first) * HK;
     if (KV_SMEM) {   // over the tiles the last block's cross-attention read with generic loads
         fence_proxy_async();
-        bulk_copy(smem + KV_OFF + 4, src, (u32)tiles * 2 * 32 * HK * 16, (unsigned long long*)(smem + KV_OFF));
+        bulk_copy(smem + KV_OFF + 4, src, (u32)tiles * KV_TILE_BYTES, (unsigned long long*)(smem + KV_OFF));
     }
-    else prefetch_l2(src, (u32)tiles * 2 * 32 * HK * 16);
+    else prefetch_l2(src, (u32)tiles * KV_TILE_BYTES);
 }
 
 // KV_AHEAD: key tile `tile` of (entry b, head h) in block j pulled into L2 a tile ahead of its
 // loads, a 128-byte line a lane.
 __device__ __forceinline__ void kv_lines_l2(const Params& p, int j, int b, int h, int tile) {
-    const char* src = (const char*)(p.kv + (((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + tile) * 2 * 32 * HK);
-    for (int line = threadIdx.x & 31; line < 2 * 32 * HK * 16 / 128; line += 32) prefetch_line(src + line * 128);
+    const char* src = (const char*)(p.kv + kv_tile(p, j, b, h, tile) * HK);
+    for (int line = threadIdx.x & 31; line < KV_TILE_BYTES / 128; line += 32) prefetch_line(src + line * 128);
 }
 
 // Which of key tile `tile`'s keys a lane's scores (nt, e) are valid for entry b (in range, not
