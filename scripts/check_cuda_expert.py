@@ -2,10 +2,12 @@
 and the Triton kernel: error, loop time in a CUDA graph, bit-identical replays, for batches of
 observations; action caching, per-entry masks and known actions (inpainting) on the way.
 
-    PYTHONPATH=$PWD python3 scripts/check_cuda_expert.py --entries 1,2,4,8 [--backends cuda,triton]
+    PYTHONPATH=$PWD python3 scripts/check_cuda_expert.py --entries 1,2,4,8 [--backends cuda,triton,cuda-fp8]
         [--out DIR]   # JSON of every row
 
-Prints one table last. Random bf16 weights (molmobot-4b), 10 flow steps, horizon 16.
+Prints one table last. Random bf16 weights (molmobot-4b), 10 flow steps, horizon 16; a backend or a
+variant with fp8 (`cuda-fp8`, `name:fp8=1+...`) takes them in e4m3 (expert_fp8), its error against
+the unquantised fp32 expert.
 """
 import argparse
 import dataclasses
@@ -58,12 +60,15 @@ def phase_floor_us(cfg, phase: str, entries: int, keys: int, folded: bool) -> fl
     return 2 * n / BANDWIDTH * 1e6
 
 
-def tilings(spec: str) -> list[tuple[str, CudaTiling]]:
-    """'name:field=v+field=v,name2:...' -> named CudaTilings (fields as integers)."""
+def tilings(spec: str) -> list[tuple[str, CudaTiling, bool]]:
+    """'name:field=v+field=v,name2:...' -> named CudaTilings (fields as integers) and whether the
+    weights are e4m3 (the field fp8=1)."""
     out = []
     for item in spec.split(","):
         name, _, fields = item.partition(":")
-        out.append((name, CudaTiling(**{k: int(v) for k, v in (f.split("=") for f in fields.split("+") if f)})))
+        knobs = {k: int(v) for k, v in (f.split("=") for f in fields.split("+") if f)}
+        fp8 = bool(knobs.pop("fp8", 0))
+        out.append((name, CudaTiling(**knobs), fp8))
     return out
 
 
@@ -88,7 +93,8 @@ def main():
     cfg = get_preset(args.preset)
     expert, truth = random_expert(cfg, "cuda")
     t0 = time.perf_counter()
-    fused = {b: FusedExpert(expert, backend=b) for b in args.backends.split(",")}
+    fused = {b: FusedExpert(expert, backend=b.removesuffix("-fp8"), fp8=b.endswith("-fp8"))
+             for b in args.backends.split(",")}
     print(f"built {list(fused)} in {time.perf_counter() - t0:.1f} s", flush=True)
     times = [torch.full((1,), t, device="cuda") for t in flow_times(args.steps)]
     rows = []
@@ -155,8 +161,8 @@ def main():
         with torch.inference_mode():
             want = euler(truth_velocity(truth, ctx, times), ctx["noise"], args.steps)
         reference = None
-        for name, tiling in tilings(args.variants):
-            f = FusedExpert(expert, backend="cuda", cuda_tiling=tiling)
+        for name, tiling, fp8 in tilings(args.variants):
+            f = FusedExpert(expert, fp8=fp8, backend="cuda", cuda_tiling=tiling)
             inputs = f.schedule(ctx["mods"])
             try:   # a plan or launch the GPU refuses (before anything ran): report, go on
                 f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
@@ -176,8 +182,8 @@ def main():
                   f"{diff:.1e}, barrier timed out {f.barrier_timed_out()}", flush=True)
     for entries in (int(e) for e in args.anatomy.split(",") if e):
         ctx = context(cfg, expert, entries, args.tokens, times)
-        for name, tiling in tilings(args.anatomy_tilings):
-            f = FusedExpert(expert, backend="cuda", cuda_tiling=dataclasses.replace(tiling, trace=True))
+        for name, tiling, fp8 in tilings(args.anatomy_tilings):
+            f = FusedExpert(expert, fp8=fp8, backend="cuda", cuda_tiling=dataclasses.replace(tiling, trace=True))
             inputs = f.schedule(ctx["mods"])
             for _ in range(3):   # the last of three
                 f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])

@@ -4,7 +4,7 @@ registers shows here before any device time is spent. --source compares another 
 kernel under the same constants (e.g. `git show REV:vla_node/runtime/kernels/expert_flow.cu`).
 
     PYTHONPATH=$PWD python3 scripts/cuda_expert_spills.py [--entries 1,2,4,8] \
-        [--tilings "default:,e4:epi_split=4"] [--source OLD.cu]
+        [--tilings "default:,e4:epi_split=4,e4m3:fp8=1"] [--source OLD.cu]
 """
 import argparse
 import re
@@ -33,8 +33,8 @@ def main():
     sources = [("this", None)] + ([(args.source.name, args.source.read_bytes())] if args.source else [])
     rows = []
     for entries in (int(e) for e in args.entries.split(",")):
-        for name, tiling in tilings(args.tilings):
-            constants = dict(plan_of(dims, entries, tokens=a.horizon, n_keys=DROID_KEYS, programs=H200_SMS,
+        for name, tiling, fp8 in tilings(args.tilings):
+            constants = dict(plan_of(types.SimpleNamespace(**vars(dims), fp8=fp8), entries, tokens=a.horizon, n_keys=DROID_KEYS, programs=H200_SMS,
                                      tiling=tiling).constants)
             for label, source in sources:
                 _, log = nvrtc_compile(constants, "sm_90", verbose=True, source=source)

@@ -14,8 +14,11 @@ import types
 import pytest
 import torch
 
+from test_fused_expert import dequantized_copy
 from vla_node.model import get_preset, init_random_
 from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow_times
+from vla_node.model.layers import FusableProjection
+from vla_node.runtime.fp8 import E4M3, E4M3_MAX
 from vla_node.runtime.fused_expert import FusedExpert
 from vla_node.runtime.fused_expert_cuda import CudaTiling, fragments_b, plan_of
 from vla_node.runtime.fusion import fuse_projections
@@ -82,7 +85,7 @@ def test_folded_constants_give_the_cross_attention_queries():
     fused = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fold_cross_q=True))
     steps, depth, w = 2, len(e.blocks), cfg.action.width
     mods = (torch.randn(steps, depth, 9 * w, generator=g) * 0.5).bfloat16()
-    folded, consts = fused.cuda.fold(mods)
+    folded, consts, _ = fused.cuda.fold(mods)
     assert folded.shape[:2] == (steps, depth) and consts.shape == (steps, depth, 3, w)
     m_all = from_fragments_b(folded.flatten(0, 1)).view(steps, depth, w, w).double()
     rows = 16
@@ -172,10 +175,19 @@ def small_expert(device: str, heads: int = 2, horizon: int = 0):
     with torch.device(device):
         e = init_random_(ActionExpert(cfg).eval().requires_grad_(False), seed=0)
     e = e.to(torch.bfloat16)
-    truth = copy.deepcopy(e).float()
     fuse_projections(e)
-    fuse_projections(truth)
-    return cfg, e, truth
+    return cfg, e, fp32_twin(e)
+
+
+def fp32_twin(e):
+    """e's fp32 copy, its projections fused anew (the fused weights are attributes .float() skips)."""
+    twin = copy.deepcopy(e)
+    for m in twin.modules():
+        if isinstance(m, FusableProjection):
+            m.fused_weight = m.fused_bias = None
+    twin = twin.float()
+    fuse_projections(twin)
+    return twin
 
 
 @pytest.mark.parametrize("device", ON_BOTH)
@@ -408,3 +420,70 @@ def test_key_tiles_fetched_a_tile_ahead_keep_the_result_bit_for_bit_on_the_cpu_b
         got, want = (run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
                      for t in (tiling, dataclasses.replace(tiling, kv_ahead=False)))
     assert torch.equal(got, want) and got.isfinite().all()
+
+
+def e4m3_exact_(expert, seed: int = 0):
+    """Every block linear's rows made e4m3 values times a power of two (2^-12 .. 2^-7), each row's
+    largest 448 times it: e4m3 quantisation then takes that power of two as the row's scale and the
+    values as they are (the bf16 weights are those numbers exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for lin in (m for m in expert.blocks.modules() if isinstance(m, torch.nn.Linear)):
+            w = lin.weight.float()
+            values = (w / w.abs().amax(1, keepdim=True) * E4M3_MAX).to(E4M3).float()
+            lin.weight.copy_(values * 2.0 ** torch.randint(-12, -6, (len(w), 1), generator=g).to(w.device))
+
+
+@pytest.mark.parametrize("device", ON_BOTH)
+@pytest.mark.parametrize("entries", [1, 2])   # weights through shared memory at 1, fc2's K split at 2
+def test_e4m3_weights_are_the_bf16_weights_scaled_in_the_epilogue(device, entries):
+    """expert_fp8 on the CUDA kernel: e4m3 weights in the B-fragment order, made bf16 at each
+    product and each output column's sum scaled. On weights that are e4m3 values times a power of two
+    the loop is the bf16 kernel's bit for bit (the unfolded kernel: the folded one quantises M, a
+    product of two weights, itself)."""
+    cfg, e, truth = small_expert(device)
+    e4m3_exact_(e)
+    unfolded = CudaTiling(fold_cross_q=False)
+    fp8 = FusedExpert(e, fp8=True, backend="cuda", cuda_tiling=unfolded)
+    assert fp8.cuda.weights["w1"].dtype == torch.uint8 and fp8.cuda.weight_bytes() < FusedExpert(
+        e, backend="cuda").cuda.weight_bytes() * 0.6
+    assert torch.equal(fp8.cuda.scales["wsc_1"].log2(), fp8.cuda.scales["wsc_1"].log2().round())
+    run = flow_case(cfg, e, fp32_twin(e), entries=entries, steps=3, device=device)
+    with torch.inference_mode():
+        got = run.launcher(fp8)().clone()
+        want = run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=unfolded))().clone()
+    assert torch.equal(got, want) and got.isfinite().all()
+
+
+@pytest.mark.parametrize("device", ON_BOTH)
+def test_e4m3_weights_follow_their_dequantized_expert(device):
+    """expert_fp8 on the CUDA kernel with its default tiling (the cross-attention's queries folded:
+    M in e4m3 too), action caching and inpainting: as near the fp32 loop of its dequantised weights
+    as the bf16 kernel is to its own truth, and away from the unquantised one (1.3e-3 and 7e-3
+    on the CPU build)."""
+    cfg, e, truth = small_expert(device)
+    fp8 = FusedExpert(e, fp8=True, backend="cuda")
+    dequantized = dequantized_copy(e, fp8)
+    run = flow_case(cfg, dequantized, fp32_twin(dequantized), entries=2, steps=4, device=device)
+    noise = run.noise
+    prefix = (torch.arange(noise.shape[1], device=device) < 5)[None, :, None].expand(2, -1, 1)
+    known = KnownActions(torch.randn_like(noise) * 0.5, prefix)
+    for sched, kn in (({2: 1}, None), (None, known)):
+        got, want, eager = run(fp8, sched, kn)
+        assert_near_truth(got, want, eager)
+    unquantized, _, _ = flow_case(cfg, e, truth, entries=2, steps=4, device=device)(FusedExpert(e, backend="cuda"))
+    got, _, _ = run(fp8)
+    assert float((got - unquantized).norm() / unquantized.norm()) > 1e-3
+
+
+@pytest.mark.parametrize("entries", [1, 4])
+def test_the_e4m3_kernel_compiles_for_hopper_with_half_the_weight_buffers(entries):
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
+    dims = types.SimpleNamespace(**vars(MOLMOBOT_4B), fp8=True)
+    plans = [dict(plan_of(d, entries, tokens=16, n_keys=892, programs=H200_SMS).constants) for d in (MOLMOBOT_4B, dims)]
+    assert plans[1]["W_FP8"] == 1 and plans[1]["W_BUF"] * 2 == plans[0]["W_BUF"]
+    cubin, log = nvrtc_compile(plans[1], "sm_90", verbose=True)
+    assert cubin[:4] == b"\x7fELF", log
+    spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    assert spilled <= (64 if entries == 1 else 512), log

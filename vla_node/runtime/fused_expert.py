@@ -128,7 +128,7 @@ class FlowInputs:
     final_mods: torch.Tensor
     reuse: torch.Tensor
     reuse_host: tuple[int, ...]
-    cuda_fold: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    cuda_fold: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
 
     @property
     def steps(self) -> int:

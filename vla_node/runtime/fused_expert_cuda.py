@@ -8,7 +8,8 @@ What it takes (else `unsupported` says why and FusedExpert keeps the Triton kern
 expert on a CUDA GPU (or on the CPU, where the same kernel source runs as a host build, slowly:
 the suite's check of it), width and MLP multiples of 256 (each of 8 warps takes an even number of
 k-steps), a head dim multiple of 16, horizons up to 32 (padded to tiles of 16 rows), at most 128
-padded rows (8 observations of 16 actions), no e4m3 weights.
+padded rows (8 observations of 16 actions). e4m3 weights (FusedExpert(fp8=True)): a byte an element
+in the same order, made bf16 exactly at each product, a scale an output column in the epilogue.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from ..model.action_expert import LN_EPS
+from .fp8 import quantize
 from .kernels.expert_flow_cuda import THREADS, FlowKernel, HostKernel, Params, available, programs_held
 from .kernels.pack_kv import pack_kv
 
@@ -167,8 +169,6 @@ def unsupported(fused) -> Optional[str]:
     """Why the CUDA kernel cannot run this expert (None: it can)."""
     if fused.dtype != torch.bfloat16:
         return f"the CUDA expert kernel runs bf16 weights, not {fused.dtype}"
-    if fused.fp8:
-        return "the CUDA expert kernel has no e4m3 weights (the Triton kernel has)"
     if fused.width % 256 or fused.mlp % 256 or fused.head_dim % 16:
         return (f"the CUDA expert kernel needs width and MLP multiples of 256 and a head dim multiple of 16, got "
                 f"{fused.width}, {fused.mlp}, {fused.head_dim}")
@@ -180,8 +180,10 @@ def unsupported(fused) -> Optional[str]:
 def fragments_b(weight: torch.Tensor) -> torch.Tensor:
     """Stacked weights [depth, N, K] in the mma B-fragment order the kernel loads: [depth][N/8]
     [K/32][lane = 4 g + q][k-step s][half][e] with n = 8 tile + g, k = 32 p + 16 s + 8 half + 2 q + e
-    (a lane's fragments of two k-steps: one 16-byte load)."""
+    (a lane's fragments of two k-steps: one 16-byte load, 8 bytes of e4m3 ones, passed as bytes)."""
     d, n, k = weight.shape
+    if weight.dtype == torch.float8_e4m3fn:
+        weight = weight.view(torch.uint8)
     return (weight.view(d, n // 8, 8, k // 32, 2, 2, 4, 2).permute(0, 1, 3, 2, 6, 4, 5, 7).contiguous())
 
 
@@ -324,8 +326,9 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         cross = 4 + 2 * tok16 + max(8 * (so_stride + 2), cpp * (dims.head_dim + 2)) * tok16 + stage
         return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
     # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
-    # tile), after two mbarriers (16 bytes); off where they do not fit beside the rest
-    w_buf = 16 * max([n * w for n in (qkv, so, cq, rest, fc1)] + [rest * dims.mlp])
+    # tile, 8 in e4m3), after two mbarriers (16 bytes); off where they do not fit beside the rest
+    fp8 = bool(getattr(dims, "fp8", False))   # e4m3 weights: 8 bytes a lane's two k-steps, not 16
+    w_buf = (8 if fp8 else 16) * max([n * w for n in (qkv, so, cq, rest, fc1)] + [rest * dims.mlp])
     w_bytes = 16 + 2 * w_buf if weights_smem_of(t, entries) else 0
     tile_bytes = 2 * 32 * dims.head_dim // 16 * 16
     cluster_region = 4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
@@ -353,7 +356,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), LATE_W=int(t.late_weights),
                      KV_AHEAD=int(t.kv_ahead),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
-                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride)
+                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
+                     W_FP8=int(fp8))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 
@@ -368,13 +372,17 @@ class CudaFlow:
                         zip(("wqkv", "wso", "wq", "wco", "w1", "w2"), fused.stacks())}
         self.biases = {name: stack.bias
                        for name, stack in zip(("bqkv", "bso", "bq", "bco", "b1", "b2"), fused.stacks())}
+        # e4m3 weights: their scales [depth, N] (fp32), applied to each output column's sum
+        self.scales = {name: stack.scale for name, stack in
+                       zip(("wsc_qkv", "wsc_so", "wsc_q", "wsc_co", "wsc_1", "wsc_2"), fused.stacks())
+                       if stack.scale is not None}
         self.io = dict(win=e.action_in.weight.detach().contiguous(), bin=e.action_in.bias.detach(),
                        pos=e.action_pos.detach().contiguous(), wout=e.action_out.weight.detach().contiguous(),
                        bout=e.action_out.bias.detach())
         self._scratch: dict[tuple, Scratch] = {}
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.weights.values())
+        return sum(t.numel() * t.element_size() for t in [*self.weights.values(), *self.scales.values()])
 
     def scratch(self, entries: int, tokens: int, n_keys: int, steps: int, device) -> Scratch:
         key = (entries, tokens, n_keys, steps, torch.device(device))
@@ -425,27 +433,36 @@ class CudaFlow:
             buf.mask_stride = n_keys if buf.mask.shape[0] > 1 else 0
         return buf
 
-    def fold(self, mods: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def fold(self, mods: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
         """fold_cross_q's inputs of a schedule (None without it), for block modulations mods [steps,
         depth, 9w]: M = Wq diag((1 + c2) g1) Wso of every step and block in B-fragment order (model
-        dtype), and eps = M's bias (Wq diag((1 + c2) g1) bso), rho = (1 + c2) Wq^T and delta = s2 Wq^T
-        + bq as [steps, depth, 3, w] fp32 (expert_flow.cu, Part2). Computed in float64, once a schedule."""
+        dtype; e4m3 with the expert's e4m3 weights, and then its scale a row [steps, depth, w] third),
+        and eps = M's bias (Wq diag((1 + c2) g1) bso), rho = (1 + c2) Wq^T and delta = s2 Wq^T + bq as
+        [steps, depth, 3, w] fp32 (expert_flow.cu, Part2). Computed in float64, once a schedule."""
         if not self.tiling.fold_cross_q:
             return None
         f, w = self.fused, self.fused.width
         m = mods.double()
         gate1, shift2, scale2 = m[..., 2 * w:3 * w], m[..., 3 * w:4 * w], 1 + m[..., 4 * w:5 * w]
-        wq, bq = f.cross_q.weight.double(), f.cross_q.bias.double()
-        wso, bso = f.self_out.weight.double(), f.self_out.bias.double()
+        wq, wso = (torch.stack([s.dequantized(j) for j in range(f.depth)]).double() for s in (f.cross_q, f.self_out))
+        bq, bso = f.cross_q.bias.double(), f.self_out.bias.double()
         gain = scale2 * gate1                                     # [steps, depth, w]
 
         def by_wq(v: torch.Tensor) -> torch.Tensor:             # v Wq^T of every step and block
             return torch.einsum("sdm,dnm->sdn", v, wq)
         consts = torch.stack([by_wq(gain * bso), by_wq(scale2), by_wq(shift2) + bq], dim=2)
-        folded = torch.empty((len(gain), *self.weights["wq"].shape), dtype=f.dtype, device=mods.device)
+        wq_frags = self.weights["wq"]
+        folded = torch.empty((len(gain), *wq_frags.shape), dtype=wq_frags.dtype, device=mods.device)
+        scales = torch.empty((len(gain), f.depth, w), device=mods.device) if f.fp8 else None
         for step, g in enumerate(gain):   # one step's M at a time: float64 of one step only
-            folded[step] = fragments_b(((wq * g[:, None, :]) @ wso).to(f.dtype))
-        return folded, consts.float().contiguous()
+            m = (wq * g[:, None, :]) @ wso
+            if f.fp8:
+                m, scale = quantize(m, rowwise=True)
+                scales[step] = scale[..., 0]
+            else:
+                m = m.to(f.dtype)
+            folded[step] = fragments_b(m)
+        return folded, consts.float().contiguous(), scales
 
     def segment_names(self, reuse: tuple, folded: Optional[bool] = None) -> list[str]:
         """What each segment between two grid barriers of a launch over all steps runs (folded:
@@ -476,6 +493,9 @@ class CudaFlow:
                    kv=ptr(buf.kv), mask=ptr(buf.mask) if buf.mask is not None else ptr(buf.kv),
                    fold_m=ptr(inputs.cuda_fold[0]) if folded else ptr(buf.kv),
                    fold_c=ptr(inputs.cuda_fold[1]) if folded else ptr(buf.kv),
+                   **{k: ptr(self.scales.get(k, buf.kv)) for k in ("wsc_qkv", "wsc_so", "wsc_q", "wsc_co", "wsc_1",
+                                                                  "wsc_2")},
+                   wsc_fold=ptr(inputs.cuda_fold[2]) if folded and self.fused.fp8 else ptr(buf.kv),
                    **{k: ptr(getattr(buf, k)) for k in ("x", "xf", "stats", "qkv", "q", "y", "hid", "f0", "sq",
                                                         "opart", "mlpart", "counter")},
                    bar=ptr(buf.barrier), err=ptr(buf.error),

@@ -176,7 +176,7 @@ class EngineConfig:
     add_norm_kernel: bool = False
     fused_expert: bool = False            # the whole flow loop in one persistent kernel (runtime/fused_expert)
     # Which kernel runs the fused loop: triton (kernels/expert_flow.py), cuda (kernels/expert_flow.cu,
-    # compiled at start by NVRTC; bf16 weights, no expert_fp8; runtime/fused_expert_cuda.py) or auto
+    # compiled at start by NVRTC; bf16 or expert_fp8's e4m3 weights; runtime/fused_expert_cuda.py) or auto
     # (cuda on a Hopper GPU where it takes the expert, else triton).
     expert_kernel: str = "auto"
     vision_cache: bool = False
@@ -231,8 +231,6 @@ class EngineConfig:
             raise ValueError("expert_fp8 needs fused_expert (its kernels read the e4m3 weights)")
         if self.expert_kernel not in ("auto", "triton", "cuda"):
             raise ValueError(f"expert_kernel must be auto, triton or cuda, got {self.expert_kernel!r}")
-        if self.expert_kernel == "cuda" and self.expert_fp8:
-            raise ValueError("expert_kernel cuda runs bf16 expert weights (no expert_fp8): use expert_kernel triton")
 
     @classmethod
     def for_mode(cls, mode: str, **overrides) -> "EngineConfig":

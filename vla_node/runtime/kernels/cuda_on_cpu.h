@@ -33,6 +33,7 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 
 struct alignas(16) uint4 { u32 x, y, z, w; };
+struct alignas(8) uint2 { u32 x, y; };
 struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
@@ -295,6 +296,7 @@ inline int atomicExch(int* p, int v) { const int old = *p; *p = v; return old; }
 
 // -- expert_flow.cu's primitives ------------------------------------------------------------------
 inline uint4 ld_in16(const void* p) { return *(const uint4*)p; }
+inline uint2 ld_in8(const void* p) { return *(const uint2*)p; }
 inline u32 ld_in4(const void* p) { return *(const u32*)p; }
 inline u32 ld_in1(const void* p) { return *(const unsigned char*)p; }
 inline float4 ld_in_f4(const float* p) { return *(const float4*)p; }
@@ -335,6 +337,16 @@ inline float* dynamic_smem() { return (float*)cpu::me().program->smem.data(); }
 
 inline u32 pack_bf2(float lo, float hi) {
     return (u32)cpu::float_to_bf16(lo) | ((u32)cpu::float_to_bf16(hi) << 16);
+}
+
+// Per half in float, then rounded to bf16: as fma.rn.bf16x2 wherever a b + c is a float (the
+// kernel's use, e4m3 values times 2^120).
+inline u32 fma_bf2(u32 a, u32 b, u32 c) {
+    auto half = [&](int sh) {
+        const auto f = [&](u32 v) { return cpu::bf16_to_float((u16)(v >> sh)); };
+        return (u32)cpu::float_to_bf16(std::fma(f(a), f(b), f(c))) << sh;
+    };
+    return half(0) | half(16);
 }
 
 // m16n8k16, row.col, bf16 operands, fp32 accumulators. Lane 4 g + q holds A (rows g, g + 8;

@@ -65,6 +65,8 @@
 // cross-attention's two trace marks go: CudaTiling.cross_marks).
 // SO_STRIDE: the row stride (floats) of the cross-attention's warp partials in shared memory (HDIM,
 // or padded so that a store's rows g = 0..3 fall on different banks: head_dim 96 put them all on one).
+// W_FP8: the GEMV weights in e4m3 (fragments_b's order, a byte an element) with a scale a column
+// (wsc_*), made bf16 exactly in registers at each mma and scaled in the epilogue: half the bytes.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -80,14 +82,25 @@ typedef unsigned short u16;
 #define NEG (-1.0e30f)
 #define LOG2E 1.4426950408889634f
 
+// A lane's B fragments of two k-steps of a weight matrix (fragments_b's order): 8 bf16, or with
+// W_FP8 8 e4m3 values.
+#if W_FP8
+typedef uint2 wfrag;
+#else
+typedef uint4 wfrag;
+#endif
+
 struct Params {
     float* xa; u16* vel; const int* reuse;
-    const uint4* wqkv; const u16* bqkv; const uint4* wso; const u16* bso;
-    const uint4* wq; const u16* bq; const uint4* wco; const u16* bco;
-    const uint4* w1; const u16* b1; const uint4* w2; const u16* b2;
+    const wfrag* wqkv; const u16* bqkv; const wfrag* wso; const u16* bso;
+    const wfrag* wq; const u16* bq; const wfrag* wco; const u16* bco;
+    const wfrag* w1; const u16* b1; const wfrag* w2; const u16* b2;
     const u16* win; const u16* bin; const u16* pos; const u16* wout; const u16* bout;
     const u16* mods; const u16* fmods; const uint4* kv; const unsigned char* mask;
-    const uint4* fold_m; const float* fold_c;
+    const wfrag* fold_m; const float* fold_c;
+    // W_FP8: each weight matrix's scale a column, [depth][N] (fold_m's [steps][depth][WIDTH])
+    const float* wsc_qkv; const float* wsc_so; const float* wsc_q; const float* wsc_co; const float* wsc_1;
+    const float* wsc_2; const float* wsc_fold;
     float* x; u16* xf; float* stats; u16* qkv; u16* q; u16* y; u16* hid; float* f0; float* sq;
     float* opart; float* mlpart;
     u32* counter; u32* bar; int* err; long long* trace;
@@ -105,6 +118,11 @@ struct Params {
 __device__ __forceinline__ uint4 ld_in16(const void* p) {
     uint4 r;
     asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ uint2 ld_in8(const void* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     return r;
 }
 __device__ __forceinline__ float4 ld_in_f4(const float* p) {
@@ -216,6 +234,13 @@ __device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
     return r;
 }
 
+// a b + c of two bf16 pairs, rounded to nearest even (subnormals kept).
+__device__ __forceinline__ u32 fma_bf2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
 // d += a b: one m16n8k16 bf16 tensor-core product (fp32 accumulators).
 __device__ __forceinline__ void mma(float* d, uint4 a, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -289,6 +314,27 @@ __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16);
 __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 __device__ __forceinline__ u16 to_bf(float v) { return (u16)(pack_bf2(v, 0.0f) & 0xffffu); }
 __device__ __forceinline__ float round_bf(float v) { return bf_lo(pack_bf2(v, 0.0f)); }
+
+// Two e4m3 values (the top bytes of t's halves) as a bf16 pair, exactly: sign in place, exponent and
+// mantissa 4 bits down (a bf16 of the value times 2^-120, subnormal where the e4m3 one is), then times
+// 2^120 (exact).
+__device__ __forceinline__ u32 bf2_of_e4m3(u32 t) {
+    return fma_bf2((t & 0x80008000u) | ((t & 0x7f007f00u) >> 4), 0x7b807b80u, 0x80008000u);
+}
+
+// This program's weights of two k-steps: their read-only load, and k-step `odd`'s two B registers
+// (bf16 pairs: rows 2q, 2q + 1 and 2q + 8, 2q + 9 of the lane's column).
+__device__ __forceinline__ uint4 ld_w(const uint4* p) { return ld_in16(p); }
+__device__ __forceinline__ uint2 ld_w(const uint2* p) { return ld_in8(p); }
+__device__ __forceinline__ void b_regs(const uint4& w, int odd, u32& b0, u32& b1) {
+    b0 = odd ? w.z : w.x;
+    b1 = odd ? w.w : w.y;
+}
+__device__ __forceinline__ void b_regs(const uint2& w, int odd, u32& b0, u32& b1) {   // bytes e0 e1 e2 e3
+    const u32 v = odd ? w.y : w.x;
+    b0 = bf2_of_e4m3(((v & 0xffu) << 8) | ((v & 0xff00u) << 16));
+    b1 = bf2_of_e4m3(((v >> 8) & 0xff00u) | (v & 0xff000000u));
+}
 
 // Offset (bf16 elements) of element (r, c) of a [MP, cols] matrix stored in A-fragment order:
 // [row tile][k-step][lane][4 registers][2]. Register 0: (row g, cols 2q, 2q+1), 1: (row g + 8,
@@ -647,29 +693,29 @@ template <int N, int K, int TPCX, int SPLIT = 1> struct Shape {
 // second part's from w2), streamed by the copy engine into one of two shared-memory buffers while
 // the phase before it runs, so the weight loads hold no thread and no load queue at a barrier.
 struct WRef {
-    const uint4* p;
+    const wfrag* p;
     u32 bytes;      // 0: the program has no tiles in the phase
 };
 // A program's first weights of a phase: its (group's) first tile, in the second part's matrix w2 from
 // output NA on, from its part of K (SPLIT).
 template <int N, int K, int TPCX, int NA = N, int SPLIT = 1>
-__device__ __forceinline__ const uint4* first_weights(const uint4* wf, const uint4* w2) {
+__device__ __forceinline__ const wfrag* first_weights(const wfrag* wf, const wfrag* w2) {
     typedef Shape<N, K, TPCX, SPLIT> S;
     const int t0 = S::t0();
-    const uint4* w = NA < N && t0 >= NA / 8 ? w2 + (size_t)(t0 - NA / 8) * K : wf + (size_t)t0 * K;
+    const wfrag* w = NA < N && t0 >= NA / 8 ? w2 + (size_t)(t0 - NA / 8) * K : wf + (size_t)t0 * K;
     return w + S::rank() * (S::KS / SPLIT / 2) * 32;
 }
 template <int N, int K, int TPCX, int NA = N, int SPLIT = 1>
-__device__ __forceinline__ WRef wref(const uint4* wf, const uint4* w2) {
+__device__ __forceinline__ WRef wref(const wfrag* wf, const wfrag* w2) {
     typedef Shape<N, K, TPCX> S;
     const int t0 = S::t0();
     if (t0 >= S::NT8 || SPLIT > 1) return {nullptr, 0u};   // SPLIT: a program's weights are not one range
-    return {first_weights<N, K, TPCX, NA>(wf, w2), (u32)min(S::TPC, S::NT8 - t0) * K * 16u};
+    return {first_weights<N, K, TPCX, NA>(wf, w2), (u32)(min(S::TPC, S::NT8 - t0) * K * sizeof(wfrag))};
 }
 
 // The weight buffers at W_OFF floats: two mbarriers (padded to 16 bytes), then two of W_BUF bytes.
 __device__ __forceinline__ unsigned long long* w_bar(float* smem, int b) { return (unsigned long long*)(smem + W_OFF) + b; }
-__device__ __forceinline__ uint4* w_buf(float* smem, int b) { return (uint4*)(smem + W_OFF + 4 + b * (W_BUF / 4)); }
+__device__ __forceinline__ wfrag* w_buf(float* smem, int b) { return (wfrag*)(smem + W_OFF + 4 + b * (W_BUF / 4)); }
 
 // Thread 0 starts the copy of r into the buffer of GEMV phase w_phase + ahead (free: its last
 // reader, phase w_phase + ahead - 2, has ended).
@@ -683,7 +729,7 @@ __device__ __forceinline__ void w_issue(Sync& s, float* smem, const WRef& r, int
 }
 
 // This GEMV phase's buffer once its copy has landed.
-__device__ __forceinline__ const uint4* w_take(Sync& s, float* smem) {
+__device__ __forceinline__ const wfrag* w_take(Sync& s, float* smem) {
     const int b = s.w_phase & 1;
     mbar_wait(w_bar(smem, b), (s.w_parity >> b) & 1u);
     s.w_parity ^= 1u << b;
@@ -704,9 +750,10 @@ __device__ __forceinline__ const uint4* w_take(Sync& s, float* smem) {
 // A phase's second part: its weights (indexed from the part's first tile), the step and block's
 // fold constants, and (LayerNorm sources) the offset of the scale it modulates with (no shift).
 struct Part2 {
-    const uint4* w;
+    const wfrag* w;
     const float* fc;
     int scale_off;
+    const float* wsc;   // W_FP8: w's scale a column
 };
 
 // y = src @ Wf^T (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
@@ -717,12 +764,12 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     typedef Shape<N, K, TPCX, SPLIT> S;
     static constexpr int NA8 = NA / 8;
     static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
-    uint4 wr[S::TPC][S::KP];
+    wfrag wr[S::TPC][S::KP];
     u32 shift[S::KSW][2], scale[S::KSW][2];
     // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
     // (tile, row): bias, gate and the residual's old values (written two or more barriers before
     // this phase, so copied in before its wait); in the second part rho (qkv) or eps and F0 (self_out).
-    __device__ __forceinline__ void load(const Params& p, const uint4* wf, const u16* bias, const u16* mod,
+    __device__ __forceinline__ void load(const Params& p, const wfrag* wf, const u16* bias, const u16* mod,
                                          int shift_off, int scale_off, int gate_off, bool modulated, float* pre,
                                          const Part2& p2) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -766,25 +813,25 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 
     // This program's weights into registers (without W_SMEM): before the phase's wait, or with
     // LATE_W after it.
-    __device__ __forceinline__ void load_w(const uint4* wf, const Part2& p2) {
+    __device__ __forceinline__ void load_w(const wfrag* wf, const Part2& p2) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t0 = S::t0();
-        const uint4* w = first_weights<N, K, TPCX, NA, SPLIT>(wf, p2.w);
+        const wfrag* w = first_weights<N, K, TPCX, NA, SPLIT>(wf, p2.w);
 #pragma unroll
         for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt)
 #pragma unroll
             for (int kp = 0; kp < S::KP; ++kp)
-                wr[tt][kp] = t0 + tt < S::NT8 ? ld_in16(w + ((tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
-                                              : make_uint4(0, 0, 0, 0);
+                wr[tt][kp] = t0 + tt < S::NT8 ? ld_w(w + ((tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
+                                              : wfrag{};
     }
 
     // W_SMEM: this program's weights from its buffer (the same order as in memory, from its first tile).
-    __device__ __forceinline__ void load_smem(const uint4* buf) {
+    __device__ __forceinline__ void load_smem(const wfrag* buf) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t0 = blockIdx.x * S::TPC;
 #pragma unroll
         for (int tt = 0; tt < S::TPC; ++tt)
 #pragma unroll
             for (int kp = 0; kp < S::KP; ++kp)
-                wr[tt][kp] = t0 + tt < S::NT8 ? buf[(tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane] : make_uint4(0, 0, 0, 0);
+                wr[tt][kp] = t0 + tt < S::NT8 ? buf[(tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane] : wfrag{};
     }
 
     // The residual stream's values of this warp's A fragments of row tile mt (LN sources).
@@ -861,9 +908,9 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                     const int ks = k0 + k;
 #pragma unroll
                     for (int tt = 0; tt < S::TPC; ++tt) {
-                        const uint4 w = wr[tt][ks >> 1];
-                        if (ks & 1) mma(acc[tt], a[k], w.z, w.w);
-                        else mma(acc[tt], a[k], w.x, w.y);
+                        u32 b0, b1;
+                        b_regs(wr[tt][ks >> 1], ks & 1, b0, b1);
+                        mma(acc[tt], a[k], b0, b1);
                     }
                 }
             }
@@ -895,7 +942,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     // shuffles see the whole warp.
     __device__ __forceinline__ void epilogue(const Params& p, const float* red, const float* red_k, const u16* bias, u16* out,
                                              const u16* mod, int gate_off, const float* pre, const float* mean,
-                                             const float* rstd, const Part2& p2) {
+                                             const float* rstd, const Part2& p2, const float* wsc) {
         constexpr int CPT = 8 / EPI_SPLIT;
         const int t0 = S::t0(), k0 = threadIdx.x % EPI_SPLIT * CPT;
         const float* slot = pre + threadIdx.x / EPI_SPLIT * 16;   // this thread's first item's inputs
@@ -916,6 +963,11 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 float a[CPT];
                 ld_cols<CPT, SHARED>(red + ((w * S::TPC + tt) * MP + r) * 8 + k0, a);
                 for (int k = 0; k < CPT; ++k) v[k] += a[k];
+            }
+            if (W_FP8) {   // the columns' e4m3 scales
+                float sc[CPT];
+                ld_cols<CPT, READ_ONLY>(NA < N && t0 >= NA8 ? p2.wsc + (c0 - NA) : wsc + c0, sc);
+                for (int k = 0; k < CPT; ++k) v[k] *= sc[k];
             }
             if (NA < N && t0 >= NA8) {   // the second part (FOLD_CQ; all of the program's tiles)
                 const int c = c0 - NA;
@@ -974,7 +1026,8 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 
 // One GEMV phase of block j: weights (and the epilogue's inputs) before the wait, then the dot.
 template <int N, int K, int SRC, int EPI, int TPCX = 0, int NA = N, int SPLIT = 1>
-__device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const uint4* wf, const u16* bias,
+__device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem, const wfrag* wf, const float* wsc,
+                                           const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
                                            const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{},
                                            const WRef& next_w = WRef{nullptr, 0u}) {
@@ -1007,7 +1060,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         cp_async_wait();
         cluster_sync();
         trace_mark(p, s, 3);
-        if (active) gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2);
+        if (active) gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
     } else if (WORK && active) {
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
@@ -1020,7 +1073,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         cp_async_wait();   // pre: an item's inputs came through its threads' copies
         __syncthreads();
         trace_mark(p, s, 3);
-        gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2);
+        gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
     }
     cp_async_wait();
     s.w_phase++;
@@ -1430,7 +1483,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
     __syncthreads();
     // The weights of each GEMV phase of block j at step i (W_SMEM streams each in during the phase before it)
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
-    constexpr size_t WW = (size_t)WIDTH * WIDTH / 8, WM = (size_t)WIDTH * MLPD / 8;   // uint4s of a block's matrix
+    constexpr size_t WW = (size_t)WIDTH * WIDTH / 8, WM = (size_t)WIDTH * MLPD / 8;   // wfrags of a block's matrix
     auto qkv_w = [&](int i, int j) { return wref<QKV_N, WIDTH, QKV_TPC, 3 * WIDTH>(p.wqkv + j * 3 * WW, p.wq + j * WW); };
     auto so_w = [&](int i, int j) {
         return wref<SO_N, WIDTH, SO_TPC, WIDTH>(p.wso + j * WW, FOLD_CQ ? p.fold_m + ((size_t)i * DEPTH + j) * WW : nullptr);
@@ -1459,41 +1512,41 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             // FOLD_CQ: the step and block's M and fold constants; qkv and self_out gain a second part
             const size_t sj = (size_t)next * DEPTH + j;
             const float* fc = FOLD_CQ ? p.fold_c + sj * 3 * WIDTH : nullptr;
-            const Part2 f0_part = {p.wq + (size_t)j * WIDTH * WIDTH / 8, fc, 4 * WIDTH};
-            const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WW : nullptr, fc, 0};
+            const Part2 f0_part = {p.wq + j * WW, fc, 4 * WIDTH, p.wsc_q + j * WIDTH};
+            const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WW : nullptr, fc, 0, FOLD_CQ ? p.wsc_fold + sj * WIDTH : nullptr};
             const WRef none = {nullptr, 0u};
             kv_prefetch(p, smem, j);
             gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
-                p, s, smem, p.wqkv + j * 3 * WW, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
+                p, s, smem, p.wqkv + j * 3 * WW, p.wsc_qkv + j * 3 * WIDTH, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
                 so_w(next, j));
 #if FUSE_SELF
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
             gemv_phase<SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr, s_part,
+                p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #elif SELF_CLUSTER
             gemv_phase<SO_N, WIDTH, FROM_CLUSTER, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, KS_W, nullptr, s_part,
+                p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, KS_W, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #else
             self_phase(p, s);
             gemv_phase<SO_N, WIDTH, FROM_FRAGS, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + j * WW, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
+                p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #endif
             if (!FOLD_CQ)
                 gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
-                    p, s, smem, p.wq + j * WW, p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
+                    p, s, smem, p.wq + j * WW, p.wsc_q + j * WIDTH, p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
                     co_w(j));
             cross_phase(p, s, smem, j, fc);
             gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(
-                p, s, smem, p.wco + j * WW, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{},
+                p, s, smem, p.wco + j * WW, p.wsc_co + j * WIDTH, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{},
                 fc1_w(j));
             gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
-                p, s, smem, p.w1 + j * WM, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
+                p, s, smem, p.w1 + j * WM, p.wsc_1 + j * MLPD, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
                 fc2_w(j));
             gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
-                p, s, smem, p.w2 + j * WM, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
+                p, s, smem, p.w2 + j * WM, p.wsc_2 + j * WIDTH, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
                 j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
         }
         grid_wait(p, s);

@@ -34,6 +34,7 @@ class Params(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "xa", "vel", "reuse", "wqkv", "bqkv", "wso", "bso", "wq", "bq", "wco", "bco", "w1", "b1", "w2", "b2",
         "win", "bin", "pos", "wout", "bout", "mods", "fmods", "kv", "mask", "fold_m", "fold_c",
+        "wsc_qkv", "wsc_so", "wsc_q", "wsc_co", "wsc_1", "wsc_2", "wsc_fold",
         "x", "xf", "stats", "qkv", "q", "y", "hid", "f0", "sq", "opart", "mlpart", "counter", "bar", "err",
         "trace")] + [
         (name, ctypes.c_int) for name in (
