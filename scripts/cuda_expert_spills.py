@@ -34,8 +34,8 @@ def main():
     rows = []
     for entries in (int(e) for e in args.entries.split(",")):
         for name, tiling, fp8 in tilings(args.tilings):
-            constants = dict(plan_of(types.SimpleNamespace(**vars(dims), fp8=fp8), entries, tokens=a.horizon, n_keys=DROID_KEYS, programs=H200_SMS,
-                                     tiling=tiling).constants)
+            constants = dict(plan_of(types.SimpleNamespace(**vars(dims), fp8=fp8), entries, tokens=a.horizon,
+                                     n_keys=DROID_KEYS, programs=H200_SMS, tiling=tiling).constants)
             for label, source in sources:
                 _, log = nvrtc_compile(constants, "sm_90", verbose=True, source=source)
                 regs = re.search(r"Used (\d+) registers", log).group(1)
