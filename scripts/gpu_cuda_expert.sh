@@ -2,8 +2,8 @@
 # Device calls for issue 22: the CUDA flow-loop kernel (kernels/expert_flow.cu) as the engine
 # runs it (the default expert_kernel auto on Hopper), its variants and its anatomy. Logs
 # and JSON under $OUT; each part's table last in its log. Parts, in the order given:
-#   variants  the loop under CudaTiling variants ($VARIANTS) at B = $VENTRIES (1,2,4) and the anatomy of
-#             $ANATOMY's tilings at B = $ANAT_ENTRIES (1), within $VTIMEOUT s (360)
+#   variants  the loop under CudaTiling variants ($VARIANTS; fp8=1 in one: e4m3 weights) at B = $VENTRIES (1,2,4)
+#             and the anatomy of $ANATOMY's tilings at B = $ANAT_ENTRIES (1), within $VTIMEOUT s (360)
 #   tests     the CUDA tests of the kernel (pytest -m cuda test/test_fused_expert_cuda.py) within $TTIMEOUT s (180)
 #   fastpath  the kernels' tests (test_kernels, natively), then the engine's other CUDA tests (test_fast_path,
 #             test_options, test_engine_batch; ~5 min: each case compiles its engines) within $FTIMEOUT s (330)
