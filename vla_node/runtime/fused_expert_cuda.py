@@ -455,13 +455,13 @@ class CudaFlow:
         folded = torch.empty((len(gain), *wq_frags.shape), dtype=wq_frags.dtype, device=mods.device)
         scales = torch.empty((len(gain), f.depth, w), device=mods.device) if f.fp8 else None
         for step, g in enumerate(gain):   # one step's M at a time: float64 of one step only
-            m = (wq * g[:, None, :]) @ wso
+            step_m = (wq * g[:, None, :]) @ wso
             if f.fp8:
-                m, scale = quantize(m, rowwise=True)
+                step_m, scale = quantize(step_m, rowwise=True)
                 scales[step] = scale[..., 0]
             else:
-                m = m.to(f.dtype)
-            folded[step] = fragments_b(m)
+                step_m = step_m.to(f.dtype)
+            folded[step] = fragments_b(step_m)
         return folded, consts.float().contiguous(), scales
 
     def segment_names(self, reuse: tuple, folded: Optional[bool] = None) -> list[str]:
