@@ -438,9 +438,9 @@ def e4m3_exact_(expert, seed: int = 0):
 @pytest.mark.parametrize("entries", [1, 2])   # weights through shared memory at 1, fc2's K split at 2
 def test_e4m3_weights_are_the_bf16_weights_scaled_in_the_epilogue(device, entries):
     """expert_fp8 on the CUDA kernel: e4m3 weights in the B-fragment order, made bf16 at each
-    product and each output column's sum scaled. On weights that are e4m3 values times a power of two
-    the loop is the bf16 kernel's bit for bit (the unfolded kernel: the folded one quantises M, a
-    product of two weights, itself)."""
+    product (or, fp8_hold, once a phase) and each output column's sum scaled. On weights that are
+    e4m3 values times a power of two the loop is the bf16 kernel's bit for bit (the unfolded kernel:
+    the folded one quantises M, a product of two weights, itself)."""
     cfg, e, truth = small_expert(device)
     e4m3_exact_(e)
     unfolded = CudaTiling(fold_cross_q=False)
@@ -448,11 +448,12 @@ def test_e4m3_weights_are_the_bf16_weights_scaled_in_the_epilogue(device, entrie
     assert fp8.cuda.weights["w1"].dtype == torch.uint8 and fp8.cuda.weight_bytes() < FusedExpert(
         e, backend="cuda").cuda.weight_bytes() * 0.6
     assert torch.equal(fp8.cuda.scales["wsc_1"].log2(), fp8.cuda.scales["wsc_1"].log2().round())
+    held = FusedExpert(e, fp8=True, backend="cuda", cuda_tiling=dataclasses.replace(unfolded, fp8_hold=True))
     run = flow_case(cfg, e, fp32_twin(e), entries=entries, steps=3, device=device)
     with torch.inference_mode():
-        got = run.launcher(fp8)().clone()
+        got, got_held = (run.launcher(f)().clone() for f in (fp8, held))
         want = run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=unfolded))().clone()
-    assert torch.equal(got, want) and got.isfinite().all()
+    assert torch.equal(got, want) and torch.equal(got_held, want) and got.isfinite().all()
 
 
 @pytest.mark.parametrize("device", ON_BOTH)

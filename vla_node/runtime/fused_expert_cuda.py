@@ -121,6 +121,10 @@ class CudaTiling:
     # loads in flight hold the barrier's release) and their work 1.25-1.5 us longer: the loop 9.06 ->
     # 9.48 ms at B = 1 (BENCHMARKS.md, twenty-fourth session)
     late_weights: bool = False
+    # e4m3 weights (FusedExpert(fp8=True)) made bf16 once a phase, after its wait, and held in
+    # registers as the bf16 kernel holds its weights, instead of at each use: once a row tile, i.e.
+    # B times at horizon 16. Not yet timed on a GPU; ptxas (BENCHMARKS.md, twenty-fifth session)
+    fp8_hold: bool = False
     # the cross-attention's warps load the next key tile's mask bits and pull its K/V into L2 while
     # the current tile computes (where a warp takes several tiles: B >= 2 at molmobot-4b's DROID
     # context). On the H100 the loop 11.85 -> 12.06 ms at B = 2, 15.94 -> 15.96 at B = 4, 22.27 ->
@@ -357,7 +361,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      KV_AHEAD=int(t.kv_ahead),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
-                     W_FP8=int(fp8))
+                     W_FP8=int(fp8), FP8_HOLD=int(fp8 and t.fp8_hold))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 
 

@@ -67,6 +67,8 @@
 // or padded so that a store's rows g = 0..3 fall on different banks: head_dim 96 put them all on one).
 // W_FP8: the GEMV weights in e4m3 (fragments_b's order, a byte an element) with a scale a column
 // (wsc_*), made bf16 exactly in registers at each mma and scaled in the epilogue: half the bytes.
+// FP8_HOLD (with W_FP8): made bf16 once a phase, after its wait, and held (a bf16 kernel's registers),
+// instead of at each use (once a row tile: MT times).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -765,6 +767,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     static constexpr int NA8 = NA / 8;
     static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
     wfrag wr[S::TPC][S::KP];
+    uint4 held[FP8_HOLD ? S::TPC : 1][FP8_HOLD ? S::KP : 1];   // FP8_HOLD: wr made bf16
     u32 shift[S::KSW][2], scale[S::KSW][2];
     // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
     // (tile, row): bias, gate and the residual's old values (written two or more barriers before
@@ -832,6 +835,20 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #pragma unroll
             for (int kp = 0; kp < S::KP; ++kp)
                 wr[tt][kp] = t0 + tt < S::NT8 ? buf[(tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane] : wfrag{};
+    }
+
+    // FP8_HOLD: this program's e4m3 weights as bf16, each fragment pair once.
+    __device__ __forceinline__ void hold() {
+        if constexpr (!FP8_HOLD) return;
+#pragma unroll
+        for (int tt = 0; tt < S::TPC; ++tt)
+#pragma unroll
+            for (int kp = 0; kp < S::KP; ++kp) {
+                u32 b[4];
+                b_regs(wr[tt][kp], 0, b[0], b[1]);
+                b_regs(wr[tt][kp], 1, b[2], b[3]);
+                held[tt][kp] = make_uint4(b[0], b[1], b[2], b[3]);
+            }
     }
 
     // The residual stream's values of this warp's A fragments of row tile mt (LN sources).
@@ -909,7 +926,8 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #pragma unroll
                     for (int tt = 0; tt < S::TPC; ++tt) {
                         u32 b0, b1;
-                        b_regs(wr[tt][ks >> 1], ks & 1, b0, b1);
+                        if constexpr (FP8_HOLD) b_regs(held[tt][ks >> 1], ks & 1, b0, b1);
+                        else b_regs(wr[tt][ks >> 1], ks & 1, b0, b1);
                         mma(acc[tt], a[k], b0, b1);
                     }
                 }
@@ -1049,6 +1067,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     }
     const bool active = S::t0() < S::NT8;
     if (W_SMEM && active) gemv.load_smem(w_take(s, smem));
+    if (FP8_HOLD && active) gemv.hold();
     if (WORK && SPLIT > 1) {   // every program of the cluster meets at its barrier
         trace_mark(p, s, 2);
         if (active) {
