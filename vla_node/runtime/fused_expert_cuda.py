@@ -30,6 +30,9 @@ MAX_ROWS = 128
 SMEM_LIMIT = 227 * 1024   # shared memory a program may have on sm_90 (opt-in maximum)
 SPIN_LIMIT = 1 << 22   # polls of a grid barrier before it gives up (programs not all resident)
 BLOCK_PHASES = ("qkv", "self", "self_out", "cross_q", "cross", "cross_out", "fc1", "fc2")
+# The kernel's pointers to each stack of FusedExpert.stacks(): weights, biases, e4m3 scales
+WEIGHTS, BIASES = ("wqkv", "wso", "wq", "wco", "w1", "w2"), ("bqkv", "bso", "bq", "bco", "b1", "b2")
+SCALES = ("wsc_qkv", "wsc_so", "wsc_q", "wsc_co", "wsc_1", "wsc_2")
 HOST_PROGRAMS = 8   # programs of the CPU build (fibers: 256 a program); at least the (entry, head) pairs
 HOST_SMEM_LIMIT = 1 << 20   # the CPU build's shared memory is a host allocation: no sm_90 limit to fit
 
@@ -372,14 +375,10 @@ class CudaFlow:
         e = fused.expert
         self.fused, self.tiling = fused, tiling
         # The kernel reads the weights as 16-byte fragments: copies, made once.
-        self.weights = {name: fragments_b(stack.weight) for name, stack in
-                        zip(("wqkv", "wso", "wq", "wco", "w1", "w2"), fused.stacks())}
-        self.biases = {name: stack.bias
-                       for name, stack in zip(("bqkv", "bso", "bq", "bco", "b1", "b2"), fused.stacks())}
+        self.weights = {name: fragments_b(stack.weight) for name, stack in zip(WEIGHTS, fused.stacks())}
+        self.biases = {name: stack.bias for name, stack in zip(BIASES, fused.stacks())}
         # e4m3 weights: their scales [depth, N] (fp32), applied to each output column's sum
-        self.scales = {name: stack.scale for name, stack in
-                       zip(("wsc_qkv", "wsc_so", "wsc_q", "wsc_co", "wsc_1", "wsc_2"), fused.stacks())
-                       if stack.scale is not None}
+        self.scales = {name: stack.scale for name, stack in zip(SCALES, fused.stacks()) if stack.scale is not None}
         self.io = dict(win=e.action_in.weight.detach().contiguous(), bin=e.action_in.bias.detach(),
                        pos=e.action_pos.detach().contiguous(), wout=e.action_out.weight.detach().contiguous(),
                        bout=e.action_out.bias.detach())
@@ -497,9 +496,8 @@ class CudaFlow:
                    kv=ptr(buf.kv), mask=ptr(buf.mask) if buf.mask is not None else ptr(buf.kv),
                    fold_m=ptr(inputs.cuda_fold[0]) if folded else ptr(buf.kv),
                    fold_c=ptr(inputs.cuda_fold[1]) if folded else ptr(buf.kv),
-                   **{k: ptr(self.scales.get(k, buf.kv)) for k in ("wsc_qkv", "wsc_so", "wsc_q", "wsc_co", "wsc_1",
-                                                                  "wsc_2")},
-                   wsc_fold=ptr(inputs.cuda_fold[2]) if folded and self.fused.fp8 else ptr(buf.kv),
+                   **{k: ptr(self.scales.get(k, buf.kv)) for k in SCALES},
+                   wsc_fold=ptr(inputs.cuda_fold[2]) if folded and inputs.cuda_fold[2] is not None else ptr(buf.kv),
                    **{k: ptr(getattr(buf, k)) for k in ("x", "xf", "stats", "qkv", "q", "y", "hid", "f0", "sq",
                                                         "opart", "mlpart", "counter")},
                    bar=ptr(buf.barrier), err=ptr(buf.error),

@@ -1532,40 +1532,49 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             const size_t sj = (size_t)next * DEPTH + j;
             const float* fc = FOLD_CQ ? p.fold_c + sj * 3 * WIDTH : nullptr;
             const Part2 f0_part = {p.wq + j * WW, fc, 4 * WIDTH, p.wsc_q + j * WIDTH};
-            const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WW : nullptr, fc, 0, FOLD_CQ ? p.wsc_fold + sj * WIDTH : nullptr};
+            const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WW : nullptr, fc, 0,
+                                  FOLD_CQ ? p.wsc_fold + sj * WIDTH : nullptr};
             const WRef none = {nullptr, 0u};
             kv_prefetch(p, smem, j);
             gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
-                p, s, smem, p.wqkv + j * 3 * WW, p.wsc_qkv + j * 3 * WIDTH, p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
+                p, s, smem, p.wqkv + j * 3 * WW, p.wsc_qkv + j * 3 * WIDTH,
+                p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
                 so_w(next, j));
 #if FUSE_SELF
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
             gemv_phase<SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr, s_part,
+                p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH,
+                p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, 0, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #elif SELF_CLUSTER
             gemv_phase<SO_N, WIDTH, FROM_CLUSTER, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, KS_W, nullptr, s_part,
+                p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH,
+                p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, nullptr, KS_W, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #else
             self_phase(p, s);
             gemv_phase<SO_N, WIDTH, FROM_FRAGS, TO_RESIDUAL, SO_TPC, WIDTH>(
-                p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH, p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
+                p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH,
+                p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #endif
             if (!FOLD_CQ)
                 gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
-                    p, s, smem, p.wq + j * WW, p.wsc_q + j * WIDTH, p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
+                    p, s, smem, p.wq + j * WW, p.wsc_q + j * WIDTH,
+                    p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
                     co_w(j));
             cross_phase(p, s, smem, j, fc);
             gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(
-                p, s, smem, p.wco + j * WW, p.wsc_co + j * WIDTH, p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{},
+                p, s, smem, p.wco + j * WW, p.wsc_co + j * WIDTH,
+                p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{},
                 fc1_w(j));
             gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
-                p, s, smem, p.w1 + j * WM, p.wsc_1 + j * MLPD, p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
+                p, s, smem, p.w1 + j * WM, p.wsc_1 + j * MLPD,
+                p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
                 fc2_w(j));
             gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
-                p, s, smem, p.w2 + j * WM, p.wsc_2 + j * WIDTH, p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
+                p, s, smem, p.w2 + j * WM, p.wsc_2 + j * WIDTH,
+                p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
                 j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
         }
         grid_wait(p, s);
