@@ -126,7 +126,8 @@ class CudaTiling:
     late_weights: bool = False
     # e4m3 weights (FusedExpert(fp8=True)) made bf16 once a phase, after its wait, and held in
     # registers as the bf16 kernel holds its weights, instead of at each use: once a row tile, i.e.
-    # B times at horizon 16. Not yet timed on a GPU; ptxas (BENCHMARKS.md, twenty-fifth session)
+    # B times at horizon 16. On the H200 the e4m3 loop at B = 4 16.52 -> 16.20 ms (bf16's 15.41), at
+    # B = 1 9.11 -> 9.15 (BENCHMARKS.md, twenty-sixth session)
     fp8_hold: bool = False
     # the cross-attention's warps load the next key tile's mask bits and pull its K/V into L2 while
     # the current tile computes (where a warp takes several tiles: B >= 2 at molmobot-4b's DROID
