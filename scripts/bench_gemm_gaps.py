@@ -10,8 +10,10 @@ environment once):
 
     PYTHONPATH=$PWD python3 scripts/bench_gemm_gaps.py [--settings default,ws0,lt,lt_ws0,cdt,cdt_ws0] [--json F]
 
-The last row, one DROID decoder layer compiled (the pattern kernel its attention), is what a setting
-buys the LLM stage, 36 layers of it.
+Beside the GEMMs: the LLM's SwiGLU pass, inductor's and a Triton kernel's at three tilings. The last row,
+one DROID decoder layer compiled (the pattern kernel its attention), is what a setting buys the LLM stage,
+36 layers of it. On the H200 (BENCHMARKS.md, twenty-sixth session) `ws0` dropped the GEMMs' memsets but not
+the layer's time, and the Triton SwiGLU tied inductor's.
 """
 import argparse
 import json
@@ -90,24 +92,15 @@ def swiglu(gu: torch.Tensor, out: torch.Tensor, block: int, warps: int) -> torch
 
 
 def layer_us(timed) -> float:
-    """One DROID decoder layer of molmobot-4b compiled as the runtime compiles it (fused projections,
-    the pattern kernel its attention; a middle layer: the MLP output of the one before added in)."""
-    from bench_prefill_attention import image_tokens, pattern
+    """One DROID decoder layer of molmobot-4b compiled as the runtime compiles it, the pattern kernel its
+    attention (bench_prefill_attention's layer)."""
+    from bench_prefill_attention import decoder_layer, image_tokens, pattern
 
-    from vla_node.model import get_preset
-    from vla_node.model.layers import rope_tables
-    from vla_node.model.llm import DecoderLayer
-    from vla_node.runtime.fusion import fuse_projections
     from vla_node.runtime.kernels.prefill_attention import flex_attend
-    cfg = get_preset("molmobot-4b").llm
     img = image_tokens("droid").cuda()
-    layer = DecoderLayer(cfg).to("cuda", torch.bfloat16)
-    fuse_projections(layer)
+    layer, x, cos, sin = decoder_layer(img.numel())
     layer.attn.attend = flex_attend
     layer.compile(fullgraph=True, dynamic=False)
-    t = img.numel()
-    x = torch.randn(1, t, cfg.dim, device="cuda", dtype=torch.bfloat16)
-    cos, sin = rope_tables(cfg.head_dim, torch.arange(t, device="cuda"), cfg.rope_theta)
     mask = pattern(img, (64, 64, 4, 3))
     with torch.inference_mode():
         return timed(lambda: layer(x, cos, sin, mask, mlp_out=x))

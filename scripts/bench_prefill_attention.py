@@ -208,15 +208,23 @@ def chosen(name: str, only: list[str]) -> bool:
     return not only or any(part in name for part in only)
 
 
-def layer_times(img: torch.Tensor, only: list[str]) -> dict:
-    """us per call of one molmobot-4b decoder layer (fused projections, compiled as the runtime
-    compiles it) with each attention way, and with none (attention's output = q: the rest)."""
+def decoder_layer(t: int) -> tuple[DecoderLayer, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One molmobot-4b decoder layer in bf16 with its projections fused, as the runtime builds it, and
+    inputs for t tokens: (layer, x, cos, sin). Called as a middle layer, layer(x, cos, sin, mask,
+    mlp_out=x): the MLP output of the layer before added in."""
     cfg = get_preset("molmobot-4b").llm
     layer = DecoderLayer(cfg).to(DEVICE, torch.bfloat16)
     fuse_projections(layer)
-    t = img.numel()
     x = torch.randn(1, t, cfg.dim, device=DEVICE, dtype=torch.bfloat16)
     cos, sin = rope_tables(cfg.head_dim, torch.arange(t, device=DEVICE), cfg.rope_theta)
+    return layer, x, cos, sin
+
+
+def layer_times(img: torch.Tensor, only: list[str]) -> dict:
+    """us per call of one molmobot-4b decoder layer (fused projections, compiled as the runtime
+    compiles it) with each attention way, and with none (attention's output = q: the rest)."""
+    t = img.numel()
+    layer, x, cos, sin = decoder_layer(t)
     bm = block_mask(img, 0, t, t)
     tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     ways = {"flex (runtime)": (flex_attend, bm),
@@ -234,7 +242,6 @@ def layer_times(img: torch.Tensor, only: list[str]) -> dict:
                 layer.attn.attend = attend
                 layer._compiled_call_impl = None
                 layer.compile(fullgraph=True, dynamic=False)
-                # a middle layer: the MLP output of the one before added in
                 out[name] = {"us": timed(lambda: layer(x, cos, sin, mask, mlp_out=x))}
             except Exception as exc:
                 traceback.print_exc()

@@ -19,8 +19,9 @@ from vla_node.runtime import LAYOUTS, EngineConfig, PolicyEngine
 
 
 def idle_table(trace_path: str, rows: int = 12) -> None:
-    """The device's idle time between the trace's kernels and memsets (the first host gap over 200 us,
-    the query's start, not counted), summed by the kernel that followed it, largest first."""
+    """The device's idle time between the trace's kernels and memsets (gaps of 200 us or more, the
+    host's, e.g. before the query's first kernel, not counted), summed by the kernel that followed it,
+    largest first."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memset")),
