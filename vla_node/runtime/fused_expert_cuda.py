@@ -43,6 +43,9 @@ class CudaTiling:
     atomic adds of 0, 2 relaxed loads and one fence), per-segment timestamps, and `work` False:
     only the loads and barriers (the loop's synchronisation floor; wrong numbers)."""
     poll: int = 0
+    # the warp whose first lane polls a barrier (0 .. 7): thread 0 also issues a phase's loads
+    # before the wait (weights, the first key tile, the epilogue's inputs), which may queue its polls
+    poll_warp: int = 0
     trace: bool = False
     work: bool = True
     # measurement: the cross-attention's programs merge their own warps' partials but not each
@@ -169,6 +172,8 @@ class CudaTiling:
             raise ValueError(f"l2_prefetch: 0, 1 (weights and key tiles) or 2 (key tiles), got {self.l2_prefetch}")
         if self.cross_marks not in (0, 1, 2):
             raise ValueError(f"cross_marks: 0, 1 or 2, got {self.cross_marks}")
+        if not 0 <= self.poll_warp < THREADS // 32:
+            raise ValueError(f"poll_warp: a warp of the program's {THREADS // 32}, got {self.poll_warp}")
         if self.epi_split not in (1, 2, 4):
             raise ValueError(f"epi_split: 1, 2 or 4 threads a GEMV epilogue's item of 8 columns, got {self.epi_split}")
 
@@ -356,7 +361,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         raise ValueError(f"the CUDA expert kernel's plan needs {smem} bytes of shared memory, {smem_limit} a program")
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
                      TOK=tokens, TOK16=tok16, ENTRIES=entries, DEPTH=dims.depth, NPROG=programs, TPR=tpr,
-                     SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, TRACE=int(t.trace), WORK=int(t.work), QKV_TPC=qkv,
+                     SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, POLL_THREAD=32 * t.poll_warp, TRACE=int(t.trace),
+                     WORK=int(t.work), QKV_TPC=qkv,
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),

@@ -65,6 +65,8 @@ OPTIONS = {
     "torchrotary": {"rotary_kernel": False},  # the LLM's q/k norms, RoPE and head layout compiled from torch ops
     "torchnorms": {"triton_layer_norm": False},  # the ViT's and the context's LayerNorms as torch's / inductor's
     "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue
+    # the instruction's chat turn padded to 48 tokens, not 96: what the static bucket's padding costs
+    "budget48": {"max_instruction_tokens": 48},
 }
 BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "camera_height", "camera_width",
                "flow_steps", "max_instruction_tokens")

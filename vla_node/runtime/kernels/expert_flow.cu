@@ -60,7 +60,8 @@
 // through distributed shared memory, each program's at C_OFF floats; 1: through global memory, the
 // last program to arrive merging), and the measurement knobs POLL (how a barrier polls), TRACE
 // (per-segment timestamps), WORK (0: every phase's loads and barriers without its arithmetic and
-// stores: the loop's floor of synchronisation), CROSS_CUT (1: the cross-attention's programs merge
+// stores: the loop's floor of synchronisation), POLL_THREAD (the thread that polls a barrier's
+// counter), CROSS_CUT (1: the cross-attention's programs merge
 // no partials but their own: the merge's cost; wrong numbers) and CROSS_MARKS (where the
 // cross-attention's two trace marks go: CudaTiling.cross_marks).
 // SO_STRIDE: the row stride (floats) of the cross-attention's warp partials in shared memory (HDIM,
@@ -403,7 +404,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
         trace_mark(p, s, 0);
         return;
     }
-    if (threadIdx.x == 0 && !s.failed) {
+    if (threadIdx.x == POLL_THREAD && !s.failed) {
         const u32 target = s.arrivals * NPROG;
         int spins = 0;
         while (poll(p) < target) {
