@@ -20,7 +20,7 @@ from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow
 from vla_node.model.layers import FusableProjection
 from vla_node.runtime.fp8 import E4M3, E4M3_MAX
 from vla_node.runtime.fused_expert import FusedExpert
-from vla_node.runtime.fused_expert_cuda import CudaTiling, fragments_b, plan_of
+from vla_node.runtime.fused_expert_cuda import HOST_SMEM_LIMIT, CudaTiling, fragments_b, plan_of
 from vla_node.runtime.fusion import fuse_projections
 from vla_node.runtime.kernels.pack_kv import block_stride, pack_kv
 
@@ -147,7 +147,8 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
-                                             (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False))])
+                                             (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False)),
+                                             (4, CudaTiling(k_split=2))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
@@ -320,19 +321,26 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
         assert torch.equal(got, out[0])
 
 
-@pytest.mark.parametrize("entries", [1, 2])
-def test_fc2_split_keeps_the_loop_near_the_unsplit_on_the_cpu_build(entries):
+@pytest.mark.parametrize("entries, knob", [(1, "FC2_SPLIT"), (2, "FC2_SPLIT"), (1, "KW_SPLIT"), (2, "KW_SPLIT")])
+def test_k_splits_keep_the_loop_near_the_unsplit_on_the_cpu_build(entries, knob):
     """fc2_split: fc2's K over 2 programs of a cluster (the CPU build's 8 programs take clusters of 4
-    at B = 1 and 2 at B = 2), the partial sums met in distributed shared memory: only the order of
-    fp32 sums differs from the default, far inside the bf16 eager loop's distance from the truth."""
+    at B = 1 and 2 at B = 2), the partial sums met in distributed shared memory; k_split: the same
+    for qkv (LayerNorm sources, with the folded queries' second part), self_out, cross_out and fc1,
+    whose warps then take one k-step each (width 256: 8 k-steps a program, 8-byte weight loads).
+    Only the order of fp32 sums differs from the default: the residual stream by an fp32 rounding here
+    and there, the bf16 velocities seldom (k_split's one-step velocities here are the default's bit for
+    bit; over three steps one flipped rounding in the second entry moves it by a fifth of the eager
+    loop's distance from the truth), and the split is no further from the truth than the default."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=entries, steps=3, device="cpu")
-    split = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fc2_split=2))
-    assert dict(plan_of(split, entries, 16, 38, 8, split.cuda.tiling).constants)["FC2_SPLIT"] == 2
+    asked = dict(fc2_split=2, k_split=1) if knob == "FC2_SPLIT" else dict(fc2_split=1, k_split=2)
+    split = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(**asked))
+    plan = plan_of(split, entries, 16, 38, 8, split.cuda.tiling, smem_limit=HOST_SMEM_LIMIT)
+    assert dict(plan.constants)[knob] == 2
     got, want, eager = run(split)
     default, _, _ = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fc2_split=1)))
-    # the residual stream differs by an fp32 rounding here and there; the bf16 velocities seldom do
-    assert float((got - default).norm()) < 0.05 * float((eager - want).norm())
+    assert float((got - default).norm()) < 0.25 * float((eager - want).norm())
+    assert float((got - want).norm()) < 1.1 * float((default - want).norm())
     assert_near_truth(got, want, eager)
 
 
