@@ -120,6 +120,9 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     assert dict(plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, held=lambda c: 0).constants)["CLUSTER"] == 1
     with pytest.raises(ValueError, match="clusters of 8: 16"):
         plan_of(MOLMOBOT_4B, 2, 16, 892, H200_SMS, CudaTiling(cluster=8), held=h200)
+    # more programs a pair than the GPU has would leave pairs with none (wrong actions on the H100)
+    with pytest.raises(ValueError, match="cross_programs 8: the GPU's programs hold 4"):
+        plan_of(MOLMOBOT_4B, 4, 16, 892, H200_SMS, CudaTiling(cluster=1, cross_programs=8))
     # key tiles in shared memory without clusters: 3 programs a head, 19 tiles each, 114 KB of them
     # (unpadded warp partials leave room for 2 programs of 28)
     for pad, cpp, tiles in ((True, 3, 19), (False, 2, 28)):

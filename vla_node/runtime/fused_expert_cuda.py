@@ -320,6 +320,8 @@ def cross_split(t: CudaTiling, key_tiles: int, tile_bytes: int, most: int, clust
     program's shared memory holds the phases' scratch and kv_bytes of tiles."""
     def kv_bytes(c: int) -> int:
         return 16 + math.ceil(key_tiles / c) * tile_bytes
+    if not t.kv_smem and t.cross_programs > most:
+        raise ValueError(f"cross_programs {t.cross_programs}: the GPU's programs hold {most} for each (entry, head)")
     if cluster > 1:
         return t.kv_smem and fits(cluster, kv_bytes(cluster)), cluster
     for c in range(max(1, math.ceil(key_tiles / 32)), most + 1) if t.kv_smem else ():
