@@ -72,6 +72,40 @@ def tilings(spec: str) -> list[tuple[str, CudaTiling, bool]]:
     return out
 
 
+def time_variants(args, cfg, expert, truth, times, report: dict) -> None:
+    """--variants at --variant-entries: each one's loop in a CUDA graph (median ms), its distance from
+    the fp32 expert and from the variant named default, and whether 50 replays are bit-identical."""
+    for entries in (int(e) for e in args.variant_entries.split(",") if args.variants):
+        ctx = context(cfg, expert, entries, args.tokens, times)
+        with torch.inference_mode():
+            want = euler(truth_velocity(truth, ctx, times), ctx["noise"], args.steps)
+        reference = None
+        for name, tiling, fp8 in tilings(args.variants):
+            f = FusedExpert(expert, fp8=fp8, backend="cuda", cuda_tiling=tiling)
+            inputs = f.schedule(ctx["mods"])
+            try:   # a plan or launch the GPU refuses (before anything ran): report, go on
+                f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
+                torch.cuda.synchronize()
+            except (RuntimeError, ValueError) as e:
+                why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                print(f"variant {name:10s} B={entries}: failed: {why}", flush=True)
+                report["variants"].append(dict(variant=name, entries=entries, failed=why))
+                continue
+            graph, out = capture(lambda: f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"]))
+            ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+            first, identical = out.clone(), True
+            for _ in range(50):
+                graph.replay()
+                identical &= bool(torch.equal(out, first))
+            reference = reference if name != "default" else out.clone()   # the first variant named default
+            diff, err = rel(out, reference), rel(out, want)
+            report["variants"].append(dict(variant=name, entries=entries, loop_ms=ms, diff_vs_default=diff, err=err,
+                                           replays_identical=identical, barrier_timed_out=f.barrier_timed_out()))
+            print(f"variant {name:10s} B={entries}: loop {ms:.3f} ms, rel err {err:.1e}, rel diff to the default "
+                  f"{diff:.1e}, 50 replays bit-identical {identical}, barrier timed out {f.barrier_timed_out()}",
+                  flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entries", default="1,2,4,8")
@@ -156,30 +190,7 @@ def main():
         report["aba_identical"] = bool(torch.equal(out_a, first)) and bool(out_b.isfinite().all())
         print(f"A-B-A ({args.tokens}, {args.aba}, {args.tokens} context tokens): A bit-identical "
               f"{report['aba_identical']}", flush=True)
-    for entries in (int(e) for e in args.variant_entries.split(",") if args.variants):
-        ctx = context(cfg, expert, entries, args.tokens, times)
-        with torch.inference_mode():
-            want = euler(truth_velocity(truth, ctx, times), ctx["noise"], args.steps)
-        reference = None
-        for name, tiling, fp8 in tilings(args.variants):
-            f = FusedExpert(expert, fp8=fp8, backend="cuda", cuda_tiling=tiling)
-            inputs = f.schedule(ctx["mods"])
-            try:   # a plan or launch the GPU refuses (before anything ran): report, go on
-                f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"])
-                torch.cuda.synchronize()
-            except (RuntimeError, ValueError) as e:
-                why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                print(f"variant {name:10s} B={entries}: failed: {why}", flush=True)
-                report["variants"].append(dict(variant=name, entries=entries, failed=why))
-                continue
-            graph, out = capture(lambda: f.flow(ctx["noise"], inputs, ctx["kv"], ctx["mask"]))
-            ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
-            reference = reference if name != "default" else out.clone()   # the first variant named default
-            diff, err = rel(out, reference), rel(out, want)
-            report["variants"].append(dict(variant=name, entries=entries, loop_ms=ms, diff_vs_default=diff, err=err,
-                                           barrier_timed_out=f.barrier_timed_out()))
-            print(f"variant {name:10s} B={entries}: loop {ms:.3f} ms, rel err {err:.1e}, rel diff to the default "
-                  f"{diff:.1e}, barrier timed out {f.barrier_timed_out()}", flush=True)
+    time_variants(args, cfg, expert, truth, times, report)
     for entries in (int(e) for e in args.anatomy.split(",") if e):
         ctx = context(cfg, expert, entries, args.tokens, times)
         for name, tiling, fp8 in tilings(args.anatomy_tilings):
