@@ -151,7 +151,7 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
                                              (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False)),
-                                             (4, CudaTiling(k_split=2))])
+                                             (4, CudaTiling(k_split=2)), (4, CudaTiling(kv_pipe=True))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
@@ -357,6 +357,8 @@ def test_fc2_split_is_at_most_the_cluster_and_whole_loads():
     assert (split(1, CudaTiling()), split(2, CudaTiling()), split(8, CudaTiling())) == (1, 2, 2)   # the default
     with pytest.raises(ValueError, match="fc2_split"):
         CudaTiling(fc2_split=3)
+    with pytest.raises(ValueError, match="kv_pipe and kv_smem"):
+        CudaTiling(kv_pipe=True, kv_smem=True)
 
 
 @pytest.mark.parametrize("fuse_self", [False, True], ids=["", "fuse_self"])
@@ -421,17 +423,20 @@ def test_cross_marks_move_the_cross_attentions_trace_marks_not_its_result_on_the
 
 
 @pytest.mark.parametrize("tiling", [CudaTiling(kv_ahead=True), CudaTiling(kv_ahead=True, cluster=1, cross_programs=1),
-                                    CudaTiling(kv_ahead=True, kv_smem=True, cross_programs=1)],
-                         ids=["clusters", "one_program_a_head", "kv_smem"])
+                                    CudaTiling(kv_ahead=True, kv_smem=True, cross_programs=1),
+                                    CudaTiling(kv_pipe=True), CudaTiling(kv_pipe=True, cluster=1, cross_programs=1),
+                                    CudaTiling(kv_pipe=True, kv_ahead=True, cluster=1, cross_programs=1)],
+                         ids=["clusters", "one_program_a_head", "kv_smem", "pipe", "pipe_one_program_a_head",
+                              "pipe_and_ahead"])
 def test_key_tiles_fetched_a_tile_ahead_keep_the_result_bit_for_bit_on_the_cpu_build(tiling):
-    """kv_ahead: each warp's next key tile's mask and K/V fetched while its tile computes. 300 keys
-    (19 tiles; one program a head: 2-3 tiles a warp, and two query tiles at horizon 20) against the
-    same tiling without it."""
+    """kv_ahead: each warp's next key tile's mask and K/V fetched while its tile computes; kv_pipe:
+    its K/V copied into shared memory meanwhile. 300 keys (19 tiles; one program a head: 2-3 tiles a
+    warp, and two query tiles at horizon 20) against the same tiling without either."""
     cfg, e, truth = small_expert("cpu", horizon=20)
     run = flow_case(cfg, e, truth, entries=2, steps=2, device="cpu", context=300)
     with torch.inference_mode():
         got, want = (run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=t))().clone()
-                     for t in (tiling, dataclasses.replace(tiling, kv_ahead=False)))
+                     for t in (tiling, dataclasses.replace(tiling, kv_ahead=False, kv_pipe=False)))
     assert torch.equal(got, want) and got.isfinite().all()
 
 

@@ -137,6 +137,12 @@ class CudaTiling:
     # context). On the H100 the loop 11.85 -> 12.06 ms at B = 2, 15.94 -> 15.96 at B = 4, 22.27 ->
     # 21.95 at B = 8: a B = 4 warp's tiles still ~2 us each (BENCHMARKS.md, twenty-fourth session)
     kv_ahead: bool = False
+    # a warp of several key tiles copies the next tile's K/V into shared memory (cp.async: no
+    # registers; 6 KB a warp) before this tile's dots instead of loading them after, so their round
+    # trip runs under this tile's arithmetic (at B = 4 each tile after a warp's first took ~2 us,
+    # kv_ahead's L2 prefetch notwithstanding). Held in registers instead, the sm_90 build spilled
+    # 424 bytes at B = 2 and 4. Not timed
+    kv_pipe: bool = False
     # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
     # chunks of 6; the largest divisor of a warp's k-steps up to it): 12 and 24 no faster on the
     # H200 (fc2's dots at B = 4 are bound by every program reading all of the MLP hidden, not by
@@ -171,6 +177,8 @@ class CudaTiling:
             raise ValueError(f"fc2_split: 1, 2, 4 or 8 programs share fc2's K, got {self.fc2_split}")
         if ((self.fc2_split or 1) > 1 or self.k_split > 1) and self.weights_smem:
             raise ValueError("fc2_split / k_split and weights_smem: a program's split weights are not one range")
+        if self.kv_pipe and self.kv_smem:
+            raise ValueError("kv_pipe and kv_smem: the key tiles come from shared memory, not a register pipeline")
         if self.k_split not in (1, 2, 4, 8):
             raise ValueError(f"k_split: 1, 2, 4 or 8 programs share a width-K phase's K, got {self.k_split}")
         if self.k_split > 1 and (self.fuse_self or self.self_cluster):
@@ -359,10 +367,12 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2))
 
     def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, x1's
-        # row statistics, the warps' partials or the last program's copy of every program's, and with
-        # fold_cross_q its stage of S, rho and delta), a multiple of 4
+        # row statistics, the warps' partials or the last program's copy of every program's, with
+        # fold_cross_q its stage of S, rho and delta, with kv_pipe each lane's next key tile), a multiple of 4
         stage = fold * (tok16 + 2) * dims.head_dim
-        cross = 4 + 2 * tok16 + max(8 * (so_stride + 2), cpp * (dims.head_dim + 2)) * tok16 + stage
+        pipe = t.kv_pipe * THREADS * 2 * dims.head_dim // 16 * 4   # a lane's next K/V tile: 2 HK 16-byte rows
+        cross = 4 * math.ceil((4 + 2 * tok16 + max(8 * (so_stride + 2), cpp * (dims.head_dim + 2)) * tok16 + stage) / 4)
+        cross += pipe
         return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
     # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
     # tile, 8 in e4m3), after two mbarriers (16 bytes); off where they do not fit beside the rest
@@ -396,7 +406,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), LATE_W=int(t.late_weights),
-                     KV_AHEAD=int(t.kv_ahead),
+                     KV_AHEAD=int(t.kv_ahead), KV_PIPE=int(t.kv_pipe),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split, KW_SPLIT=ksplit,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
                      W_FP8=int(fp8), FP8_HOLD=int(fp8 and t.fp8_hold))

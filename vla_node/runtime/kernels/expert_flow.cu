@@ -52,7 +52,9 @@
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
 // the start of the block; 2: only the key tiles), KV_AHEAD (the cross-attention's warps load a key
 // tile's mask bits and pull its K/V into L2 a tile ahead: a warp of several tiles waited a round
-// trip for each tile's K/V and then another for its mask), LATE_W (a GEMV phase's weights loaded into
+// trip for each tile's K/V and then another for its mask), KV_PIPE (a warp of several key tiles
+// copies the next one's K/V into shared memory (cp.async, no registers) before this one's dots, not
+// loads it after them), LATE_W (a GEMV phase's weights loaded into
 // registers after its wait instead of before: what their loads cost the barrier's release), STATS_T
 // (the LayerNorm statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV epilogue's
 // (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its columns), CLUSTER (the cross-attention's
@@ -1273,6 +1275,9 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
     // FOLD_CQ's stage: after the region the last program's merge may use (cpp partials)
     const int partials = NWARPS * (SO_STRIDE + 2) > p.cpp * (HDIM + 2) ? NWARPS * (SO_STRIDE + 2) : p.cpp * (HDIM + 2);
     float* stage = smem + 4 + 2 * TOK16 + partials * TOK16;
+    // KV_PIPE: this lane's slot for its warp's next key tile (after the stage; 16-byte aligned)
+    uint4* pipe = (uint4*)(smem + (4 + 2 * TOK16 + partials * TOK16 + FOLD_CQ * (TOK16 + 2) * HDIM + 3) / 4 * 4) +
+                  (warp * 32 + lane) * 2 * HK;
     if (FOLD_CQ && WORK && active) stage_fold_constants(fc, h, stage);
     grid_wait(p, s);
     const uint4* kvs = (const uint4*)(smem + KV_OFF + 4);   // KV_SMEM: this program's tiles, from kv_prefetch
@@ -1316,8 +1321,16 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     const uint4* src = kvs + ((tile - part * p.tiles_per_cta) * 2 * 32 + lane) * HK;
                     for (int u = 0; u < HK; ++u) kv[u] = src[u];
                     for (int u = 0; u < HK; ++u) kv[HK + u] = src[32 * HK + u];
+                } else if (KV_PIPE && tile != tile_lo) {   // copied in during the tile before
+                    cp_async_wait();
+                    for (int u = 0; u < 2 * HK; ++u) kv[u] = pipe[u];
                 } else if (qm > 0 || tile != tile_lo) {
                     load_kv(p, j, b, h, tile, kv);
+                }
+                if (KV_PIPE && !KV_SMEM && tile + NWARPS < tile_hi) {
+                    const uint4* src = p.kv + (kv_tile(p, j, b, h, tile + NWARPS) + lane) * HK;
+                    for (int u = 0; u < HK; ++u) cp_async16(pipe + u, src + u);
+                    for (int u = 0; u < HK; ++u) cp_async16(pipe + HK + u, src + 32 * HK + u);
                 }
                 float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
                 for (int ks = 0; ks < HK; ++ks) {
