@@ -371,8 +371,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         # fold_cross_q its stage of S, rho and delta, with kv_pipe each lane's next key tile), a multiple of 4
         stage = fold * (tok16 + 2) * dims.head_dim
         pipe = t.kv_pipe * THREADS * 2 * dims.head_dim // 16 * 4   # a lane's next K/V tile: 2 HK 16-byte rows
-        cross = 4 * math.ceil((4 + 2 * tok16 + max(8 * (so_stride + 2), cpp * (dims.head_dim + 2)) * tok16 + stage) / 4)
-        cross += pipe
+        cross = 4 + 2 * tok16 + max(8 * (so_stride + 2), cpp * (dims.head_dim + 2)) * tok16 + stage + pipe
         return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
     # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
     # tile, 8 in e4m3), after two mbarriers (16 bytes); off where they do not fit beside the rest

@@ -46,7 +46,8 @@
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
 // SELF_CLUSTER (the self-attention computed by self_out's clusters: FROM_CLUSTER), FC2_SPLIT (fc2's
 // K split over that many programs of a cluster, partial sums through distributed shared memory at
-// C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), A_CHUNK (k-steps of A fragments a warp
+// C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), KW_SPLIT (the same for the width-K
+// phases: qkv, self_out, cross_q, cross_out, fc1), A_CHUNK (k-steps of A fragments a warp
 // loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
 // residual values before the dots of this one), L2_PREFETCH (1: each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
@@ -1275,9 +1276,9 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
     // FOLD_CQ's stage: after the region the last program's merge may use (cpp partials)
     const int partials = NWARPS * (SO_STRIDE + 2) > p.cpp * (HDIM + 2) ? NWARPS * (SO_STRIDE + 2) : p.cpp * (HDIM + 2);
     float* stage = smem + 4 + 2 * TOK16 + partials * TOK16;
-    // KV_PIPE: this lane's slot for its warp's next key tile (after the stage; 16-byte aligned)
-    uint4* pipe = (uint4*)(smem + (4 + 2 * TOK16 + partials * TOK16 + FOLD_CQ * (TOK16 + 2) * HDIM + 3) / 4 * 4) +
-                  (warp * 32 + lane) * 2 * HK;
+    // KV_PIPE: this lane's slot for its warp's next key tile, after the stage (16-byte aligned: TOK16
+    // and HDIM are multiples of 16)
+    uint4* pipe = (uint4*)(stage + FOLD_CQ * (TOK16 + 2) * HDIM) + (warp * 32 + lane) * 2 * HK;
     if (FOLD_CQ && WORK && active) stage_fold_constants(fc, h, stage);
     grid_wait(p, s);
     const uint4* kvs = (const uint4*)(smem + KV_OFF + 4);   // KV_SMEM: this program's tiles, from kv_prefetch
