@@ -39,3 +39,18 @@ def test_a_mode_that_fails_costs_its_own_row_only(tmp_path, capsys, monkeypatch)
     assert list(results["modes"]) == ["eager"]
     assert results["failed"] == {"static": "RuntimeError: the kernel did not build"}
     assert "static    failed: RuntimeError: the kernel did not build" in capsys.readouterr().out
+
+
+def test_a_shorter_instruction_budget_pads_less_and_keeps_the_actions(tmp_path):
+    """budget48: the static bucket's instruction turn padded to 48 tokens instead of 96. The padding
+    is masked, so both budgets give eager's actions within fp32 rounding."""
+    from vla_node.runtime import EngineConfig
+    from vla_node.tools.bench import mode_config
+
+    assert mode_config("static+budget48", EngineConfig(preset="tiny")).max_instruction_tokens == 48
+    assert mode_config("static", EngineConfig(preset="tiny")).max_instruction_tokens == 96
+    out = tmp_path / "bench.json"
+    assert main(["--preset", "tiny", "--device", "cpu", "--modes", "eager,static,static+budget48", "--iters", "1",
+                 "--dev-windows", "2", "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert all(modes[m]["max_abs_dev"] < 1e-5 for m in ("static", "static+budget48"))
