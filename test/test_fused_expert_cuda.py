@@ -333,7 +333,8 @@ def test_k_splits_keep_the_loop_near_the_unsplit_on_the_cpu_build(entries, knob)
     Only the order of fp32 sums differs from the default: the residual stream by an fp32 rounding here
     and there, the bf16 velocities seldom (k_split's one-step velocities here are the default's bit for
     bit; over three steps one flipped rounding in the second entry moves it by a fifth of the eager
-    loop's distance from the truth), and the split is no further from the truth than the default."""
+    loop's distance from the truth; fc2_split's stays within a twentieth), and the split is no further
+    from the truth than the default."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=entries, steps=3, device="cpu")
     asked = dict(fc2_split=2, k_split=1) if knob == "FC2_SPLIT" else dict(fc2_split=1, k_split=2)
@@ -342,7 +343,7 @@ def test_k_splits_keep_the_loop_near_the_unsplit_on_the_cpu_build(entries, knob)
     assert dict(plan.constants)[knob] == 2
     got, want, eager = run(split)
     default, _, _ = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fc2_split=1)))
-    assert float((got - default).norm()) < 0.25 * float((eager - want).norm())
+    assert float((got - default).norm()) < (0.05 if knob == "FC2_SPLIT" else 0.25) * float((eager - want).norm())
     assert float((got - want).norm()) < 1.1 * float((default - want).norm())
     assert_near_truth(got, want, eager)
 

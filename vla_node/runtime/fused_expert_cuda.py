@@ -291,22 +291,25 @@ def weights_smem_of(t: CudaTiling, entries: int) -> bool:
             else entries == 1 and (t.fc2_split or 1) == 1 and t.k_split == 1)
 
 
+def whole_split(split: int, cluster: int, k: int, unit: int) -> int:
+    """A K split as asked, halved until it divides the cluster and each program's part of K is whole
+    units of `unit` (the 8 warps' k-steps: 128 for whole k-steps, 256 for whole 16-byte k-pairs)."""
+    while split > 1 and (cluster % split or k % (unit * split)):
+        split //= 2
+    return split
+
+
 def fc2_split_of(t: CudaTiling, entries: int, cluster: int, mlp: int) -> int:
     """fc2's K split (CudaTiling.fc2_split): as asked, at most the cluster, and a warp's k-steps of
     its part in whole 16-byte pairs (mlp / 16 / split / 8 even)."""
     split = t.fc2_split or (2 if entries >= 2 and not weights_smem_of(t, entries) else 1)
-    while split > 1 and (cluster % split or mlp % (256 * split)):
-        split //= 2
-    return split
+    return whole_split(split, cluster, mlp, 256)
 
 
 def k_split_of(t: CudaTiling, cluster: int, width: int) -> int:
-    """The width-K phases' K split (CudaTiling.k_split): as asked, at most the cluster, a part of K
-    whole k-pairs and a warp's k-steps whole (width / 16 / split even and a multiple of 8)."""
-    split = t.k_split
-    while split > 1 and (cluster % split or width % (128 * split) or width // 16 // split % 2):
-        split //= 2
-    return split
+    """The width-K phases' K split (CudaTiling.k_split): as asked, at most the cluster, and a warp's
+    k-steps whole (width / 16 / split a multiple of 8, so a program's part is whole k-pairs)."""
+    return whole_split(t.k_split, cluster, width, 128)
 
 
 def tiles_a_program(n: int, asked: int, first_part: int = 0, *, programs: int) -> int:
@@ -355,7 +358,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         tpr *= 2
     w, fold = dims.width, int(t.fold_cross_q)
     so_stride = dims.head_dim + ((8 - dims.head_dim % 32) % 32 if t.cross_pad else 0)   # cross_pad
-    if getattr(dims, "fp8", False) and t.k_split > 1:
+    fp8 = bool(getattr(dims, "fp8", False))   # e4m3 weights: 8 bytes a lane's two k-steps, not 16
+    if fp8 and t.k_split > 1:
         raise ValueError("k_split takes bf16 weights (a split warp's odd k-steps load 8 bytes a k-step)")
     ksplit = k_split_of(t, cluster, w)
     tpk = functools.partial(tiles_a_program, programs=programs // ksplit)   # a group of ksplit programs' tiles
@@ -375,7 +379,6 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
         return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
     # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
     # tile, 8 in e4m3), after two mbarriers (16 bytes); off where they do not fit beside the rest
-    fp8 = bool(getattr(dims, "fp8", False))   # e4m3 weights: 8 bytes a lane's two k-steps, not 16
     w_buf = (8 if fp8 else 16) * max([n * w for n in (qkv, so, cq, rest, fc1)] + [rest * dims.mlp])
     w_bytes = 16 + 2 * w_buf if weights_smem_of(t, entries) else 0
     tile_bytes = 2 * 32 * dims.head_dim // 16 * 16

@@ -692,8 +692,8 @@ template <int N, int K, int TPCX, int SPLIT = 1> struct Shape {
     // tiles of one program (of its group): TPCX, or as few as reach every output tile
     static constexpr int TPC = TPCX ? TPCX : (NT8 + NPROG / SPLIT - 1) / (NPROG / SPLIT);
     static constexpr int OWN = (TPC + SPLIT - 1) / SPLIT;   // tiles whose epilogue the program runs
-    static_assert(SPLIT == 1 || (CLUSTER % SPLIT == 0 && KS % (SPLIT * NWARPS) == 0 && KS / SPLIT % 2 == 0),
-                  "SPLIT: whole groups in a cluster, whole k-steps a warp, a part of K whole k-pairs");
+    static_assert(SPLIT == 1 || (CLUSTER % SPLIT == 0 && KS % (SPLIT * NWARPS) == 0),
+                  "SPLIT: whole groups in a cluster, whole k-steps a warp (a part of K: whole k-pairs)");
     static_assert(!SINGLE || (!W_FP8 && !W_SMEM), "SINGLE: bf16 weights loaded into registers");
     __device__ static int t0() { return blockIdx.x / SPLIT * TPC; }         // the group's first tile
     __device__ static int rank() { return blockIdx.x % SPLIT; }
@@ -768,13 +768,14 @@ struct Part2 {
     const float* wsc;   // W_FP8: w's scale a column
 };
 
+// Pick<B, T, F>::type: T where B, else F.
+template <bool B, class T, class F> struct Pick { typedef T type; };
+template <class T, class F> struct Pick<false, T, F> { typedef F type; };
+
 // y = src @ Wf^T (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
 // A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait. Output
 // columns from NA on are the second part (FOLD_CQ; a program's tiles are all in one part).
-template <bool B, class T, class F> struct Pick { typedef T type; };
-template <class T, class F> struct Pick<false, T, F> { typedef F type; };
-
 template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gemv {
     typedef Shape<N, K, TPCX, SPLIT> S;
     static constexpr int NA8 = NA / 8;
