@@ -138,12 +138,6 @@ class CudaTiling:
     # context). On the H100 the loop 11.85 -> 12.06 ms at B = 2, 15.94 -> 15.96 at B = 4, 22.27 ->
     # 21.95 at B = 8: a B = 4 warp's tiles still ~2 us each (BENCHMARKS.md, twenty-fourth session)
     kv_ahead: bool = False
-    # a warp of several key tiles copies the next tile's K/V into shared memory (cp.async: no
-    # registers; 6 KB a warp) before this tile's dots instead of loading them after, so their round
-    # trip runs under this tile's arithmetic (at B = 4 each tile after a warp's first took ~2 us,
-    # kv_ahead's L2 prefetch notwithstanding). Held in registers instead, the sm_90 build spilled
-    # 424 bytes at B = 2 and 4. Not timed
-    kv_pipe: bool = False
     # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
     # chunks of 6; the largest divisor of a warp's k-steps up to it): 12 and 24 no faster on the
     # H200 (fc2's dots at B = 4 are bound by every program reading all of the MLP hidden, not by
@@ -159,13 +153,6 @@ class CudaTiling:
     # H200 the loop 12.86 -> 12.49 ms at B = 2, 18.15 -> 17.74 at B = 4, 26.55 -> 25.95 at B = 8; at
     # B = 1 9.43 -> 9.56, and 4 no better than 2: BENCHMARKS.md, tenth session)
     fc2_split: Optional[int] = None
-    # the width-K phases' K (qkv, self_out, cross_out, fc1; cross_q unfolded) split the same way over
-    # this many programs of a cluster (1 or 2 at width 768: a part of K whole k-pairs, a warp's
-    # k-steps whole): each program normalises and reads 1 / k_split of the rows' values (at B = 4 every
-    # program of qkv and fc1 read and normalised all 64 rows, 98 KB), its warps' weights one 8-byte
-    # load a k-step where their k-steps are odd; without weights_smem, e4m3 weights or a fused
-    # self-attention. 1: off
-    k_split: int = 1
     # the cross-attention's warp partials stored in shared memory at a row stride of head_dim
     # padded to 8 banks mod 32 (at head_dim 96 the rows of a warp's store fell on one bank: 4-way
     # conflicts, 24 stores a warp). The same numbers bit for bit; on the H200 the loop 8.91 -> 8.60
@@ -176,14 +163,8 @@ class CudaTiling:
     def __post_init__(self):
         if self.fc2_split not in (None, 1, 2, 4, 8):
             raise ValueError(f"fc2_split: 1, 2, 4 or 8 programs share fc2's K, got {self.fc2_split}")
-        if ((self.fc2_split or 1) > 1 or self.k_split > 1) and self.weights_smem:
-            raise ValueError("fc2_split / k_split and weights_smem: a program's split weights are not one range")
-        if self.kv_pipe and self.kv_smem:
-            raise ValueError("kv_pipe and kv_smem: the key tiles come from shared memory, not a register pipeline")
-        if self.k_split not in (1, 2, 4, 8):
-            raise ValueError(f"k_split: 1, 2, 4 or 8 programs share a width-K phase's K, got {self.k_split}")
-        if self.k_split > 1 and (self.fuse_self or self.self_cluster):
-            raise ValueError("k_split with a fused self-attention: self_out's source is not stored fragments")
+        if (self.fc2_split or 1) > 1 and self.weights_smem:
+            raise ValueError("fc2_split and weights_smem: a program's split weights are not one range to copy")
         if self.self_cluster and self.fuse_self:
             raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
         if self.a_chunk < 1:
@@ -288,29 +269,16 @@ def check_shape(dims, t: CudaTiling, entries: int, tokens: int, rows: int, progr
 def weights_smem_of(t: CudaTiling, entries: int) -> bool:
     """Whether the GEMV phases' weights go through shared memory (CudaTiling.weights_smem; None: at
     B = 1 where fc2's K is not split)."""
-    return (t.weights_smem if t.weights_smem is not None
-            else entries == 1 and (t.fc2_split or 1) == 1 and t.k_split == 1)
-
-
-def whole_split(split: int, cluster: int, k: int, unit: int) -> int:
-    """A K split as asked, halved until it divides the cluster and each program's part of K is whole
-    units of `unit` (the 8 warps' k-steps: 128 for whole k-steps, 256 for whole 16-byte k-pairs)."""
-    while split > 1 and (cluster % split or k % (unit * split)):
-        split //= 2
-    return split
+    return t.weights_smem if t.weights_smem is not None else entries == 1 and (t.fc2_split or 1) == 1
 
 
 def fc2_split_of(t: CudaTiling, entries: int, cluster: int, mlp: int) -> int:
     """fc2's K split (CudaTiling.fc2_split): as asked, at most the cluster, and a warp's k-steps of
     its part in whole 16-byte pairs (mlp / 16 / split / 8 even)."""
     split = t.fc2_split or (2 if entries >= 2 and not weights_smem_of(t, entries) else 1)
-    return whole_split(split, cluster, mlp, 256)
-
-
-def k_split_of(t: CudaTiling, cluster: int, width: int) -> int:
-    """The width-K phases' K split (CudaTiling.k_split): as asked, at most the cluster, and a warp's
-    k-steps whole (width / 16 / split a multiple of 8, so a program's part is whole k-pairs)."""
-    return whole_split(t.k_split, cluster, width, 128)
+    while split > 1 and (cluster % split or mlp % (256 * split)):
+        split //= 2
+    return split
 
 
 def tiles_a_program(n: int, asked: int, first_part: int = 0, *, programs: int) -> int:
@@ -357,35 +325,29 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     tpr, key_tiles = 1, math.ceil(n_keys / 16)
     while tpr < 32 and tpr * 2 * rows <= THREADS:
         tpr *= 2
+    tpc = functools.partial(tiles_a_program, programs=programs)
     w, fold = dims.width, int(t.fold_cross_q)
     so_stride = dims.head_dim + ((8 - dims.head_dim % 32) % 32 if t.cross_pad else 0)   # cross_pad
-    fp8 = bool(getattr(dims, "fp8", False))   # e4m3 weights: 8 bytes a lane's two k-steps, not 16
-    if fp8 and t.k_split > 1:
-        raise ValueError("k_split takes bf16 weights (a split warp's odd k-steps load 8 bytes a k-step)")
-    ksplit = k_split_of(t, cluster, w)
-    tpk = functools.partial(tiles_a_program, programs=programs // ksplit)   # a group of ksplit programs' tiles
-    qkv, so = tpk((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpk((1 + fold) * w, 0, fold * w)
-    cq, fc1, rest = tpk(w, t.cq_tpc), tpk(dims.mlp, t.fc1_tpc), tpk(w, 0)
+    qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, 0, fold * w)
+    cq, fc1, rest = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, 0)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
     fc2 = tiles_a_program(w, 0, programs=programs // split)   # a group of `split` programs shares fc2's tiles
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
     gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2))
 
     def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, x1's
-        # row statistics, the warps' partials or the last program's copy of every program's, with
-        # fold_cross_q its stage of S, rho and delta, with kv_pipe each lane's next key tile), a multiple of 4
+        # row statistics, the warps' partials or the last program's copy of every program's, and with
+        # fold_cross_q its stage of S, rho and delta), a multiple of 4
         stage = fold * (tok16 + 2) * dims.head_dim
-        pipe = t.kv_pipe * THREADS * 2 * dims.head_dim // 16 * 4   # a lane's next K/V tile: 2 HK 16-byte rows
-        cross = 4 + 2 * tok16 + max(8 * (so_stride + 2), cpp * (dims.head_dim + 2)) * tok16 + stage + pipe
+        cross = 4 + 2 * tok16 + max(8 * (so_stride + 2), cpp * (dims.head_dim + 2)) * tok16 + stage
         return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
     # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
     # tile, 8 in e4m3), after two mbarriers (16 bytes); off where they do not fit beside the rest
+    fp8 = bool(getattr(dims, "fp8", False))   # e4m3 weights: 8 bytes a lane's two k-steps, not 16
     w_buf = (8 if fp8 else 16) * max([n * w for n in (qkv, so, cq, rest, fc1)] + [rest * dims.mlp])
     w_bytes = 16 + 2 * w_buf if weights_smem_of(t, entries) else 0
     tile_bytes = 2 * 32 * dims.head_dim // 16 * 16
-    split_sums = max([fc2 * rows * 8] * (split > 1) + [n * rows * 8 for n in (qkv, so, cq, fc1, rest)] * (ksplit > 1),
-                     default=0)
-    cluster_region = 4 * max(tok16 * dims.head_dim + 2 * tok16, split_sums,
+    cluster_region = 4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
                              8 * dims.head_dim * 8 * t.self_cluster) if cluster > 1 else 0
     kv_smem, cpp = cross_split(t, key_tiles, tile_bytes, programs // pairs, cluster, lambda c, kv_bytes:
                                4 * general(c) + w_bytes + kv_bytes + cluster_region <= smem_limit)
@@ -409,8 +371,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), LATE_W=int(t.late_weights),
-                     KV_AHEAD=int(t.kv_ahead), KV_PIPE=int(t.kv_pipe),
-                     A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split, KW_SPLIT=ksplit,
+                     KV_AHEAD=int(t.kv_ahead),
+                     A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
                      W_FP8=int(fp8), FP8_HOLD=int(fp8 and t.fp8_hold))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)

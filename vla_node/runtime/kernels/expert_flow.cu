@@ -46,16 +46,13 @@
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
 // SELF_CLUSTER (the self-attention computed by self_out's clusters: FROM_CLUSTER), FC2_SPLIT (fc2's
 // K split over that many programs of a cluster, partial sums through distributed shared memory at
-// C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), KW_SPLIT (the same for the width-K
-// phases: qkv, self_out, cross_q, cross_out, fc1), A_CHUNK (k-steps of A fragments a warp
+// C_OFF: each program reads 1 / FC2_SPLIT of the MLP hidden), A_CHUNK (k-steps of A fragments a warp
 // loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
 // residual values before the dots of this one), L2_PREFETCH (1: each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
 // the start of the block; 2: only the key tiles), KV_AHEAD (the cross-attention's warps load a key
 // tile's mask bits and pull its K/V into L2 a tile ahead: a warp of several tiles waited a round
-// trip for each tile's K/V and then another for its mask), KV_PIPE (a warp of several key tiles
-// copies the next one's K/V into shared memory (cp.async, no registers) before this one's dots, not
-// loads it after them), LATE_W (a GEMV phase's weights loaded into
+// trip for each tile's K/V and then another for its mask), LATE_W (a GEMV phase's weights loaded into
 // registers after its wait instead of before: what their loads cost the barrier's release), STATS_T
 // (the LayerNorm statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV epilogue's
 // (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its columns), CLUSTER (the cross-attention's
@@ -678,26 +675,21 @@ constexpr int whole_chunk(int ksteps, int most) {
     return c;
 }
 
-// SPLIT > 1 (FC2_SPLIT, KW_SPLIT): K split over SPLIT consecutive programs of a cluster (a group),
-// each reading 1 / SPLIT of the activations: a program's partial sums of its group's TPC tiles over
-// its part of K, reduced through distributed shared memory by the program whose epilogue takes a tile.
-// SINGLE: a warp's k-steps are odd (a width-768 K split in two: 3), so its weights come as one
-// 8-byte load a k-step (half of a lane's 16-byte pair) instead of one 16-byte load a pair.
+// SPLIT > 1 (FC2_SPLIT): K split over SPLIT consecutive programs of a cluster (a group), each
+// reading 1 / SPLIT of the activations: a program's partial sums of its group's TPC tiles over its
+// part of K, reduced through distributed shared memory by the program whose epilogue takes a tile.
 template <int N, int K, int TPCX, int SPLIT = 1> struct Shape {
     static constexpr int NT8 = N / 8;                   // output tiles of 8 columns
     static constexpr int KS = K / 16;
     static constexpr int KSW = KS / SPLIT / NWARPS;     // k-steps of one warp
-    static constexpr bool SINGLE = KSW % 2 != 0;
-    static constexpr int KP = SINGLE ? KSW : KSW / 2;   // weight loads per (tile, lane)
+    static constexpr int KP = KSW / 2;                  // 16-byte weight loads per (tile, lane)
     // tiles of one program (of its group): TPCX, or as few as reach every output tile
     static constexpr int TPC = TPCX ? TPCX : (NT8 + NPROG / SPLIT - 1) / (NPROG / SPLIT);
     static constexpr int OWN = (TPC + SPLIT - 1) / SPLIT;   // tiles whose epilogue the program runs
-    static_assert(SPLIT == 1 || (CLUSTER % SPLIT == 0 && KS % (SPLIT * NWARPS) == 0),
-                  "SPLIT: whole groups in a cluster, whole k-steps a warp (a part of K: whole k-pairs)");
-    static_assert(!SINGLE || (!W_FP8 && !W_SMEM), "SINGLE: bf16 weights loaded into registers");
+    static_assert(SPLIT == 1 || (CLUSTER % SPLIT == 0 && KSW % 2 == 0),
+                  "SPLIT: whole groups in a cluster, k-pairs a warp");
     __device__ static int t0() { return blockIdx.x / SPLIT * TPC; }         // the group's first tile
     __device__ static int rank() { return blockIdx.x % SPLIT; }
-    __device__ static int k0() { return rank() * (KS / SPLIT); }           // the program's first k-step
     __device__ static int own(int tt) { return rank() + tt * SPLIT; }       // the group's tile of own tile tt
 };
 
@@ -768,10 +760,6 @@ struct Part2 {
     const float* wsc;   // W_FP8: w's scale a column
 };
 
-// Pick<B, T, F>::type: T where B, else F.
-template <bool B, class T, class F> struct Pick { typedef T type; };
-template <class T, class F> struct Pick<false, T, F> { typedef F type; };
-
 // y = src @ Wf^T (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
 // A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait. Output
@@ -780,7 +768,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     typedef Shape<N, K, TPCX, SPLIT> S;
     static constexpr int NA8 = NA / 8;
     static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
-    typename Pick<S::SINGLE, uint2, wfrag>::type wr[S::TPC][S::KP];   // SINGLE: a k-step's two B registers
+    wfrag wr[S::TPC][S::KP];
     uint4 held[FP8_HOLD ? S::TPC : 1][FP8_HOLD ? S::KP : 1];   // FP8_HOLD: wr made bf16
     u32 shift[S::KSW][2], scale[S::KSW][2];
     // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
@@ -819,7 +807,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
             const int so = second ? p2.scale_off : scale_off;
 #pragma unroll
             for (int ks = 0; ks < S::KSW; ++ks) {
-                int c = (S::k0() + warp * S::KSW + ks) * 16 + 2 * q;
+                int c = (warp * S::KSW + ks) * 16 + 2 * q;
                 shift[ks][0] = second ? 0u : ld_in4(mod + shift_off + c);
                 shift[ks][1] = second ? 0u : ld_in4(mod + shift_off + c + 8);
                 scale[ks][0] = ld_in4(mod + so + c);
@@ -833,35 +821,22 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     __device__ __forceinline__ void load_w(const wfrag* wf, const Part2& p2) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t0 = S::t0();
         const wfrag* w = first_weights<N, K, TPCX, NA, SPLIT>(wf, p2.w);
-        if constexpr (S::SINGLE) {   // k-step k of a pair's lane row: its half k & 1 (the part starts on a pair)
 #pragma unroll
-            for (int tt = 0; tt < S::TPC; ++tt)
+        for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt)
 #pragma unroll
-                for (int ks = 0; ks < S::KSW; ++ks) {
-                    const int k = warp * S::KSW + ks;
-                    wr[tt][ks] = t0 + tt < S::NT8
-                        ? ld_in8((const uint2*)(w + (tt * (S::KS / 2) + k / 2) * 32 + lane) + (k & 1)) : uint2{};
-                }
-        } else {
-#pragma unroll
-            for (int tt = 0; tt < S::TPC && !W_SMEM; ++tt)
-#pragma unroll
-                for (int kp = 0; kp < S::KP; ++kp)
-                    wr[tt][kp] = t0 + tt < S::NT8 ? ld_w(w + ((tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
-                                                  : wfrag{};
-        }
+            for (int kp = 0; kp < S::KP; ++kp)
+                wr[tt][kp] = t0 + tt < S::NT8 ? ld_w(w + ((tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane))
+                                              : wfrag{};
     }
 
     // W_SMEM: this program's weights from its buffer (the same order as in memory, from its first tile).
     __device__ __forceinline__ void load_smem(const wfrag* buf) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t0 = blockIdx.x * S::TPC;
-        if constexpr (!S::SINGLE) {   // (SINGLE phases never take W_SMEM: Shape)
 #pragma unroll
-            for (int tt = 0; tt < S::TPC; ++tt)
+        for (int tt = 0; tt < S::TPC; ++tt)
 #pragma unroll
-                for (int kp = 0; kp < S::KP; ++kp)
-                    wr[tt][kp] = t0 + tt < S::NT8 ? buf[(tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane] : wfrag{};
-        }
+            for (int kp = 0; kp < S::KP; ++kp)
+                wr[tt][kp] = t0 + tt < S::NT8 ? buf[(tt * (S::KS / 2) + warp * S::KP + kp) * 32 + lane] : wfrag{};
     }
 
     // FP8_HOLD: this program's e4m3 weights as bf16, each fragment pair once.
@@ -884,12 +859,12 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #if X_FRAGS
 #pragma unroll
         for (int ks = 0; ks < S::KSW; ++ks)
-            raw[ks] = ld_cg16((const uint4*)p.xf + ((mt * KS_W + S::k0() + warp * S::KSW + ks) * 32 + lane));
+            raw[ks] = ld_cg16((const uint4*)p.xf + ((mt * KS_W + warp * S::KSW + ks) * 32 + lane));
 #else
         const int g = lane >> 2, q = lane & 3, r0 = mt * 16 + g, r1 = r0 + 8;
 #pragma unroll
         for (int ks = 0; ks < S::KSW; ++ks) {
-            const int c = (S::k0() + warp * S::KSW + ks) * 16 + 2 * q;
+            const int c = (warp * S::KSW + ks) * 16 + 2 * q;
             raw[ks].v[0] = ld_cg_f2(p.x + r0 * WIDTH + c);
             raw[ks].v[1] = ld_cg_f2(p.x + r1 * WIDTH + c);
             raw[ks].v[2] = ld_cg_f2(p.x + r0 * WIDTH + c + 8);
@@ -911,7 +886,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
         }
         if (SRC != FROM_X_LN)
             return ld_cg16((const uint4*)frags +
-                           ((mt * src_ksteps + S::k0() + warp * S::KSW + ks) * 32 + lane));
+                           ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane));
         const int r0 = mt * 16 + g, r1 = r0 + 8;
         const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
         const float2 x00 = x_pair(raw[ks], 0), x10 = x_pair(raw[ks], 1), x01 = x_pair(raw[ks], 2), x11 = x_pair(raw[ks], 3);
@@ -953,10 +928,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #pragma unroll
                     for (int tt = 0; tt < S::TPC; ++tt) {
                         u32 b0, b1;
-                        if constexpr (S::SINGLE) {
-                            b0 = wr[tt][ks].x;
-                            b1 = wr[tt][ks].y;
-                        } else if constexpr (FP8_HOLD) b_regs(held[tt][ks >> 1], ks & 1, b0, b1);
+                        if constexpr (FP8_HOLD) b_regs(held[tt][ks >> 1], ks & 1, b0, b1);
                         else b_regs(wr[tt][ks >> 1], ks & 1, b0, b1);
                         mma(acc[tt], a[k], b0, b1);
                     }
@@ -1080,8 +1052,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
                                            const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{},
                                            const WRef& next_w = WRef{nullptr, 0u}) {
     typedef Shape<N, K, TPCX, SPLIT> S;
-    static_assert(SPLIT == 1 || ((SRC == FROM_FRAGS || SRC == FROM_X_LN) && !W_SMEM),
-                  "SPLIT: dots of stored fragments or LayerNorm sources, weights in registers");
+    static_assert(SPLIT == 1 || (SRC == FROM_FRAGS && NA == N && !W_SMEM), "SPLIT: dots of stored fragments only");
     Gemv<N, K, EPI, TPCX, NA, SPLIT> gemv;
     w_issue(s, smem, next_w, 1);   // W_SMEM: the next GEMV phase's weights stream in while this one runs
     float* mean = smem;
@@ -1100,14 +1071,9 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     if (W_SMEM && active) gemv.load_smem(w_take(s, smem));
     if (FP8_HOLD && active) gemv.hold();
     if (WORK && SPLIT > 1) {   // every program of the cluster meets at its barrier
-        XRaw raw[S::KSW];   // LN sources: this program's part of row tile 0's values
-        if (SRC == FROM_X_LN && active) {
-            gemv.load_x(p, 0, raw);
-            row_stats(p, mean, rstd);
-            __syncthreads();
-        }
         trace_mark(p, s, 2);
         if (active) {
+            XRaw raw[S::KSW];   // unused: the fragments' dots read no residual values
             gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
             __syncthreads();
             gemv.split_sums(red, red_k);
@@ -1277,9 +1243,6 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
     // FOLD_CQ's stage: after the region the last program's merge may use (cpp partials)
     const int partials = NWARPS * (SO_STRIDE + 2) > p.cpp * (HDIM + 2) ? NWARPS * (SO_STRIDE + 2) : p.cpp * (HDIM + 2);
     float* stage = smem + 4 + 2 * TOK16 + partials * TOK16;
-    // KV_PIPE: this lane's slot for its warp's next key tile, after the stage (16-byte aligned: TOK16
-    // and HDIM are multiples of 16)
-    uint4* pipe = (uint4*)(stage + FOLD_CQ * (TOK16 + 2) * HDIM) + (warp * 32 + lane) * 2 * HK;
     if (FOLD_CQ && WORK && active) stage_fold_constants(fc, h, stage);
     grid_wait(p, s);
     const uint4* kvs = (const uint4*)(smem + KV_OFF + 4);   // KV_SMEM: this program's tiles, from kv_prefetch
@@ -1323,16 +1286,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     const uint4* src = kvs + ((tile - part * p.tiles_per_cta) * 2 * 32 + lane) * HK;
                     for (int u = 0; u < HK; ++u) kv[u] = src[u];
                     for (int u = 0; u < HK; ++u) kv[HK + u] = src[32 * HK + u];
-                } else if (KV_PIPE && tile != tile_lo) {   // copied in during the tile before
-                    cp_async_wait();
-                    for (int u = 0; u < 2 * HK; ++u) kv[u] = pipe[u];
                 } else if (qm > 0 || tile != tile_lo) {
                     load_kv(p, j, b, h, tile, kv);
-                }
-                if (KV_PIPE && !KV_SMEM && tile + NWARPS < tile_hi) {
-                    const uint4* src = p.kv + (kv_tile(p, j, b, h, tile + NWARPS) + lane) * HK;
-                    for (int u = 0; u < HK; ++u) cp_async16(pipe + u, src + u);
-                    for (int u = 0; u < HK; ++u) cp_async16(pipe + HK + u, src + 32 * HK + u);
                 }
                 float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
                 for (int ks = 0; ks < HK; ++ks) {
@@ -1551,15 +1506,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
     constexpr size_t WW = (size_t)WIDTH * WIDTH / 8, WM = (size_t)WIDTH * MLPD / 8;   // wfrags of a block's matrix
     auto qkv_w = [&](int i, int j) {
-        return wref<QKV_N, WIDTH, QKV_TPC, 3 * WIDTH, KW_SPLIT>(p.wqkv + j * 3 * WW, p.wq + j * WW);
+        return wref<QKV_N, WIDTH, QKV_TPC, 3 * WIDTH>(p.wqkv + j * 3 * WW, p.wq + j * WW);
     };
     auto so_w = [&](int i, int j) {
-        return wref<SO_N, WIDTH, SO_TPC, WIDTH, KW_SPLIT>(p.wso + j * WW,
-                                                         FOLD_CQ ? p.fold_m + ((size_t)i * DEPTH + j) * WW : nullptr);
+        return wref<SO_N, WIDTH, SO_TPC, WIDTH>(p.wso + j * WW,
+                                                FOLD_CQ ? p.fold_m + ((size_t)i * DEPTH + j) * WW : nullptr);
     };
-    auto cq_w = [&](int j) { return wref<WIDTH, WIDTH, CQ_TPC, WIDTH, KW_SPLIT>(p.wq + j * WW, nullptr); };
-    auto co_w = [&](int j) { return wref<WIDTH, WIDTH, 0, WIDTH, KW_SPLIT>(p.wco + j * WW, nullptr); };
-    auto fc1_w = [&](int j) { return wref<MLPD, WIDTH, FC1_TPC, MLPD, KW_SPLIT>(p.w1 + j * WM, nullptr); };
+    auto cq_w = [&](int j) { return wref<WIDTH, WIDTH, CQ_TPC>(p.wq + j * WW, nullptr); };
+    auto co_w = [&](int j) { return wref<WIDTH, WIDTH, 0>(p.wco + j * WW, nullptr); };
+    auto fc1_w = [&](int j) { return wref<MLPD, WIDTH, FC1_TPC>(p.w1 + j * WM, nullptr); };
     auto fc2_w = [&](int j) { return wref<WIDTH, MLPD, 0, WIDTH, FC2_SPLIT>(p.w2 + j * WM, nullptr); };
     // Steps step_lo .. step_hi - 1; a reused step (reuse[i] >= 0) only updates the actions.
     int done = -1, i = p.step_lo;
@@ -1586,7 +1541,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                                   FOLD_CQ ? p.wsc_fold + sj * WIDTH : nullptr};
             const WRef none = {nullptr, 0u};
             kv_prefetch(p, smem, j);
-            gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH, KW_SPLIT>(
+            gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
                 p, s, smem, p.wqkv + j * 3 * WW, p.wsc_qkv + j * 3 * WIDTH,
                 p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
                 so_w(next, j));
@@ -1603,22 +1558,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #else
             self_phase(p, s);
-            gemv_phase<SO_N, WIDTH, FROM_FRAGS, TO_RESIDUAL, SO_TPC, WIDTH, KW_SPLIT>(
+            gemv_phase<SO_N, WIDTH, FROM_FRAGS, TO_RESIDUAL, SO_TPC, WIDTH>(
                 p, s, smem, p.wso + j * WW, p.wsc_so + j * WIDTH,
                 p.bso + j * WIDTH, mod, 0, 0, 2 * WIDTH, p.y, KS_W, nullptr, s_part,
                 FOLD_CQ ? co_w(j) : cq_w(j));
 #endif
             if (!FOLD_CQ)
-                gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC, WIDTH, KW_SPLIT>(
+                gemv_phase<WIDTH, WIDTH, FROM_X_LN, TO_FRAGS, CQ_TPC>(
                     p, s, smem, p.wq + j * WW, p.wsc_q + j * WIDTH,
                     p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
                     co_w(j));
             cross_phase(p, s, smem, j, fc);
-            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL, 0, WIDTH, KW_SPLIT>(
+            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(
                 p, s, smem, p.wco + j * WW, p.wsc_co + j * WIDTH,
                 p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{},
                 fc1_w(j));
-            gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC, MLPD, KW_SPLIT>(
+            gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
                 p, s, smem, p.w1 + j * WM, p.wsc_1 + j * MLPD,
                 p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
                 fc2_w(j));
