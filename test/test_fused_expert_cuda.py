@@ -308,8 +308,8 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     A fragments loaded a k-step at a time with the next row tile's residual values ahead, the
     self-attention computed in self_out's clusters (no self phase), the cross-attention's partials
     at an unpadded stride (also with the cross-attention merged through global memory by its last
-    program), and the weights loaded after each wait with the key tiles alone pulled into L2 and the
-    barriers polled by warp 7."""
+    program), the weights loaded after each wait with the key tiles alone pulled into L2 and the
+    barriers polled by warp 0, and every GEMV phase's tiles on half the programs (some idle)."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     with torch.inference_mode():
@@ -318,7 +318,8 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
                          CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
                          CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True), CudaTiling(cross_pad=False),
                          CudaTiling(cluster=1, cross_pad=False),
-                         CudaTiling(late_weights=True, l2_prefetch=2, poll_warp=7))]
+                         CudaTiling(late_weights=True, l2_prefetch=2, poll_warp=0),
+                         CudaTiling(qkv_tpc=32, so_tpc=16, co_tpc=8, fc1_tpc=16, fc2_tpc=16))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
 

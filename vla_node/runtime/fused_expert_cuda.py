@@ -73,6 +73,13 @@ class CudaTiling:
     qkv_tpc: int = 0
     cq_tpc: int = 0
     fc1_tpc: int = 4
+    # the same for the phases that read a produced buffer (self_out and cross_out the attention
+    # output, fc2 the MLP hidden, a group of fc2_split programs sharing its tiles): every program
+    # reads all of its rows, so more tiles a program, fewer programs read them (0: as few tiles as
+    # cover the outputs)
+    so_tpc: int = 0
+    co_tpc: int = 0
+    fc2_tpc: int = 0
     # the cross-attention's programs of an (entry, head) launched as one thread-block cluster of
     # this many, merging their partials through distributed shared memory instead of global memory
     # and an atomic; the launch then has as many programs as the GPU holds in such clusters (the
@@ -328,12 +335,12 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     tpc = functools.partial(tiles_a_program, programs=programs)
     w, fold = dims.width, int(t.fold_cross_q)
     so_stride = dims.head_dim + ((8 - dims.head_dim % 32) % 32 if t.cross_pad else 0)   # cross_pad
-    qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, 0, fold * w)
-    cq, fc1, rest = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, 0)
+    qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, t.so_tpc, fold * w)
+    cq, fc1, co = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, t.co_tpc)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
-    fc2 = tiles_a_program(w, 0, programs=programs // split)   # a group of `split` programs shares fc2's tiles
+    fc2 = tiles_a_program(w, t.fc2_tpc, programs=programs // split)   # a group of `split` programs shares fc2's tiles
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
-    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, rest, fc2))
+    gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, co, fc2))
 
     def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, x1's
         # row statistics, the warps' partials or the last program's copy of every program's, and with
@@ -344,7 +351,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
     # tile, 8 in e4m3), after two mbarriers (16 bytes); off where they do not fit beside the rest
     fp8 = bool(getattr(dims, "fp8", False))   # e4m3 weights: 8 bytes a lane's two k-steps, not 16
-    w_buf = (8 if fp8 else 16) * max([n * w for n in (qkv, so, cq, rest, fc1)] + [rest * dims.mlp])
+    w_buf = (8 if fp8 else 16) * max([n * w for n in (qkv, so, cq, co, fc1)] + [fc2 * dims.mlp])
     w_bytes = 16 + 2 * w_buf if weights_smem_of(t, entries) else 0
     tile_bytes = 2 * 32 * dims.head_dim // 16 * 16
     cluster_region = 4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
@@ -367,7 +374,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      SPIN_LIMIT=SPIN_LIMIT, POLL=t.poll, POLL_THREAD=32 * t.poll_warp, TRACE=int(t.trace),
                      WORK=int(t.work), QKV_TPC=qkv,
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
-                     KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, FOLD_CQ=fold,
+                     KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, CO_TPC=co, FC2_TPC=fc2, FOLD_CQ=fold,
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), LATE_W=int(t.late_weights),

@@ -37,7 +37,8 @@
 // and each of its 8 warps an eighth of K; the warps' partial sums meet in shared memory.
 //
 // Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
-// the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC) and self_out's (SO_TPC), FOLD_CQ
+// the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC) and the others' (SO_TPC CO_TPC, FC2_TPC
+// a group of FC2_SPLIT programs'), FOLD_CQ
 // (the cross-attention's queries folded into qkv and self_out: no cross_q phase; see Part2),
 // KV_SMEM (the cross-attention's key tiles copied into shared memory at KV_OFF floats, ahead of
 // their use), FUSE_SELF and X_FRAGS (the LayerNorm phases read the residual stream's bf16 copy
@@ -1513,9 +1514,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                                                 FOLD_CQ ? p.fold_m + ((size_t)i * DEPTH + j) * WW : nullptr);
     };
     auto cq_w = [&](int j) { return wref<WIDTH, WIDTH, CQ_TPC>(p.wq + j * WW, nullptr); };
-    auto co_w = [&](int j) { return wref<WIDTH, WIDTH, 0>(p.wco + j * WW, nullptr); };
+    auto co_w = [&](int j) { return wref<WIDTH, WIDTH, CO_TPC>(p.wco + j * WW, nullptr); };
     auto fc1_w = [&](int j) { return wref<MLPD, WIDTH, FC1_TPC>(p.w1 + j * WM, nullptr); };
-    auto fc2_w = [&](int j) { return wref<WIDTH, MLPD, 0, WIDTH, FC2_SPLIT>(p.w2 + j * WM, nullptr); };
+    auto fc2_w = [&](int j) { return wref<WIDTH, MLPD, FC2_TPC, WIDTH, FC2_SPLIT>(p.w2 + j * WM, nullptr); };
     // Steps step_lo .. step_hi - 1; a reused step (reuse[i] >= 0) only updates the actions.
     int done = -1, i = p.step_lo;
     while (true) {
@@ -1569,7 +1570,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                     p.bq + j * WIDTH, mod, 3 * WIDTH, 4 * WIDTH, 0, nullptr, 0, p.q, Part2{},
                     co_w(j));
             cross_phase(p, s, smem, j, fc);
-            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL>(
+            gemv_phase<WIDTH, WIDTH, FROM_FRAGS, TO_RESIDUAL, CO_TPC>(
                 p, s, smem, p.wco + j * WW, p.wsc_co + j * WIDTH,
                 p.bco + j * WIDTH, mod, 0, 0, 5 * WIDTH, p.y, KS_W, nullptr, Part2{},
                 fc1_w(j));
@@ -1577,7 +1578,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                 p, s, smem, p.w1 + j * WM, p.wsc_1 + j * MLPD,
                 p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
                 fc2_w(j));
-            gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL, 0, WIDTH, FC2_SPLIT>(
+            gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL, FC2_TPC, WIDTH, FC2_SPLIT>(
                 p, s, smem, p.w2 + j * WM, p.wsc_2 + j * WIDTH,
                 p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
                 j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
