@@ -143,6 +143,9 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     # the default: the buffers at one observation (fc2's K unsplit), none at two (fc2 split)
     d1, d2 = (dict(plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, held=h200).constants) for e in (1, 2))
     assert (d1["W_SMEM"], d1["FC2_SPLIT"], d2["W_SMEM"], d2["FC2_SPLIT"]) == (1, 1, 0, 2)
+    # cross_out: 2 tiles a program (48 programs) up to two observations, as few as cover it (1) from four
+    d4 = dict(plan_of(MOLMOBOT_4B, 4, 16, 892, H200_SMS, held=h200).constants)
+    assert (d1["CO_TPC"], d2["CO_TPC"], d4["CO_TPC"]) == (2, 2, 1)
     with pytest.raises(ValueError, match="at most 128 padded rows"):
         plan_of(MOLMOBOT_4B, entries=9, tokens=16, n_keys=892, programs=H200_SMS)
 

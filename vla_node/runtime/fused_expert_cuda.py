@@ -75,10 +75,12 @@ class CudaTiling:
     fc1_tpc: int = 4
     # the same for the phases that read a produced buffer (self_out and cross_out the attention
     # output, fc2 the MLP hidden, a group of fc2_split programs sharing its tiles): every program
-    # reads all of its rows, so more tiles a program, fewer programs read them (0: as few tiles as
-    # cover the outputs)
+    # reads all of its rows, so more tiles a program, fewer programs read them
+    # (0: as few tiles as cover the outputs; co_tpc None: 2 at B <= 2, where on the H100 the loop
+    # was 0.3-1.3 % faster in three runs, and 0 at B >= 4, where it was 2 % slower; more tiles for
+    # self_out or fc2 were no faster at any B: BENCHMARKS.md, twenty-eighth session)
     so_tpc: int = 0
-    co_tpc: int = 0
+    co_tpc: Optional[int] = None
     fc2_tpc: int = 0
     # the cross-attention's programs of an (entry, head) launched as one thread-block cluster of
     # this many, merging their partials through distributed shared memory instead of global memory
@@ -336,7 +338,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     w, fold = dims.width, int(t.fold_cross_q)
     so_stride = dims.head_dim + ((8 - dims.head_dim % 32) % 32 if t.cross_pad else 0)   # cross_pad
     qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, t.so_tpc, fold * w)
-    cq, fc1, co = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc), tpc(w, t.co_tpc)
+    cq, fc1 = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc)
+    co = tpc(w, 2 * (entries <= 2) if t.co_tpc is None else t.co_tpc)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
     fc2 = tiles_a_program(w, t.fc2_tpc, programs=programs // split)   # a group of `split` programs shares fc2's tiles
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
