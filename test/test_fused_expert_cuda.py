@@ -153,6 +153,7 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
+                                             (4, CudaTiling(l2_prefetch=3)),
                                              (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
@@ -312,7 +313,8 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     self-attention computed in self_out's clusters (no self phase), the cross-attention's partials
     at an unpadded stride (also with the cross-attention merged through global memory by its last
     program), the weights loaded after each wait with the key tiles alone pulled into L2 and the
-    barriers polled by warp 0, and every GEMV phase's tiles on half the programs (some idle)."""
+    barriers polled by warp 0, the key tiles pulled into L2 from qkv's arrival, and every GEMV
+    phase's tiles on half the programs (some idle)."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     with torch.inference_mode():
@@ -321,7 +323,7 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
                          CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
                          CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True), CudaTiling(cross_pad=False),
                          CudaTiling(cluster=1, cross_pad=False),
-                         CudaTiling(late_weights=True, l2_prefetch=2, poll_warp=0),
+                         CudaTiling(late_weights=True, l2_prefetch=2, poll_warp=0), CudaTiling(l2_prefetch=3),
                          CudaTiling(qkv_tpc=32, so_tpc=16, co_tpc=8, fc1_tpc=16, fc2_tpc=16))]
     for got in out[1:]:
         assert torch.equal(got, out[0])

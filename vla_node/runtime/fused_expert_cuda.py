@@ -130,7 +130,9 @@ class CudaTiling:
     # key tiles from the start of the block: the loads before a phase's wait then come from L2
     # (without weights_smem). On the H200 no faster: B = 1 / 2 / 4 / 8 9.38 / 12.56 / 18.25 / 27.47 ms
     # against 9.39 / 12.90 / 18.43 / 27.08 (BENCHMARKS.md, tenth session). 2: the key tiles only (on the
-    # H100 slower: thread 0's bulk prefetch at the block's start held qkv's release, 2.00 -> 2.75 us)
+    # H100 slower: thread 0's bulk prefetch at the block's start held qkv's release, 2.00 -> 2.75 us,
+    # when thread 0 also polled the barriers). 3: the key tiles only, from qkv's arrival (the self
+    # phase reads no weights; at B = 4 a block's 11.6 MB of K/V were read inside the cross phase)
     l2_prefetch: int = 0
     # a GEMV phase's weights loaded into registers after its wait instead of between the arrival
     # before it and the wait. On the H100 qkv's, fc1's and fc2's releases 0.75-1.0 us shorter (the
@@ -178,8 +180,9 @@ class CudaTiling:
             raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
         if self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
-        if int(self.l2_prefetch) not in (0, 1, 2):
-            raise ValueError(f"l2_prefetch: 0, 1 (weights and key tiles) or 2 (key tiles), got {self.l2_prefetch}")
+        if int(self.l2_prefetch) not in (0, 1, 2, 3):
+            raise ValueError(f"l2_prefetch: 0, 1 (weights and key tiles), 2 (key tiles) or 3 (key tiles after qkv), "
+                             f"got {self.l2_prefetch}")
         if self.cross_marks not in (0, 1, 2):
             raise ValueError(f"cross_marks: 0, 1 or 2, got {self.cross_marks}")
         if not 0 <= self.poll_warp < THREADS // 32:

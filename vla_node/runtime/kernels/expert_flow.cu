@@ -51,7 +51,7 @@
 // loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
 // residual values before the dots of this one), L2_PREFETCH (1: each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
-// the start of the block; 2: only the key tiles), KV_AHEAD (the cross-attention's warps load a key
+// the start of the block; 2: only the key tiles; 3: only the key tiles, from qkv's arrival), KV_AHEAD (the cross-attention's warps load a key
 // tile's mask bits and pull its K/V into L2 a tile ahead: a warp of several tiles waited a round
 // trip for each tile's K/V and then another for its mask), LATE_W (a GEMV phase's weights loaded into
 // registers after its wait instead of before: what their loads cost the barrier's release), STATS_T
@@ -1154,11 +1154,14 @@ __device__ __forceinline__ void load_kv(const Params& p, int j, int b, int h, in
 
 // KV_SMEM: this program's key tiles of block j copied into shared memory (one bulk copy,
 // thread 0), issued before the block's first phase: they land while qkv .. cross_q run. Else
-// with L2_PREFETCH pulled into L2 as early.
-__device__ __forceinline__ void kv_prefetch(const Params& p, float* smem, int j) {
+// with L2_PREFETCH 1 or 2 pulled into L2 as early, with 3 from qkv's arrival on (after_qkv: the
+// self-attention reads no weights, so the tiles do not queue behind qkv's in the HBM).
+__device__ __forceinline__ void kv_prefetch(const Params& p, float* smem, int j, bool after_qkv) {
     const int pair = blockIdx.x / p.cpp, part = blockIdx.x % p.cpp;
     const int first = part * p.tiles_per_cta, tiles = min(p.tiles_per_cta, p.key_tiles - first);
-    if (!(KV_SMEM || L2_PREFETCH) || threadIdx.x != 0 || pair >= ENTRIES * HEADS || tiles <= 0) return;
+    const bool at_start = KV_SMEM || L2_PREFETCH == 1 || L2_PREFETCH == 2;
+    const bool now = after_qkv ? !KV_SMEM && L2_PREFETCH == 3 : at_start;
+    if (!now || threadIdx.x != 0 || pair >= ENTRIES * HEADS || tiles <= 0) return;
     const int b = pair / HEADS, h = pair % HEADS;
     const uint4* src = p.kv + kv_tile(p, j, b, h, first) * HK;
     if (KV_SMEM) {   // over the tiles the last block's cross-attention read with generic loads
@@ -1541,11 +1544,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WW : nullptr, fc, 0,
                                   FOLD_CQ ? p.wsc_fold + sj * WIDTH : nullptr};
             const WRef none = {nullptr, 0u};
-            kv_prefetch(p, smem, j);
+            kv_prefetch(p, smem, j, false);
             gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
                 p, s, smem, p.wqkv + j * 3 * WW, p.wsc_qkv + j * 3 * WIDTH,
                 p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
                 so_w(next, j));
+            kv_prefetch(p, smem, j, true);
 #if FUSE_SELF
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
             gemv_phase<SO_N, WIDTH, FROM_SELF, TO_RESIDUAL, SO_TPC, WIDTH>(
