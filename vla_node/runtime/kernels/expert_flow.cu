@@ -37,9 +37,9 @@
 // and each of its 8 warps an eighth of K; the warps' partial sums meet in shared memory.
 //
 // Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
-// the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC) and the others' (SO_TPC CO_TPC, FC2_TPC
-// a group of FC2_SPLIT programs'), FOLD_CQ
-// (the cross-attention's queries folded into qkv and self_out: no cross_q phase; see Part2),
+// the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC) and the others' (SO_TPC CO_TPC,
+// FC2_TPC a group of FC2_SPLIT programs'), FOLD_CQ (the cross-attention's queries folded into qkv
+// and self_out: no cross_q phase; see Part2),
 // KV_SMEM (the cross-attention's key tiles copied into shared memory at KV_OFF floats, ahead of
 // their use), FUSE_SELF and X_FRAGS (the LayerNorm phases read the residual stream's bf16 copy
 // in A-fragment order, xf),
@@ -51,10 +51,11 @@
 // loads at once: one L2 round trip each chunk), X_AHEAD (a LayerNorm phase loads the next row tile's
 // residual values before the dots of this one), L2_PREFETCH (1: each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
-// the start of the block; 2: only the key tiles; 3: only the key tiles, from qkv's arrival), KV_AHEAD (the cross-attention's warps load a key
-// tile's mask bits and pull its K/V into L2 a tile ahead: a warp of several tiles waited a round
-// trip for each tile's K/V and then another for its mask), LATE_W (a GEMV phase's weights loaded into
-// registers after its wait instead of before: what their loads cost the barrier's release), STATS_T
+// the start of the block; 2: only the key tiles; 3: only the key tiles, from qkv's arrival),
+// KV_AHEAD (the cross-attention's warps load a key tile's mask bits and pull its K/V into L2 a tile
+// ahead: a warp of several tiles waited a round trip for each tile's K/V and then another for its
+// mask), LATE_W (a GEMV phase's weights loaded into registers after its wait instead of before:
+// what their loads cost the barrier's release), STATS_T
 // (the LayerNorm statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV epilogue's
 // (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its columns), CLUSTER (the cross-attention's
 // programs of an (entry, head) are a thread-block cluster of that many and merge their partials
