@@ -63,4 +63,5 @@ for part in $PARTS; do
       tail -42 "$OUT/profile_droid.log" ;;
   esac
 done
+rm -f "$OUT"/*.png   # the device returns at most 8 files a call: the logs and JSON, not the benches' plots
 say "total"
