@@ -40,8 +40,10 @@ HOST_SMEM_LIMIT = 1 << 20   # the CPU build's shared memory is a host allocation
 @dataclass(frozen=True)
 class CudaTiling:
     """The kernel's measurement knobs (expert_flow.cu): how a barrier polls (0 acquire loads, 1
-    atomic adds of 0, 2 relaxed loads and one fence), per-segment timestamps, and `work` False:
-    only the loads and barriers (the loop's synchronisation floor; wrong numbers)."""
+    atomic adds of 0, 2 relaxed loads and one fence, 3 a flag a program, 4 acquire loads by each
+    cluster's first program alone, its cluster's barrier releasing the rest), per-segment
+    timestamps, and `work` False: only the loads and barriers (the loop's synchronisation floor;
+    wrong numbers)."""
     poll: int = 0
     # the warp whose first lane polls a barrier (0 .. 7): thread 0 also issues a phase's loads
     # before the wait (weights, the first key tile, the epilogue's inputs), which queues its polls:
@@ -183,6 +185,8 @@ class CudaTiling:
         if int(self.l2_prefetch) not in (0, 1, 2, 3):
             raise ValueError(f"l2_prefetch: 0, 1 (weights and key tiles), 2 (key tiles) or 3 (key tiles after qkv), "
                              f"got {self.l2_prefetch}")
+        if self.poll not in (0, 1, 2, 3, 4):
+            raise ValueError(f"poll: 0 .. 4 (how a barrier polls), got {self.poll}")
         if self.cross_marks not in (0, 1, 2):
             raise ValueError(f"cross_marks: 0, 1 or 2, got {self.cross_marks}")
         if not 0 <= self.poll_warp < THREADS // 32:
@@ -270,6 +274,8 @@ def check_shape(dims, t: CudaTiling, entries: int, tokens: int, rows: int, progr
     if t.self_cluster and (cluster == 1 or self_items > 8 * cluster):
         raise ValueError(f"self_cluster: {self_items} self-attention items on clusters of {cluster} "
                          "(at most 8 a program)")
+    if t.poll == 4 and cluster == 1:
+        raise ValueError("poll 4: each cluster's first program polls for the rest, and this launch has no clusters")
     if tokens > 32 or rows > MAX_ROWS:
         raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
                          f"got {entries} x {tokens}")
