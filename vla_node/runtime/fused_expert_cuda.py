@@ -348,7 +348,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     so_stride = dims.head_dim + ((8 - dims.head_dim % 32) % 32 if t.cross_pad else 0)   # cross_pad
     qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, t.so_tpc, fold * w)
     cq, fc1 = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc)
-    co = tpc(w, 2 * (entries <= 2) if t.co_tpc is None else t.co_tpc)
+    co = tpc(w, (2 if entries <= 2 else 0) if t.co_tpc is None else t.co_tpc)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
     fc2 = tiles_a_program(w, t.fc2_tpc, programs=programs // split)   # a group of `split` programs shares fc2's tiles
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
