@@ -123,9 +123,6 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     # more programs a pair than the GPU has would leave pairs with none (wrong actions on the H100)
     with pytest.raises(ValueError, match="cross_programs 8: the GPU's programs hold 4"):
         plan_of(MOLMOBOT_4B, 4, 16, 892, H200_SMS, CudaTiling(cluster=1, cross_programs=8))
-    # the cluster's first program polls for the others: no clusters, no one to poll for
-    with pytest.raises(ValueError, match="poll 4: each cluster's first program"):
-        plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(poll=4, cluster=1))
     # key tiles in shared memory without clusters: 3 programs a head, 19 tiles each, 114 KB of them
     # (unpadded warp partials leave room for 2 programs of 28)
     for pad, cpp, tiles in ((True, 3, 19), (False, 2, 28)):
@@ -156,7 +153,7 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
 @pytest.mark.parametrize("entries, tiling", [(1, CudaTiling()), (4, CudaTiling()),
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
-                                             (4, CudaTiling(l2_prefetch=3)), (1, CudaTiling(poll=4)),
+                                             (4, CudaTiling(l2_prefetch=3)),
                                              (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
@@ -293,7 +290,7 @@ def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device
 # Each knob of CudaTiling changes how the kernel runs, never its result (beyond the order of sums):
 # its CPU build, three flow steps with action caching, against the truth.
 @pytest.mark.parametrize("tiling", [
-    CudaTiling(poll=1), CudaTiling(poll=2), CudaTiling(poll=3), CudaTiling(poll=4),
+    CudaTiling(poll=1), CudaTiling(poll=2), CudaTiling(poll=3),
     CudaTiling(qkv_tpc=16, cq_tpc=8, fc1_tpc=8),
     CudaTiling(cross_programs=2), CudaTiling(kv_smem=True), CudaTiling(kv_smem=True, cross_programs=3),
     CudaTiling(x_frags=False), CudaTiling(fold_cross_q=False), CudaTiling(fold_cross_q=False, x_frags=False),

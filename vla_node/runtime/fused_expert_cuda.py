@@ -40,10 +40,10 @@ HOST_SMEM_LIMIT = 1 << 20   # the CPU build's shared memory is a host allocation
 @dataclass(frozen=True)
 class CudaTiling:
     """The kernel's measurement knobs (expert_flow.cu): how a barrier polls (0 acquire loads, 1
-    atomic adds of 0, 2 relaxed loads and one fence, 3 a flag a program, 4 acquire loads by each
-    cluster's first program alone, its cluster's barrier releasing the rest), per-segment
-    timestamps, and `work` False: only the loads and barriers (the loop's synchronisation floor;
-    wrong numbers)."""
+    atomic adds of 0, 2 relaxed loads and one fence, 3 a flag a program), per-segment timestamps,
+    and `work` False: only the loads and barriers (the loop's synchronisation floor; wrong numbers).
+    (4, each cluster's first program polling for the rest, was slower at every B on the H100: the
+    loop 10.26 against 8.62 ms at B = 1: BENCHMARKS.md, twenty-ninth session.)"""
     poll: int = 0
     # the warp whose first lane polls a barrier (0 .. 7): thread 0 also issues a phase's loads
     # before the wait (weights, the first key tile, the epilogue's inputs), which queues its polls:
@@ -134,8 +134,10 @@ class CudaTiling:
     # against 9.39 / 12.90 / 18.43 / 27.08 (BENCHMARKS.md, tenth session). 2: the key tiles only (on the
     # H100 slower: thread 0's bulk prefetch at the block's start held qkv's release, 2.00 -> 2.75 us,
     # when thread 0 also polled the barriers). 3: the key tiles only, from qkv's arrival (the self
-    # phase reads no weights; at B = 4 a block's 11.6 MB of K/V were read inside the cross phase)
-    l2_prefetch: int = 0
+    # phase reads no weights; at B = 4 a block's 11.6 MB of K/V were read inside the cross phase).
+    # None: 3 at B <= 2, where on the H100 the loop was 1.3-2.1 % faster in two runs (B = 1 8.44-8.46
+    # against 8.55-8.62 ms), and 0 from B = 4, where it was 1-3 % slower (BENCHMARKS.md, twenty-ninth session)
+    l2_prefetch: Optional[int] = None
     # a GEMV phase's weights loaded into registers after its wait instead of between the arrival
     # before it and the wait. On the H100 qkv's, fc1's and fc2's releases 0.75-1.0 us shorter (the
     # loads in flight hold the barrier's release) and their work 1.25-1.5 us longer: the loop 9.06 ->
@@ -182,11 +184,11 @@ class CudaTiling:
             raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
         if self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
-        if int(self.l2_prefetch) not in (0, 1, 2, 3):
+        if self.l2_prefetch not in (None, 0, 1, 2, 3):
             raise ValueError(f"l2_prefetch: 0, 1 (weights and key tiles), 2 (key tiles) or 3 (key tiles after qkv), "
                              f"got {self.l2_prefetch}")
-        if self.poll not in (0, 1, 2, 3, 4):
-            raise ValueError(f"poll: 0 .. 4 (how a barrier polls), got {self.poll}")
+        if self.poll not in (0, 1, 2, 3):
+            raise ValueError(f"poll: 0 .. 3 (how a barrier polls), got {self.poll}")
         if self.cross_marks not in (0, 1, 2):
             raise ValueError(f"cross_marks: 0, 1 or 2, got {self.cross_marks}")
         if not 0 <= self.poll_warp < THREADS // 32:
@@ -274,8 +276,6 @@ def check_shape(dims, t: CudaTiling, entries: int, tokens: int, rows: int, progr
     if t.self_cluster and (cluster == 1 or self_items > 8 * cluster):
         raise ValueError(f"self_cluster: {self_items} self-attention items on clusters of {cluster} "
                          "(at most 8 a program)")
-    if t.poll == 4 and cluster == 1:
-        raise ValueError("poll 4: each cluster's first program polls for the rest, and this launch has no clusters")
     if tokens > 32 or rows > MAX_ROWS:
         raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
                          f"got {entries} x {tokens}")
@@ -288,6 +288,12 @@ def weights_smem_of(t: CudaTiling, entries: int) -> bool:
     """Whether the GEMV phases' weights go through shared memory (CudaTiling.weights_smem; None: at
     B = 1 where fc2's K is not split)."""
     return t.weights_smem if t.weights_smem is not None else entries == 1 and (t.fc2_split or 1) == 1
+
+
+def l2_prefetch_of(t: CudaTiling, entries: int) -> int:
+    """What the copy engine pulls into L2 ahead (CudaTiling.l2_prefetch; None: the key tiles from
+    qkv's arrival at B <= 2, nothing from B = 4)."""
+    return int(t.l2_prefetch) if t.l2_prefetch is not None else 3 if entries <= 2 else 0
 
 
 def fc2_split_of(t: CudaTiling, entries: int, cluster: int, mlp: int) -> int:
@@ -389,8 +395,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, CO_TPC=co, FC2_TPC=fc2, FOLD_CQ=fold,
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
-                     C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=int(t.l2_prefetch), LATE_W=int(t.late_weights),
-                     KV_AHEAD=int(t.kv_ahead),
+                     C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=l2_prefetch_of(t, entries),
+                     LATE_W=int(t.late_weights), KV_AHEAD=int(t.kv_ahead),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
                      W_FP8=int(fp8), FP8_HOLD=int(fp8 and t.fp8_hold))

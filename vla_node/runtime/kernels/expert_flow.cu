@@ -379,11 +379,9 @@ __device__ __forceinline__ void grid_arrive(const Params& p, Sync& s) {
 }
 
 // POLL 0: acquire loads of one counter; 1: atomic adds of 0 with acquire; 2: relaxed loads, one
-// fence after; 3: a flag per program (no atomics), read by warp 0's lanes; 4: acquire loads by the
-// first program of each cluster alone, whose cluster barrier then releases the others (a CLUSTER-th
-// of the programs polling the counter's line; the others acquire through the cluster's barrier).
+// fence after; 3: a flag per program (no atomics), read by warp 0's lanes.
 __device__ __forceinline__ u32 poll(const Params& p) {
-    if (POLL == 0 || POLL == 4) return ld_acquire(p.bar);
+    if (POLL == 0) return ld_acquire(p.bar);
     if (POLL == 1) return atom_acquire_read(p.bar);
     return ld_relaxed(p.bar);
 }
@@ -408,7 +406,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
         trace_mark(p, s, 0);
         return;
     }
-    if ((POLL != 4 || blockIdx.x % CLUSTER == 0) && threadIdx.x == POLL_THREAD && !s.failed) {
+    if (threadIdx.x == POLL_THREAD && !s.failed) {
         const u32 target = s.arrivals * NPROG;
         int spins = 0;
         while (poll(p) < target) {
@@ -421,7 +419,6 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
         if (POLL == 2) fence_acq_rel();
     }
     __syncthreads();
-    if (POLL == 4) cluster_sync();
     trace_mark(p, s, 0);
 }
 
