@@ -47,11 +47,13 @@ dynamo_config.cache_size_limit = dynamo_config.recompile_limit = 256  # every wa
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 PEAK = 790e12  # bf16 FLOP/s, the H200's measured matmul rate
-# The pattern kernel's tilings: (BLOCK_M, BLOCK_N, num_warps, num_stages), its default first. Compiled
-# for sm_90 by Triton 3.9 at head_dim 128 in bf16 (no GPU): 64x64 w4 s3 112 KB of shared memory and
-# 190 registers a thread (two programs a SM), s2 80 KB; 128x64 w8 s2 96 KB and 191 registers (one
-# program a SM: the registers); 128x128 w8 s2 spills.
-PATTERN_TILES = {"64x64 w4 s3": (64, 64, 4, 3), "64x64 w4 s2": (64, 64, 4, 2), "128x64 w8 s2": (128, 64, 8, 2)}
+# The pattern kernel's tilings: (BLOCK_M, BLOCK_N, num_warps, num_stages, tma), its default first. Compiled
+# for sm_90 by Triton 3.9 at head_dim 128 in bf16 (no GPU, scripts/compile_pattern_kernel.py --ptxas): 64x64
+# w4 s3 112 KB of shared memory and 190 registers a thread (two programs a SM), s2 80 KB; 128x64 w8 s2 96 KB
+# and 191 registers (one program a SM: the registers); 128x128 w8 s2 spills. With tma (q, K and V through
+# tensor descriptors, the default) 64x64 w4 s3 113 KB and 176 registers, s2 81 KB.
+PATTERN_TILES = {"64x64 w4 s3 tma": (64, 64, 4, 3, True), "64x64 w4 s3": (64, 64, 4, 3, False),
+                 "64x64 w4 s2 tma": (64, 64, 4, 2, True), "128x64 w8 s2 tma": (128, 64, 8, 2, True)}
 
 
 def image_tokens(layout_name: str) -> torch.Tensor:
@@ -182,9 +184,10 @@ def ways(img: torch.Tensor, mask: torch.Tensor):
     return out
 
 
-def pattern(img: torch.Tensor, tiles: tuple[int, int, int, int]) -> PatternAttention:
-    block_m, block_n, num_warps, num_stages = tiles
-    return PatternAttention(img, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+def pattern(img: torch.Tensor, tiles: tuple[int, int, int, int, bool]) -> PatternAttention:
+    block_m, block_n, num_warps, num_stages, tma = tiles
+    return PatternAttention(img, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                            tma=tma)
 
 
 def gemms(t: int) -> dict:
@@ -312,12 +315,12 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    print(f"\n{'layout':7} {'tokens':>6} {'way':28} {'us/call':>9} {'x floor':>8} {'rel err':>9}")
+    print(f"\n{'layout':7} {'tokens':>6} {'way':34} {'us/call':>9} {'x floor':>8} {'rel err':>9}")
     for name, t, way, e in rows:
         if "error" in e:
-            print(f"{name:7} {t:6d} {way:28} {e['error']}")
+            print(f"{name:7} {t:6d} {way:34} {e['error']}")
         else:
-            print(f"{name:7} {t:6d} {way:28} {e['us']:9.1f} {e['x_floor']:8.2f} {e['rel_err']:9.2e}")
+            print(f"{name:7} {t:6d} {way:34} {e['us']:9.1f} {e['x_floor']:8.2f} {e['rel_err']:9.2e}")
     for name, r in results.items():
         for key in ("layer", "gemms"):
             for what, e in r.get(key, {}).items():

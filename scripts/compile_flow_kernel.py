@@ -26,6 +26,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
          torch.int32: "*i32", torch.int8: "*i8", torch.bool: "*i1"}
@@ -75,6 +76,8 @@ def specialization(kernel, args, kwargs) -> tuple:
     for param, value in zip(params, args):
         if isinstance(value, torch.Tensor):
             spec.append((TYPES[value.dtype], "D"))   # the launch's tensors are 16-byte aligned
+        elif isinstance(value, TensorDescriptor):   # its type names the block: tensordesc<bf16[...]>
+            spec.append((native_specialize_impl(BaseBackend, value, False, True, True)[0], ""))
         elif isinstance(value, float) or param.do_not_specialize:
             spec.append(("fp32" if isinstance(value, float) else "i32", ""))
         else:

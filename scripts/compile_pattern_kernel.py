@@ -19,24 +19,25 @@ from vla_node.model import get_preset
 from vla_node.runtime.kernels.pattern_attention import PatternAttention, pattern_attention
 
 
-def recorded_launch(tiles: tuple[int, int, int, int], dtype: torch.dtype, tokens: int) -> tuple:
+def recorded_launch(tiles: tuple[int, ...], dtype: torch.dtype, tokens: int) -> tuple:
     """(kernel, args, kwargs) of one layer's call (meta tensors: recorded, not launched)."""
     launches = []
     JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
     llm = get_preset("molmobot-4b").llm
-    block_m, block_n, num_warps, num_stages = tiles
+    block_m, block_n, num_warps, num_stages, tma = (*tiles, 1)[:5]
     with torch.device("meta"):
         q = torch.empty(1, llm.heads, tokens, llm.head_dim, dtype=dtype)
         k = torch.empty(1, llm.kv_heads, tokens, llm.head_dim, dtype=dtype)
         p = PatternAttention(torch.zeros(tokens, dtype=torch.bool), block_m=block_m, block_n=block_n,
-                             num_warps=num_warps, num_stages=num_stages)
+                             num_warps=num_warps, num_stages=num_stages, tma=bool(tma))
         pattern_attention(q, k, k, p.image, p.tiles, p.counts, p.order, 0, *p.launch)
     return launches[0]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiles", nargs="+", default=["64,64,4,3"], help="BLOCK_M,BLOCK_N,num_warps,num_stages")
+    ap.add_argument("--tiles", nargs="+", default=["64,64,4,3"],
+                    help="BLOCK_M,BLOCK_N,num_warps,num_stages[,tma 1 (default) / 0]")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--tokens", type=int, default=945, help="the prompt's length (DROID's)")
     ap.add_argument("--ptxas", action="store_true", help="print registers, spills and SASS counts")
@@ -45,14 +46,15 @@ def main():
     unpipelined = 0
     for spec in args.tiles:
         tiles = tuple(int(n) for n in spec.split(","))
-        block_m, block_n, _, num_stages = tiles
+        block_m, block_n, _, num_stages = tiles[:4]
         compiled = compile_for_hopper(*recorded_launch(tiles, dtype, args.tokens))
         tile_bytes = get_preset("molmobot-4b").llm.head_dim * dtype.itemsize
         pipelined = compiled.metadata.shared >= (block_m + 2 * num_stages * block_n) * tile_bytes
         unpipelined += not pipelined
         report = f"; {ptxas_report(compiled.asm['ptx'])}" if args.ptxas else ""
-        print(f"{block_m}x{block_n} w{tiles[2]} s{num_stages} {args.dtype}: {compiled.metadata.shared} bytes of shared "
-              f"memory, loads {'pipelined' if pipelined else 'NOT pipelined'}{report}", flush=True)
+        how = "" if tiles[4:5] == (0,) else " tma"
+        print(f"{block_m}x{block_n} w{tiles[2]} s{num_stages}{how} {args.dtype}: {compiled.metadata.shared} bytes of "
+              f"shared memory, loads {'pipelined' if pipelined else 'NOT pipelined'}{report}", flush=True)
     sys.exit(1 if unpipelined else 0)
 
 

@@ -17,9 +17,11 @@ is visible runs without it wherever it lies. Query tiles run heaviest first.
 Online softmax in fp32 with exp2 (the scale folded with log2 e), dots in the inputs' dtype with
 fp32 accumulation (fp32 inputs in full precision, not TF32). The output is written in the
 [B, T, H, D] layout the output projection reads, so the layer's transpose + reshape is a view.
+From sm_90 on, q, K and V come through tensor descriptors (the copy engine's loads, keys past S
+and queries past T zero-filled): fewer registers and address instructions than pointer loads.
 `pattern_kernel`, from the `compile` rung on: on an H100 43.7 us a layer at DROID against the
-compiled split's 79.9 (BENCHMARKS.md, twenty-second session). Runs on the CPU under TRITON_INTERPRET=1
-(the CI tests).
+compiled split's 79.9 (BENCHMARKS.md, twenty-second session), 41.7 with descriptors (twenty-ninth).
+Runs on the CPU under TRITON_INTERPRET=1 (the CI tests).
 
 An earlier pattern kernel (852e1dc, removed in b137094) lost to the split on the H200 (81.9 against
 76.7 us at DROID, 269.9 against 174.9 at 8 images): it ran the predicate on every key tile from the
@@ -33,6 +35,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .few_query_attention import precise_dot
 
@@ -40,14 +43,20 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, start, S, pos, img_q, qk_scale,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, start, S, pos, img_q, qk_scale, kv_at,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """Keys start .. start + BLOCK_N - 1 into the online softmax state (acc, m_i [log2 units], l_i)
     of queries q at positions pos. A fully visible tile (all its keys < S) needs no mask; a MASKED
-    one takes the pattern's predicate and reads no key past S."""
+    one takes the pattern's predicate and reads no key past S (TMA: K and V are [B, KV, S, D] tensor
+    descriptors, read at kv_at = (entry, head group), keys past S zero-filled by the copy engine, as Q's
+    rows past T are)."""
     keys = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
-    if MASKED:
+    if TMA:
+        k = K.load([kv_at[0], kv_at[1], start, 0]).reshape(BLOCK_N, D)
+        v = V.load([kv_at[0], kv_at[1], start, 0]).reshape(BLOCK_N, D)
+        in_range = keys < S
+    elif MASKED:
         in_range = keys < S
         k = tl.load(K + keys[:, None] * skt + d[None, :], mask=in_range[:, None], other=0.0)
         v = tl.load(V + keys[:, None] * svt + d[None, :], mask=in_range[:, None], other=0.0)
@@ -69,7 +78,7 @@ def _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, start, S, pos, img_q, qk
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, K, V, Img, Tiles, lo, hi, n_visible, start, skt, svt, S, pos, img_q, qk_scale,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                  kv_at, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """The key tiles Tiles[lo:hi] (start: the first one's first key). Each iteration reads the next
     tile's index ahead of its own loads: K and V addresses that come from the loop, not from a load
     in the same iteration, let Triton pipeline them (num_stages; compiled for sm_90 with Triton 3.9,
@@ -77,8 +86,8 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, Img, Tiles, lo, hi, n_visible, start, 
     64x64 against 112 KB). Returns the state and the next tile's first key."""
     for i in range(lo, hi):
         following = tl.load(Tiles + i + 1, mask=i + 1 < n_visible, other=0) * BLOCK_N
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, start, S, pos, img_q, qk_scale,
-                                     D, BLOCK_N, MASKED)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, Img, skt, svt, start, S, pos, img_q, qk_scale, kv_at,
+                                     D, BLOCK_N, MASKED, TMA)
         start = following
     return acc, m_i, l_i, start
 
@@ -86,7 +95,7 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, Img, Tiles, lo, hi, n_visible, start, 
 @triton.jit
 def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, heads, group, qk_scale,
                        sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, n_key_tiles,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     bh = tl.program_id(0)                        # (entry, head) fastest: every head of a query tile together
     m = tl.load(Order + tl.program_id(1))        # the query tile, heaviest first
     b = (bh // heads).to(tl.int64)
@@ -95,10 +104,15 @@ def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, 
     row = tl.minimum(rows, T - 1)                # rows past T repeat the last query (and are not stored)
     pos = q_offset + row
     d = tl.arange(0, D)
-    q = tl.load(Q + b * sqb + h * sqh + row[:, None] * sqt + d[None, :])
+    if TMA:   # rows past T zero-filled (not stored; their positions repeat the last query's)
+        q = Q.load([b.to(tl.int32), h, m * BLOCK_M, 0]).reshape(BLOCK_M, D)
+    else:
+        q = tl.load(Q + b * sqb + h * sqh + row[:, None] * sqt + d[None, :])
     img_q = tl.load(Img + pos) != 0
-    K += b * skb + (h // group) * skh
-    V += b * svb + (h // group) * svh
+    kv_at = (b.to(tl.int32), h // group)
+    if not TMA:
+        K += b * skb + (h // group) * skh
+        V += b * svb + (h // group) * svh
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -107,9 +121,9 @@ def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, 
     n_visible = n_full + tl.load(Counts + 2 * m + 1)
     start = tl.load(tiles) * BLOCK_N
     acc, m_i, l_i, start = _attend_tiles(acc, m_i, l_i, q, K, V, Img, tiles, 0, n_full, n_visible, start, skt, svt, S,
-                                         pos, img_q, qk_scale, D, BLOCK_N, False)
+                                         pos, img_q, qk_scale, kv_at, D, BLOCK_N, False, TMA)
     acc, m_i, l_i, start = _attend_tiles(acc, m_i, l_i, q, K, V, Img, tiles, n_full, n_visible, n_visible, start, skt,
-                                         svt, S, pos, img_q, qk_scale, D, BLOCK_N, True)
+                                         svt, S, pos, img_q, qk_scale, kv_at, D, BLOCK_N, True, TMA)
     out = acc / l_i[:, None]
     tl.store(Out + ((b * T + rows[:, None]) * heads + h) * D + d[None, :], out.to(Out.dtype.element_ty),
              mask=(rows < T)[:, None])
@@ -145,11 +159,21 @@ def key_tiles(image_token: torch.Tensor, q_offset: int, q_len: int, block_m: int
     return tiles.to(torch.int32), counts.to(torch.int32), order.to(torch.int32)
 
 
+def descriptors_fit(*xs: torch.Tensor) -> bool:
+    """Whether the copy engine can read these [B, H, T, D] tensors through tensor descriptors: a GPU
+    from sm_90 on (or no GPU: the interpreter, or meta tensors compiled for sm_90), 16-byte aligned,
+    strides of 16-byte multiples."""
+    dev = xs[0].device
+    return (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 9) and not any(
+        x.data_ptr() % 16 or any(n * x.element_size() % 16 for n in x.stride()[:-1]) for x in xs)
+
+
 def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: torch.Tensor, tiles: torch.Tensor,
                       counts: torch.Tensor, order: torch.Tensor, q_offset: int, block_m: int, block_n: int,
-                      num_warps: int, num_stages: int) -> torch.Tensor:
+                      num_warps: int, num_stages: int, tma: bool = True) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, KV, S, D] (grouped heads; any strides, the head dim contiguous),
-    image [S] int8 flags, the tables of key_tiles at these tiles -> y [B, T, H, D] contiguous."""
+    image [S] int8 flags, the tables of key_tiles at these tiles -> y [B, T, H, D] contiguous.
+    tma: q, K and V read through tensor descriptors where they fit (descriptors_fit), else by pointer."""
     b, heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
     if any(x.stride(-1) != 1 for x in (q, k, v)) or k.shape != v.shape or heads % kv_heads:
@@ -157,26 +181,33 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: 
     if d < 16 or d & (d - 1) or image.numel() != s or tiles.shape != (triton.cdiv(t, block_m), triton.cdiv(s, block_n)):
         raise ValueError(f"pattern_attention: head_dim {d} (a power of two >= 16), {s} keys and {t} queries against "
                          f"flags of {image.numel()} and tables {tuple(tiles.shape)} at tiles {block_m}x{block_n}")
+    tma = tma and descriptors_fit(q, k, v)
     out = q.new_empty((b, t, heads, d))
+    qd, kd, vd = (q, k, v)
+    if tma:
+        qd, kd, vd = (TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, n, d])
+                      for x, n in ((q, block_m), (k, block_n), (v, block_n)))
     _pattern_attention[(b * heads, order.numel())](
-        q, k, v, image, tiles, counts, order, out, t, s, q_offset, heads, heads // kv_heads, LOG2E / math.sqrt(d),
+        qd, kd, vd, image, tiles, counts, order, out, t, s, q_offset, heads, heads // kv_heads,
+        LOG2E / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), tiles.shape[1],
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @torch.library.custom_op("vla::pattern_attention", mutates_args=())
 def pattern_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: torch.Tensor,
                          tiles: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, q_offset: int, block_m: int,
-                         block_n: int, num_warps: int, num_stages: int) -> torch.Tensor:
+                         block_n: int, num_warps: int, num_stages: int, tma: bool) -> torch.Tensor:
     """pattern_attention as one op a compiled region keeps whole (on the CPU the kernel itself,
     interpreted: TRITON_INTERPRET=1)."""
-    return pattern_attention(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages)
+    return pattern_attention(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages,
+                             tma)
 
 
 @pattern_attention_op.register_fake
-def _(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages):
+def _(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages, tma):
     b, heads, t, d = q.shape
     return q.new_empty((b, t, heads, d))
 
@@ -192,17 +223,21 @@ class PatternAttention:
     shared memory and 190 registers a thread, two programs a SM, and at DROID its tiles cover 1.14x
     the visible pairs (128x64: 1.22x). On an H100 the fastest of the three timed
     (scripts/bench_prefill_attention.py): 43.7 us at DROID, 145.3 at 8 images, against 48.2 / 163.2 for
-    64x64 w4 s2 and 54.0 / 189.5 for 128x64 w8 s2."""
+    64x64 w4 s2 and 54.0 / 189.5 for 128x64 w8 s2. tma (q, K, V through tensor descriptors, where they
+    fit): on an H100 41.7 us at DROID and 133.6 at 8 images against 43.7 / 144.1 by pointer, a compiled
+    DROID decoder layer 355.8 against 359.9 us; Triton's warp specialisation of the key loop (one loop
+    over every tile, the image flags as bits) was 2.2x slower and gave NaN at 3 stages (Triton 3.6;
+    BENCHMARKS.md, twenty-ninth session)."""
 
     def __init__(self, image_token: torch.Tensor, q_offset: int = 0, q_len: int | None = None, block_m: int = 64,
-                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
+                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3, tma: bool = True):
         kv_len = image_token.numel()
         self.q_offset, self.q_len = q_offset, kv_len - q_offset if q_len is None else q_len
         if q_offset < 0 or self.q_len < 1 or q_offset + self.q_len > kv_len:
             raise ValueError(f"queries {q_offset} .. {q_offset + self.q_len - 1} must lie within the {kv_len} keys")
         if any(n < 16 or n & (n - 1) for n in (block_m, block_n)):
             raise ValueError(f"tiles must be powers of two >= 16 (tl.dot), got {block_m}x{block_n}")
-        self.launch = (block_m, block_n, num_warps, num_stages)
+        self.launch = (block_m, block_n, num_warps, num_stages, tma)
         dev = image_token.device
         n_m, n_n = triton.cdiv(self.q_len, block_m), triton.cdiv(kv_len, block_n)
         self.image = torch.zeros(kv_len, dtype=torch.int8, device=dev)
