@@ -30,6 +30,7 @@ where a tile is partly visible.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -159,12 +160,16 @@ def key_tiles(image_token: torch.Tensor, q_offset: int, q_len: int, block_m: int
     return tiles.to(torch.int32), counts.to(torch.int32), order.to(torch.int32)
 
 
+@functools.cache
+def _copy_engine_reads_descriptors(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def descriptors_fit(*xs: torch.Tensor) -> bool:
     """Whether the copy engine can read these [B, H, T, D] tensors through tensor descriptors: a GPU
     from sm_90 on (or no GPU: the interpreter, or meta tensors compiled for sm_90), 16-byte aligned,
     strides of 16-byte multiples."""
-    dev = xs[0].device
-    return (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 9) and not any(
+    return _copy_engine_reads_descriptors(xs[0].device) and not any(
         x.data_ptr() % 16 or any(n * x.element_size() % 16 for n in x.stride()[:-1]) for x in xs)
 
 
