@@ -51,9 +51,13 @@ PEAK = 790e12  # bf16 FLOP/s, the H200's measured matmul rate
 # for sm_90 by Triton 3.9 at head_dim 128 in bf16 (no GPU, scripts/compile_pattern_kernel.py --ptxas): 64x64
 # w4 s3 112 KB of shared memory and 190 registers a thread (two programs a SM), s2 80 KB; 128x64 w8 s2 96 KB
 # and 191 registers (one program a SM: the registers); 128x128 w8 s2 spills. With tma (q, K and V through
-# tensor descriptors, the default) 64x64 w4 s3 113 KB and 176 registers, s2 81 KB.
+# tensor descriptors, the default) 64x64 w4 s3 113 KB and 176 registers, s2 81 KB; tilings that spilled by
+# pointer fit: 64x128 w4 s2 145 KB and 217 registers, 128x128 w8 s2 161 KB and 230 (one program a SM),
+# 128x64 w8 s3 129 KB and 166.
 PATTERN_TILES = {"64x64 w4 s3 tma": (64, 64, 4, 3, True), "64x64 w4 s3": (64, 64, 4, 3, False),
-                 "64x64 w4 s2 tma": (64, 64, 4, 2, True), "128x64 w8 s2 tma": (128, 64, 8, 2, True)}
+                 "64x64 w4 s2 tma": (64, 64, 4, 2, True), "128x64 w8 s2 tma": (128, 64, 8, 2, True),
+                 "128x64 w8 s3 tma": (128, 64, 8, 3, True), "64x128 w4 s2 tma": (64, 128, 4, 2, True),
+                 "128x128 w8 s2 tma": (128, 128, 8, 2, True)}
 
 
 def image_tokens(layout_name: str) -> torch.Tensor:
