@@ -17,8 +17,9 @@ is visible runs without it wherever it lies. Query tiles run heaviest first.
 Online softmax in fp32 with exp2 (the scale folded with log2 e), dots in the inputs' dtype with
 fp32 accumulation (fp32 inputs in full precision, not TF32). The output is written in the
 [B, T, H, D] layout the output projection reads, so the layer's transpose + reshape is a view.
-From sm_90 on, q, K and V come through tensor descriptors (the copy engine's loads, keys past S
-and queries past T zero-filled): fewer registers and address instructions than pointer loads.
+From sm_90 on (and under the interpreter), q, K and V come through tensor descriptors (the copy
+engine's loads, keys past S and queries past T zero-filled): fewer registers and address
+instructions than pointer loads; on older GPUs, or where a stride is no 16-byte multiple, by pointer.
 `pattern_kernel`, from the `compile` rung on: on an H100 43.7 us a layer at DROID against the
 compiled split's 79.9 (BENCHMARKS.md, twenty-second session), 41.7 with descriptors (twenty-ninth).
 Runs on the CPU under TRITON_INTERPRET=1 (the CI tests).
