@@ -15,6 +15,9 @@
 #   bench8    vla-bench 8 images: $BENCH8_MODES (fast)
 #             (both benches take $BENCH_ARGS too, e.g. "--frames pageable")
 #   profile   one warm DROID `fast` query's kernels under the CUDA profiler (scripts/profile_query.py)
+#   attention the prefill's pattern kernel at every tiling of scripts/bench_prefill_attention.py, DROID and 8 images
+#   gemms     the query's GEMMs under cuBLAS settings $GEMM_SETTINGS (default,lt: cuBLASLt preferred;
+#             scripts/bench_gemm_gaps.py)
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
 #   first compile of molmobot-4b `fast` on a fresh machine takes ~130-240 s, soak then reuses it)
 set -uo pipefail
@@ -61,6 +64,13 @@ for part in $PARTS; do
       timeout 200 python3 scripts/profile_query.py --mode fast --layout droid --out "$OUT" 2>&1 \
         | grep -av Warning > "$OUT/profile_droid.log"; grep -a "stages ms" "$OUT/profile_droid.log" | tail -1
       tail -42 "$OUT/profile_droid.log" ;;
+    attention) say "the pattern kernel's tilings"
+      timeout 240 python3 scripts/bench_prefill_attention.py --parts attention --layouts droid,8img \
+        --ways "pattern kernel" --json "$OUT/attention.json" 2>&1 | grep -av Warn > "$OUT/attention.log"
+      tail -20 "$OUT/attention.log" ;;
+    gemms) say "GEMMs under cuBLAS settings ${GEMM_SETTINGS:-default,lt}"
+      timeout 300 python3 scripts/bench_gemm_gaps.py --settings "${GEMM_SETTINGS:-default,lt}" \
+        --json "$OUT/gemms.json" 2>&1 | grep -av Warn > "$OUT/gemms.log"; tail -30 "$OUT/gemms.log" ;;
   esac
 done
 rm -f "$OUT"/*.png   # the device returns at most 8 files a call: the logs and JSON, not the benches' plots
