@@ -19,17 +19,17 @@ from vla_node.model import get_preset
 from vla_node.runtime.kernels.pattern_attention import PatternAttention, pattern_attention
 
 
-def recorded_launch(tiles: tuple[int, ...], dtype: torch.dtype, tokens: int) -> tuple:
+def recorded_launch(tiles: tuple[int, int, int, int, bool], dtype: torch.dtype, tokens: int) -> tuple:
     """(kernel, args, kwargs) of one layer's call (meta tensors: recorded, not launched)."""
     launches = []
     JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
     llm = get_preset("molmobot-4b").llm
-    block_m, block_n, num_warps, num_stages, tma = (*tiles, 1)[:5]
+    block_m, block_n, num_warps, num_stages, tma = tiles
     with torch.device("meta"):
         q = torch.empty(1, llm.heads, tokens, llm.head_dim, dtype=dtype)
         k = torch.empty(1, llm.kv_heads, tokens, llm.head_dim, dtype=dtype)
         p = PatternAttention(torch.zeros(tokens, dtype=torch.bool), block_m=block_m, block_n=block_n,
-                             num_warps=num_warps, num_stages=num_stages, tma=bool(tma))
+                             num_warps=num_warps, num_stages=num_stages, tma=tma)
         pattern_attention(q, k, k, p.image, p.tiles, p.counts, p.order, 0, *p.launch)
     return launches[0]
 
@@ -45,16 +45,16 @@ def main():
     dtype = getattr(torch, args.dtype)
     unpipelined = 0
     for spec in args.tiles:
-        tiles = tuple(int(n) for n in spec.split(","))
-        block_m, block_n, _, num_stages = tiles[:4]
+        numbers = [int(n) for n in spec.split(",")]
+        tiles = (*numbers[:4], bool((*numbers, 1)[4]))   # tma unless a fifth number 0 says otherwise
+        block_m, block_n, _, num_stages, tma = tiles
         compiled = compile_for_hopper(*recorded_launch(tiles, dtype, args.tokens))
         tile_bytes = get_preset("molmobot-4b").llm.head_dim * dtype.itemsize
         pipelined = compiled.metadata.shared >= (block_m + 2 * num_stages * block_n) * tile_bytes
         unpipelined += not pipelined
         report = f"; {ptxas_report(compiled.asm['ptx'])}" if args.ptxas else ""
-        how = "" if tiles[4:5] == (0,) else " tma"
-        print(f"{block_m}x{block_n} w{tiles[2]} s{num_stages}{how} {args.dtype}: {compiled.metadata.shared} bytes of "
-              f"shared memory, loads {'pipelined' if pipelined else 'NOT pipelined'}{report}", flush=True)
+        print(f"{block_m}x{block_n} w{tiles[2]} s{num_stages}{' tma' * tma} {args.dtype}: {compiled.metadata.shared} "
+              f"bytes of shared memory, loads {'pipelined' if pipelined else 'NOT pipelined'}{report}", flush=True)
     sys.exit(1 if unpipelined else 0)
 
 
