@@ -146,6 +146,8 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     # cross_out: 2 tiles a program (48 programs) up to two observations, as few as cover it (1) from four
     d4 = dict(plan_of(MOLMOBOT_4B, 4, 16, 892, H200_SMS, held=h200).constants)
     assert (d1["CO_TPC"], d2["CO_TPC"], d4["CO_TPC"]) == (2, 2, 1)
+    # the first key tile's V after the cross-attention's wait from two observations on
+    assert (d1["V_LATE"], d2["V_LATE"], d4["V_LATE"]) == (0, 1, 1)
     with pytest.raises(ValueError, match="at most 128 padded rows"):
         plan_of(MOLMOBOT_4B, entries=9, tokens=16, n_keys=892, programs=H200_SMS)
 
@@ -154,7 +156,8 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
                                              (1, CudaTiling(kv_smem=True, fuse_self=True, trace=True, epi_split=4)),
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
                                              (4, CudaTiling(l2_prefetch=3)),
-                                             (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False))])
+                                             (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False)),
+                                             (1, CudaTiling(v_late=True)), (4, CudaTiling(v_late=False))])
 def test_the_kernel_compiles_for_hopper(entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
@@ -164,7 +167,7 @@ def test_the_kernel_compiles_for_hopper(entries, tiling):
     # both weight buffers fit on the H200 at B = 4; the default takes them at B = 1
     assert constants["W_SMEM"] == int(tiling.weights_smem if tiling.weights_smem is not None else entries == 1)
     # The kernel holds each phase's weights in registers: a change that pushes them out shows here
-    # (the tiling shipped spills 0 bytes at one observation, 20 at four: scripts/cuda_expert_spills.py).
+    # (the tiling shipped spills 0 bytes at one observation, 76 at four: scripts/cuda_expert_spills.py).
     spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
     assert spilled <= (64 if entries == 1 else 512), log
 
@@ -313,8 +316,9 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     self-attention computed in self_out's clusters (no self phase), the cross-attention's partials
     at an unpadded stride (also with the cross-attention merged through global memory by its last
     program), the weights loaded after each wait with the key tiles alone pulled into L2 and the
-    barriers polled by warp 0, the key tiles pulled into L2 from qkv's arrival, and every GEMV
-    phase's tiles on half the programs (some idle)."""
+    barriers polled by warp 0, the key tiles pulled into L2 from qkv's arrival, every GEMV
+    phase's tiles on half the programs (some idle), and the first key tile's V loaded before the
+    cross-attention's wait (v_late off; the default at B = 2) and after it without clusters."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     with torch.inference_mode():
@@ -324,7 +328,8 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
                          CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True), CudaTiling(cross_pad=False),
                          CudaTiling(cluster=1, cross_pad=False),
                          CudaTiling(late_weights=True, l2_prefetch=2, poll_warp=0), CudaTiling(l2_prefetch=3),
-                         CudaTiling(qkv_tpc=32, so_tpc=16, co_tpc=8, fc1_tpc=16, fc2_tpc=16))]
+                         CudaTiling(qkv_tpc=32, so_tpc=16, co_tpc=8, fc1_tpc=16, fc2_tpc=16),
+                         CudaTiling(v_late=False), CudaTiling(v_late=True, cluster=1, cross_pad=False))]
     for got in out[1:]:
         assert torch.equal(got, out[0])
 

@@ -153,6 +153,12 @@ class CudaTiling:
     # context). On the H100 the loop 11.85 -> 12.06 ms at B = 2, 15.94 -> 15.96 at B = 4, 22.27 ->
     # 21.95 at B = 8: a B = 4 warp's tiles still ~2 us each (BENCHMARKS.md, twenty-fourth session)
     kv_ahead: bool = False
+    # the cross-attention's first key tile of a warp: its K loaded before the phase's wait, its V
+    # after the queries are made, in flight while the tile's Q K^T and softmax run (without kv_smem).
+    # None: where entries >= 2, where on the H100 the loop was 0.4 / 1.0 / 1.6 % faster at B = 2 / 4 / 8
+    # in two runs each (B = 4 15.53-15.56 against 15.67-15.73 ms), and at B = 1 0.3-1.2 % slower
+    # (8.47-8.54 against 8.44-8.47: BENCHMARKS.md, thirtieth session)
+    v_late: Optional[bool] = None
     # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
     # chunks of 6; the largest divisor of a warp's k-steps up to it): 12 and 24 no faster on the
     # H200 (fc2's dots at B = 4 are bound by every program reading all of the MLP hidden, not by
@@ -397,6 +403,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=l2_prefetch_of(t, entries),
                      LATE_W=int(t.late_weights), KV_AHEAD=int(t.kv_ahead),
+                     V_LATE=int((entries >= 2 if t.v_late is None else t.v_late) and not kv_smem),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
                      W_FP8=int(fp8), FP8_HOLD=int(fp8 and t.fp8_hold))

@@ -52,9 +52,10 @@
 // residual values before the dots of this one), L2_PREFETCH (1: each GEMV phase's weights pulled into
 // L2 by the copy engine from the start of the phase before it, the cross-attention's key tiles from
 // the start of the block; 2: only the key tiles; 3: only the key tiles, from qkv's arrival),
-// KV_AHEAD (the cross-attention's warps load a key tile's mask bits and pull its K/V into L2 a tile
-// ahead: a warp of several tiles waited a round trip for each tile's K/V and then another for its
-// mask), LATE_W (a GEMV phase's weights loaded into registers after its wait instead of before:
+// V_LATE (without KV_SMEM: a cross-attention warp's first key tile's K loaded before the phase's wait,
+// its V after the queries are made, in flight while the tile's Q K^T and softmax run), KV_AHEAD (the
+// cross-attention's warps load a key tile's mask bits and pull its K/V into L2 a tile ahead: a warp of
+// several tiles waited a round trip for each tile's K/V and then another for its mask), LATE_W (a GEMV phase's weights loaded into registers after its wait instead of before:
 // what their loads cost the barrier's release), STATS_T
 // (the LayerNorm statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV epilogue's
 // (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its columns), CLUSTER (the cross-attention's
@@ -1146,11 +1147,15 @@ __device__ __forceinline__ size_t kv_tile(const Params& p, int j, int b, int h, 
     return (((size_t)(j * ENTRIES + b) * HEADS + h) * p.key_tiles + tile) * 2 * 32;
 }
 
-// The K/V fragments of key tile `tile` of (entry b, head h) in block j: 2 HK 16-byte loads a lane.
+// The K (half 0) or V (half 1) fragments of key tile `tile` of (entry b, head h) in block j: HK
+// 16-byte loads a lane.
+__device__ __forceinline__ void load_half(const Params& p, int j, int b, int h, int tile, int half, uint4* dst) {
+    const uint4* src = p.kv + (kv_tile(p, j, b, h, tile) + (threadIdx.x & 31)) * HK + half * 32 * HK;
+    for (int u = 0; u < HK; ++u) dst[u] = ld_in16(src + u);
+}
 __device__ __forceinline__ void load_kv(const Params& p, int j, int b, int h, int tile, uint4* kv) {
-    const uint4* src = p.kv + (kv_tile(p, j, b, h, tile) + (threadIdx.x & 31)) * HK;
-    for (int u = 0; u < HK; ++u) kv[u] = ld_in16(src + u);
-    for (int u = 0; u < HK; ++u) kv[HK + u] = ld_in16(src + 32 * HK + u);
+    load_half(p, j, b, h, tile, 0, kv);
+    load_half(p, j, b, h, tile, 1, kv + HK);
 }
 
 // KV_SMEM: this program's key tiles of block j copied into shared memory (one bulk copy,
@@ -1243,7 +1248,10 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
     const int tile_lo = part * p.tiles_per_cta + warp;
     const int tile_hi = min((part + 1) * p.tiles_per_cta, p.key_tiles);
     uint4 kv[2 * HK];
-    if (!KV_SMEM && active && tile_lo < tile_hi) load_kv(p, j, b, h, tile_lo, kv);
+    if (!KV_SMEM && active && tile_lo < tile_hi) {   // V_LATE: its V after the wait
+        if (V_LATE) load_half(p, j, b, h, tile_lo, 0, kv);
+        else load_kv(p, j, b, h, tile_lo, kv);
+    }
     const u32 first_bits = active && tile_lo < tile_hi ? key_bits(p, b, tile_lo) : 0u;
     // FOLD_CQ's stage: after the region the last program's merge may use (cpp partials)
     const int partials = NWARPS * (SO_STRIDE + 2) > p.cpp * (HDIM + 2) ? NWARPS * (SO_STRIDE + 2) : p.cpp * (HDIM + 2);
@@ -1293,6 +1301,8 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     for (int u = 0; u < HK; ++u) kv[HK + u] = src[32 * HK + u];
                 } else if (qm > 0 || tile != tile_lo) {
                     load_kv(p, j, b, h, tile, kv);
+                } else if (V_LATE) {   // the first tile's V: in flight while its Q K^T and softmax run
+                    load_half(p, j, b, h, tile, 1, kv + HK);
                 }
                 float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
                 for (int ks = 0; ks < HK; ++ks) {
