@@ -156,7 +156,7 @@ class CudaTiling:
     # the cross-attention's first key tile of a warp: its K loaded before the phase's wait, its V
     # after the queries are made, in flight while the tile's Q K^T and softmax run (without kv_smem).
     # None: where entries >= 2, where on the H100 the loop was 0.4 / 1.0 / 1.6 % faster at B = 2 / 4 / 8
-    # in two runs each (B = 4 15.53-15.56 against 15.67-15.73 ms), and at B = 1 0.3-1.2 % slower
+    # in two runs each (B = 4 15.53-15.56 against 15.67-15.73 ms), and at B = 1 0.1-1.2 % slower
     # (8.47-8.54 against 8.44-8.47: BENCHMARKS.md, thirtieth session)
     v_late: Optional[bool] = None
     # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
