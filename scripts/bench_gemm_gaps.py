@@ -94,14 +94,15 @@ def swiglu(gu: torch.Tensor, out: torch.Tensor, block: int, warps: int) -> torch
 def layer_us(timed) -> float:
     """One DROID decoder layer of molmobot-4b compiled as the runtime compiles it, the pattern kernel its
     attention (bench_prefill_attention's layer)."""
-    from bench_prefill_attention import decoder_layer, image_tokens, pattern
+    from bench_prefill_attention import decoder_layer, image_tokens
 
+    from vla_node.runtime.kernels.pattern_attention import PatternAttention
     from vla_node.runtime.kernels.prefill_attention import flex_attend
     img = image_tokens("droid").cuda()
     layer, x, cos, sin = decoder_layer(img.numel())
     layer.attn.attend = flex_attend
     layer.compile(fullgraph=True, dynamic=False)
-    mask = pattern(img, (64, 64, 4, 3, True))
+    mask = PatternAttention(img)   # the runtime's tiling, whatever its default
     with torch.inference_mode():
         return timed(lambda: layer(x, cos, sin, mask, mlp_out=x))
 
