@@ -55,8 +55,9 @@
 // V_LATE (without KV_SMEM: a cross-attention warp's first key tile's K loaded before the phase's wait,
 // its V after the queries are made, in flight while the tile's Q K^T and softmax run), KV_AHEAD (the
 // cross-attention's warps load a key tile's mask bits and pull its K/V into L2 a tile ahead: a warp of
-// several tiles waited a round trip for each tile's K/V and then another for its mask), LATE_W (a GEMV phase's weights loaded into registers after its wait instead of before:
-// what their loads cost the barrier's release), STATS_T
+// several tiles waited a round trip for each tile's K/V and then another for its mask), LATE_W (a
+// GEMV phase's weights loaded into registers after its wait instead of before: what their loads cost
+// the barrier's release), STATS_T
 // (the LayerNorm statistics stored tile-major: stats_at), EPI_SPLIT (threads of a GEMV epilogue's
 // (tile, row) item: 1, 2 or 4, each 8 / EPI_SPLIT of its columns), CLUSTER (the cross-attention's
 // programs of an (entry, head) are a thread-block cluster of that many and merge their partials
