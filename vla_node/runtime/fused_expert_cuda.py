@@ -366,12 +366,16 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
     gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, co, fc2))
 
+    # the step boundary's: out's scratch, then its stage of bf16 inputs (expert_flow.cu, BSTAGE)
+    a = dims.action_dim
+    boundary = 4 * math.ceil((8 + 8 * a) / 4) + math.ceil(((4 + 2 * a) * w + a) / 2)
+
     def general(cpp: int) -> int:   # floats: the phases' scratch (the cross-attention's: its flag, x1's
         # row statistics, the warps' partials or the last program's copy of every program's, and with
         # fold_cross_q its stage of S, rho and delta), a multiple of 4
         stage = fold * (tok16 + 2) * dims.head_dim
         cross = 4 + 2 * tok16 + max(8 * (so_stride + 2), cpp * (dims.head_dim + 2)) * tok16 + stage
-        return 4 * math.ceil(max(gemv, cross, 8 + 8 * dims.action_dim) / 4)
+        return 4 * math.ceil(max(gemv, cross, boundary) / 4)
     # weights_smem: two buffers of the largest GEMV phase's weights of a program (K x 16 bytes a
     # tile, 8 in e4m3), after two mbarriers (16 bytes); off where they do not fit beside the rest
     fp8 = bool(getattr(dims, "fp8", False))   # e4m3 weights: 8 bytes a lane's two k-steps, not 16
@@ -421,9 +425,10 @@ class CudaFlow:
         self.biases = {name: stack.bias for name, stack in zip(BIASES, fused.stacks())}
         # e4m3 weights: their scales [depth, N] (fp32), applied to each output column's sum
         self.scales = {name: stack.scale for name, stack in zip(SCALES, fused.stacks()) if stack.scale is not None}
-        self.io = dict(win=e.action_in.weight.detach().contiguous(), bin=e.action_in.bias.detach(),
-                       pos=e.action_pos.detach().contiguous(), wout=e.action_out.weight.detach().contiguous(),
-                       bout=e.action_out.bias.detach())
+        # the step boundary's inputs, copied (the kernel stages them in 4-byte pieces: aligned storage)
+        self.io = {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in (
+            ("win", e.action_in.weight), ("bin", e.action_in.bias), ("pos", e.action_pos),
+            ("wout", e.action_out.weight), ("bout", e.action_out.bias))}
         self._scratch: dict[tuple, Scratch] = {}
 
     def weight_bytes(self) -> int:

@@ -310,6 +310,7 @@ inline float ld_cg_bf(const u16* p) { return cpu::bf16_to_float(*p); }
 
 // Copies complete at once (a valid order of the asynchronous ones).
 inline void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+inline void cp_async4(void* dst, const void* src) { std::memcpy(dst, src, 4); }
 inline void cp_async_wait() {}
 // The mbarrier holds how many of its phases completed; try_wait.parity(P) passes once the phase
 // of parity P has.

@@ -33,7 +33,8 @@
 //   fc2       x += g3 (hid @ W2^T + b)
 // and per step, for the rows a program owns: out (final LN + modulate -> action_out -> v, and
 // the Euler update), reuse (action caching: actions += dt v of an earlier step) and in (x =
-// action_in(actions) + pos). A GEMV phase gives each program TPC tiles of 8 output columns
+// action_in(actions) + pos), their inputs other than x staged into shared memory before the
+// step's last wait. A GEMV phase gives each program TPC tiles of 8 output columns
 // and each of its 8 warps an eighth of K; the warps' partial sums meet in shared memory.
 //
 // Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
@@ -191,6 +192,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     u32 s;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
@@ -1423,12 +1429,44 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
 }
 
 // -- the step boundary: rows owned by a program ---------------------------------------------------
+// What a row's boundary reads that no phase of the step writes is copied into shared memory at
+// BSTAGE floats (cp.async: no registers held), for a program's first row before the wait for the
+// step's last barrier, so that after it only x comes from L2 (each of the loads after the wait was
+// a round trip of its own: the boundary took ~9 us a step at B = 1). Stage, bf16: the final
+// modulation of step `done` (shift, scale: [2][WIDTH]) and action_out's weights [ADIM][WIDTH] and
+// bias [ADIM] (out); action_in's weights [WIDTH][ADIM] and bias [WIDTH] and the token's position
+// [WIDTH] (in). The row's actions are read after the wait beside x (the same round trip).
+static_assert(WIDTH % 2 == 0 && ADIM % 2 == 0, "the boundary's stage copies bf16 pairs");
+constexpr int BSTAGE = (NWARPS + NWARPS * ADIM + 3) / 4 * 4;   // after out's scratch
+constexpr int ST_FMOD = 0, ST_WOUT = 2 * WIDTH, ST_BOUT = (2 + ADIM) * WIDTH, ST_WIN = ST_BOUT + ADIM,
+              ST_BIN = ST_WIN + WIDTH * ADIM, ST_POS = ST_BIN + WIDTH;
+__device__ __forceinline__ float st_bf(const float* smem, int at) {
+    return __uint_as_float(((u32)((const u16*)(smem + BSTAGE))[at]) << 16);
+}
+
+__device__ __forceinline__ void stage_row_inputs(const Params& p, float* smem, int done, int next, int r) {
+    if (!WORK || r >= MP || r % TOK16 >= TOK) return;   // padding rows read nothing
+    u16* stage = (u16*)(smem + BSTAGE);
+    auto copy = [&](int at, const u16* src, int n) {
+        for (int k = threadIdx.x; k < n / 2; k += NTHREADS) cp_async4(stage + at + 2 * k, src + 2 * k);
+    };
+    if (done >= 0) {
+        copy(ST_FMOD, p.fmods + done * 2 * WIDTH, 2 * WIDTH);
+        copy(ST_WOUT, p.wout, ADIM * WIDTH);
+        copy(ST_BOUT, p.bout, ADIM);
+    }
+    if (next >= 0) {
+        copy(ST_WIN, p.win, WIDTH * ADIM);
+        copy(ST_BIN, p.bin, WIDTH);
+        copy(ST_POS, p.pos + (r % TOK16) * WIDTH, WIDTH);
+    }
+}
+
 // out: v = action_out(LN(x) (1 + scale) + shift) rounded to the model dtype (as the reference
-// loop rounds it) into vel[i]; with euler, actions += dt v.
-__device__ void out_row(const Params& p, float* smem, int i, int r, int vr) {
+// loop rounds it) into vel[i]; with euler, actions += dt v (thread a's xa, and the row's in p.xa).
+__device__ __forceinline__ void out_row(const Params& p, float* smem, int i, int r, int vr, float& xa) {
     float* scratch = smem;                  // NWARPS
     float* part = smem + NWARPS;            // [NWARPS][ADIM]
-    const u16* fmod = p.fmods + i * 2 * WIDTH;
     float xs[(WIDTH + NTHREADS - 1) / NTHREADS];
     float sum = 0.0f;
     for (int u = 0; u * NTHREADS < WIDTH; ++u) {
@@ -1448,8 +1486,9 @@ __device__ void out_row(const Params& p, float* smem, int i, int r, int vr) {
     for (int u = 0; u * NTHREADS < WIDTH; ++u) {
         const int c = u * NTHREADS + threadIdx.x;
         if (c >= WIDTH) continue;
-        const float hm = round_bf((xs[u] - mu) * rs * (1.0f + ld_in_bf(fmod + WIDTH + c)) + ld_in_bf(fmod + c));
-        for (int a = 0; a < ADIM; ++a) acc[a] += hm * ld_in_bf(p.wout + a * WIDTH + c);
+        const float hm = round_bf((xs[u] - mu) * rs * (1.0f + st_bf(smem, ST_FMOD + WIDTH + c)) +
+                                  st_bf(smem, ST_FMOD + c));
+        for (int a = 0; a < ADIM; ++a) acc[a] += hm * st_bf(smem, ST_WOUT + a * WIDTH + c);
     }
     __syncthreads();
     for (int a = 0; a < ADIM; ++a) {
@@ -1459,20 +1498,23 @@ __device__ void out_row(const Params& p, float* smem, int i, int r, int vr) {
     __syncthreads();
     if (threadIdx.x < ADIM) {
         const int a = threadIdx.x;
-        float v = ld_in_bf(p.bout + a);
+        float v = st_bf(smem, ST_BOUT + a);
         for (int w = 0; w < NWARPS; ++w) v += part[w * ADIM + a];
         const u16 vb = to_bf(v);
         p.vel[(i * ENTRIES * TOK + vr) * ADIM + a] = vb;
-        if (p.euler) p.xa[vr * ADIM + a] += p.dt * __uint_as_float(((u32)vb) << 16);
+        if (p.euler) {
+            xa += p.dt * __uint_as_float(((u32)vb) << 16);
+            p.xa[vr * ADIM + a] = xa;
+        }
     }
     __syncthreads();
 }
 
 // in: x = action_in(actions) + pos (padding rows: 0), each 8-column tile with its statistics.
-__device__ void in_row(const Params& p, float* smem, int r, int tok, int vr) {
+__device__ __forceinline__ void in_row(const Params& p, float* smem, int r, int tok, float xa_own) {
     float* xa = smem;   // [ADIM]
     __syncthreads();
-    if (threadIdx.x < ADIM) xa[threadIdx.x] = tok < TOK ? ld_cg_f(p.xa + vr * ADIM + threadIdx.x) : 0.0f;
+    if (threadIdx.x < ADIM) xa[threadIdx.x] = tok < TOK ? xa_own : 0.0f;
     __syncthreads();
     for (int t = threadIdx.x; t < NT_W; t += NTHREADS) {
         float v[8];
@@ -1480,8 +1522,8 @@ __device__ void in_row(const Params& p, float* smem, int r, int tok, int vr) {
             const int c = t * 8 + k;
             float acc = 0.0f;
             if (tok < TOK) {
-                acc = ld_in_bf(p.bin + c) + ld_in_bf(p.pos + tok * WIDTH + c);
-                for (int a = 0; a < ADIM; ++a) acc += xa[a] * ld_in_bf(p.win + c * ADIM + a);
+                acc = st_bf(smem, ST_BIN + c) + st_bf(smem, ST_POS + c);
+                for (int a = 0; a < ADIM; ++a) acc += xa[a] * st_bf(smem, ST_WIN + c * ADIM + a);
             }
             v[k] = acc;
         }
@@ -1489,22 +1531,40 @@ __device__ void in_row(const Params& p, float* smem, int r, int tok, int vr) {
     }
 }
 
-// The boundary before step `next` (-1: none) after computed step `done` (-1: none): for each
-// owned row, out of `done`, the reused steps between them, and in of `next`.
-__device__ void boundary(const Params& p, float* smem, int done, int first_reuse, int next, int stop) {
-    for (int r = blockIdx.x; WORK && r < MP; r += NPROG) {
+// The boundary before step `next` (-1: none) after computed step `done` (-1: none, and no barrier
+// to wait for): for each owned row, out of `done`, the reused steps between them, and in of `next`.
+// Each row's inputs are staged first: the first row's before the wait for the step's last barrier.
+__device__ __forceinline__ void boundary(const Params& p, Sync& s, float* smem, int done, int first_reuse, int next,
+                                         int stop) {
+    for (int r = blockIdx.x;; r += NPROG) {
+        const bool owned = WORK && r < MP;
+        if (owned) stage_row_inputs(p, smem, done, next, r);
+        if (r == blockIdx.x && done >= 0) grid_wait(p, s);
+        if (!owned) return;
+        cp_async_wait();
+        __syncthreads();
         const int b = r / TOK16, tok = r % TOK16, vr = b * TOK + tok;
-        if (done >= 0 && tok < TOK) out_row(p, smem, done, r, vr);
+        float xa = threadIdx.x < ADIM && tok < TOK ? ld_cg_f(p.xa + vr * ADIM + threadIdx.x) : 0.0f;   // action a
+        if (done >= 0 && tok < TOK) out_row(p, smem, done, r, vr, xa);
         for (int i = first_reuse; i < stop; ++i) {
-            __syncthreads();
             if (tok < TOK && threadIdx.x < ADIM && p.euler) {
                 const int src = p.reuse[i];
                 const float v = ld_cg_bf(p.vel + (src * ENTRIES * TOK + vr) * ADIM + threadIdx.x);
-                p.xa[vr * ADIM + threadIdx.x] += p.dt * v;
+                xa += p.dt * v;
+                p.xa[vr * ADIM + threadIdx.x] = xa;
             }
         }
-        if (next >= 0) in_row(p, smem, r, tok, vr);
+        if (next >= 0) in_row(p, smem, r, tok, xa);
+        __syncthreads();   // the stage is free for the next row's
     }
+}
+
+// The step the loop computes after step i - 1 (reused steps before it skipped; -1: none), and in
+// `stop` where the reused steps before it end.
+__device__ __forceinline__ int step_after(const Params& p, int i, int& stop) {
+    while (i < p.step_hi && p.reuse[i] >= 0) ++i;
+    stop = i;
+    return i < p.step_hi ? i : -1;
 }
 
 // -- the loop --------------------------------------------------------------------------------------
@@ -1533,13 +1593,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
     auto fc1_w = [&](int j) { return wref<MLPD, WIDTH, FC1_TPC>(p.w1 + j * WM, nullptr); };
     auto fc2_w = [&](int j) { return wref<WIDTH, MLPD, FC2_TPC, WIDTH, FC2_SPLIT>(p.w2 + j * WM, nullptr); };
     // Steps step_lo .. step_hi - 1; a reused step (reuse[i] >= 0) only updates the actions.
-    int done = -1, i = p.step_lo;
+    int done = -1, i = p.step_lo, stop;
+    int next = step_after(p, i, stop);
     while (true) {
-        const int first_reuse = i;
-        while (i < p.step_hi && p.reuse[i] >= 0) ++i;
-        const int next = i < p.step_hi ? i : -1;
         if (next >= 0) w_issue(s, smem, qkv_w(next, 0), 0);   // W_SMEM: the step's first weights
-        boundary(p, smem, done, first_reuse, next, i);
+        boundary(p, s, smem, done, i, next, stop);   // after the wait for the step before's last barrier
         if (next < 0) {
             __syncthreads();
             trace_mark(p, s, 1);
@@ -1599,9 +1657,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
                 p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},
                 j + 1 < DEPTH ? qkv_w(next, j + 1) : none);
         }
-        grid_wait(p, s);
         done = next;
-        ++i;
+        i = stop + 1;
+        next = step_after(p, i, stop);
     }
 }
 
