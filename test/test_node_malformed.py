@@ -9,7 +9,7 @@ replaced by a fresh one (the case that broke it has failed already).
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import cv2
 import numpy as np
@@ -35,19 +35,32 @@ INPUT_TIMEOUT_S = 3.0
 
 
 class Rig:
-    """The node under test, its harness and its robot."""
+    """The node under test, its harness and its robot; `before`: the node's report that it runs,
+    taken before the case (the fixture `rig`); `settled`: the case that used it last passed,
+    ending on a report that the node runs."""
 
     def __init__(self):
         topics = [CAMERA_TOPICS[0], CAMERA_TOPICS[1] + "/compressed"]
         self.node = NodeProcess({"autostart": True, "camera_topics": topics, "publish_joint_command": True,
                                  "input_timeout_s": INPUT_TIMEOUT_S})
         self.h = Harness(self.node)
+        self.before: Optional[dict] = None
+        self.settled = False
         try:
             self.robot = Robot(self.h, compressed=(False, True))
-            self.h.wait_diagnostics(lambda d: d["_message"] == "running", 120, "the node to run", since=0)
+            self.before = self.h.wait_diagnostics(lambda d: d["_message"] == "running", 120, "the node to run",
+                                                  since=0)
+            self.settled = True
         except BaseException:
             self.close()
             raise
+
+    def newest_running(self) -> Optional[dict]:
+        """The node's newest report if it says the node runs (and the process is up), else None."""
+        reports = self.h.diagnostics_since(0.0)
+        if reports and reports[-1]["_message"] == "running" and self.node.proc.poll() is None:
+            return reports[-1]
+        return None
 
     def close(self) -> None:
         self.h.close()
@@ -63,13 +76,23 @@ def rigs():
 
 @pytest.fixture
 def rig(rigs):
-    """The module's rig, running; replaced by a fresh one if it does not run within 60 s."""
-    try:
-        rigs[0].h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run before the case")
-    except AssertionError:
-        rigs[0].close()
-        rigs[0] = Rig()
-    return rigs[0].node, rigs[0].h, rigs[0].robot
+    """The module's rig, running: after a case that passed (it ended on a report that the node
+    runs), the node's newest report if it still says so; else a new report that it runs, within
+    60 s, or a fresh rig. Its report is `before`: the counts a case compares with. (A report is
+    at least a second apart from the one before unless something changed: waiting for a new one
+    cost a second a case.)"""
+    current = rigs[0]
+    settled, current.settled = current.settled, False
+    current.before = current.newest_running() if settled else None
+    if current.before is None:
+        try:
+            current.before = current.h.wait_diagnostics(lambda d: d["_message"] == "running", 60,
+                                                        "the node to run before the case")
+        except AssertionError:
+            current.close()
+            rigs[0] = current = Rig()
+            current.settled = False
+    return current
 
 
 def image(height, width, encoding="rgb8", channels=3, data=None):
@@ -186,9 +209,8 @@ def events(d: dict, source: str) -> int:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_malformed_input_holds_reports_once_and_recovers(rig, case):
-    node, h, robot = rig
+    node, h, robot, before = rig.node, rig.h, rig.robot, rig.before
     text = case.text.format(ns=node.namespace)
-    before = h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run before the case")
     logged = node.count(f"holding: {case.source}: ")
     resolved = node.count(f"resolved: {case.source}: ")
     frames, joint_msgs = robot.frame_count, robot.joint_count
@@ -208,6 +230,7 @@ def test_malformed_input_holds_reports_once_and_recovers(rig, case):
     assert len(lines) == logged + 1 and text in lines[-1], "\n".join(lines)
     since = time.monotonic()
     h.wait_until(lambda: h.messages("trajectory", since), 20, "a new chunk after recovery")
+    rig.settled = True
 
 
 def held(node, h, robot, case, text, start, frames, joint_msgs) -> dict:
@@ -236,18 +259,17 @@ def test_cases_cover_the_required_kinds():
 
 
 def test_every_command_was_finite_within_limits_and_step(rig):
-    _, h, _ = rig
-    commands = np.array([m.data for m in h.messages("command")])
+    commands = np.array([m.data for m in rig.h.messages("command")])
     assert len(commands) > 100
     assert_commands_safe(commands)
+    rig.settled = True
 
 
 def test_alternating_causes_keep_diagnostics_at_their_rate(rig):
     """A camera whose frames fail alternately for two reasons (or, before joint states were
     assembled by name, an arm and a gripper driver sharing /joint_states) changed the hold cause
     with every message: /diagnostics followed at the message rate and every change was logged."""
-    node, h, robot = rig
-    h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run")
+    node, h, robot = rig.node, rig.h, rig.robot
     logged = node.count("camera 'wrist': ")
     small = cv2.imencode(".jpg", np.zeros((240, 320, 3), np.uint8))[1].tobytes()
 
@@ -276,3 +298,4 @@ def test_alternating_causes_keep_diagnostics_at_their_rate(rig):
     lines = node.count("camera 'wrist': ") - logged
     assert lines <= LOG_BURST * (1 + math.floor(span / LOG_WINDOW_S)), node.output()
     h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "recovery")
+    rig.settled = True
