@@ -117,20 +117,10 @@ def test_a_lockstep_run_beside_busy_loops_commands_what_the_idle_run_did(idle_ru
         np.testing.assert_array_equal(np.array(busy_episode["tick_commands"]), np.array(idle_episode["tick_commands"]))
 
 
-def test_the_shipped_policy_reaches_for_the_cube_over_ros(tmp_path):
-    """The trained default policy (vla_node/data/sim_policy), closed loop through the node: its
-    commands take the right gripper to the cube and touch it (gym-aloha's reward >= 1; random
-    weights flail without touching it: reward 0), not necessarily a full transfer in 200 ticks.
-    Lockstep with the 40 ms latency it was evaluated with (BENCHMARKS.md): the same run on any
-    machine (on the 2-core VM: reward 2, 0.32 -> 0.12 m)."""
-    from vla_node.tools.demo import SIM_POLICY
-
-    report, _ = lockstep_run(tmp_path, SIM_POLICY, {"engine_mode": "fused", "fixed_latency_s": 0.04},
-                             ["--episodes", "1", "--ticks", "200"])
-    episode = report["per_episode"][0]
-    assert episode["commands"] == 200, episode
-    assert episode["max_reward"] >= 1, episode
-    assert episode["gripper_to_cube_min_m"] < episode["gripper_to_cube_start_m"] - 0.1, episode
+# The trained default policy closed over ROS (vla_node/data/sim_policy, the engine fused, lockstep
+# with its 40 ms latency) is the demo's first part: test_replay_live's
+# test_the_shipped_policy_reaches_for_the_cube_over_ros checks it on the demo's run (this module
+# ran the same loop a second time, for 200 ticks).
 
 
 FAKE_POLICY = """
