@@ -140,7 +140,7 @@ def test_live_errors(tmp_path):
     with pytest.raises(BagError, match="no bag at"):
         replay_live(LiveOptions(bag=tmp_path / "missing.mcap", out=tmp_path))
     with pytest.raises(LiveError, match="node /nobody not found"):
-        replay_live(LiveOptions(bag=SAMPLE_BAG, node="/nobody", out=tmp_path, wait_s=2.0))
+        replay_live(LiveOptions(bag=SAMPLE_BAG, node="/nobody", out=tmp_path, wait_s=0.5))
 
 
 @pytest.fixture(scope="module")
