@@ -227,7 +227,7 @@ def test_the_kernel_compiles_for_hopper(hopper_compiles, entries, tiling):
     # both weight buffers fit on the H200 at B = 4; the default takes them at B = 1
     assert constants["W_SMEM"] == int(tiling.weights_smem if tiling.weights_smem is not None else entries == 1)
     # The kernel holds each phase's weights in registers: a change that pushes them out shows here
-    # (the tiling shipped spills 0 bytes at one observation, 76 at four: scripts/cuda_expert_spills.py).
+    # (the tiling shipped spills 0 bytes at one observation, 80 at four: scripts/cuda_expert_spills.py).
     spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
     assert spilled <= (64 if entries == 1 else 512), log
 

@@ -1444,8 +1444,9 @@ __device__ __forceinline__ float st_bf(const float* smem, int at) {
     return __uint_as_float(((u32)((const u16*)(smem + BSTAGE))[at]) << 16);
 }
 
+// Row r's stage (a row the program owns: boundary's call).
 __device__ __forceinline__ void stage_row_inputs(const Params& p, float* smem, int done, int next, int r) {
-    if (!WORK || r >= MP || r % TOK16 >= TOK) return;   // padding rows read nothing
+    if (r % TOK16 >= TOK) return;   // padding rows read nothing
     u16* stage = (u16*)(smem + BSTAGE);
     auto copy = [&](int at, const u16* src, int n) {
         for (int k = threadIdx.x; k < n / 2; k += NTHREADS) cp_async4(stage + at + 2 * k, src + 2 * k);
