@@ -346,6 +346,15 @@ class Harness:
                     out.append(values)
         return out
 
+    def newest_running(self) -> Optional[dict]:
+        """The node's newest report if it says the node runs and its process is up, else None
+        (reports come a second apart unless something changed: a case that starts from a running
+        node need not wait for a new one)."""
+        reports = self.diagnostics_since(0.0)
+        if reports and reports[-1]["_message"] == "running" and self.process.proc.poll() is None:
+            return reports[-1]
+        return None
+
     def wait_diagnostics(self, predicate: Callable[[dict], bool], timeout: float, what: str,
                          since: Optional[float] = None) -> dict:
         since = time.monotonic() if since is None else since

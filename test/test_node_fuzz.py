@@ -188,8 +188,7 @@ def test_random_malformed_input_is_reported_held_and_recovered_from(rig, bad):
     # The node runs before the case: its newest report says so (the one the case before ended on),
     # else a new one must. (Reports come a second apart unless something changed: waiting for a new
     # one each time cost a second a case.)
-    reports = h.diagnostics_since(0.0)
-    if not (reports and reports[-1]["_message"] == "running" and node.proc.poll() is None):
+    if h.newest_running() is None:
         h.wait_diagnostics(lambda d: d["_message"] == "running", 60, "the node to run before the case")
     h.wait_until(lambda: h.instruction_pub.get_subscription_count() > 0, 20, "the instruction subscription")
     start = time.monotonic()

@@ -55,13 +55,6 @@ class Rig:
             self.close()
             raise
 
-    def newest_running(self) -> Optional[dict]:
-        """The node's newest report if it says the node runs (and the process is up), else None."""
-        reports = self.h.diagnostics_since(0.0)
-        if reports and reports[-1]["_message"] == "running" and self.node.proc.poll() is None:
-            return reports[-1]
-        return None
-
     def close(self) -> None:
         self.h.close()
         self.node.stop()
@@ -83,7 +76,7 @@ def rig(rigs):
     cost a second a case.)"""
     current = rigs[0]
     settled, current.settled = current.settled, False
-    current.before = current.newest_running() if settled else None
+    current.before = current.h.newest_running() if settled else None
     if current.before is None:
         try:
             current.before = current.h.wait_diagnostics(lambda d: d["_message"] == "running", 60,
