@@ -36,6 +36,16 @@ def held_since(h, report: dict, count: int = 10) -> np.ndarray:
     return np.array(h.wait_until(after, 60, f"{count} commands after the report")[:count])
 
 
+def commands_to_report(h, since: dict, report: dict, period_ns: int = 20_000_000) -> int:
+    """The commands the node stamped from its first chunk after `since` (its trajectory is stamped
+    with the tick its plan starts at; less half a control period, config/tiny.yaml's 50 Hz) to
+    `report`: by the node's stamps, so a busy machine's delays do not count."""
+    first_ns = min(stamp_ns(t.header.stamp) for t in h.messages("trajectory")
+                   if stamp_ns(t.header.stamp) > since["_stamp_ns"])
+    return sum(first_ns - period_ns // 2 <= stamp_ns(m.header.stamp) <= report["_stamp_ns"]
+               for m in h.messages("joint_command"))
+
+
 def test_engine_restart_replaces_a_dead_engine_and_resumes():
     node = NodeProcess({"autostart": True, "engine_restart_s": 0.5, "publish_joint_command": True})
     h = Harness(node)
@@ -54,6 +64,10 @@ def test_engine_restart_replaces_a_dead_engine_and_resumes():
         node.wait_for_line("resolved: engine: engine lost")
         since = time.monotonic()
         h.wait_until(lambda: len(h.messages("trajectory", since)) >= 3, 60, "chunks from the new engine")
+        # "running" right after the first tick that commands the new engine's first chunk, not at the
+        # next periodic report, which the fault's end (announced the tick before) put a second later.
+        held_since(h, up, 1)      # the commands up to the report are all here (one topic, in order)
+        assert 1 <= commands_to_report(h, lost, up) <= 2
     finally:
         h.close()
         node.stop_cleanly()

@@ -2,6 +2,7 @@
 chunk hand-over, the safety filter and fault reporting (fast; the tests over DDS are in the other
 test_node_*; window choice and joint assembly in test_windows)."""
 import logging
+import math
 import threading
 import types
 
@@ -12,10 +13,11 @@ from sensor_msgs.msg import CompressedImage, Image
 
 from vla_node.ros import messages, params
 from vla_node.ros.control import Plan, Request, SafetyFilter
-from vla_node.ros.diagnostics import LOG_BURST, Faults, Key, NodeTelemetry, duration_in_words
+from vla_node.ros.diagnostics import LOG_BURST, LOG_WINDOW_S, Faults, Key, NodeTelemetry, duration_in_words
 from vla_node.ros.engine_protocol import Chunk
 from vla_node.ros.executor import transition
 from vla_node.ros.frames import FrameRing, SharedInputs, Window
+from vla_node.ros.outputs import DIAGNOSTICS_PERIOD_S, ReportPacing
 from vla_node.runtime import images
 from vla_node.runtime.windows import InputError, Wait, WindowSpec
 
@@ -469,6 +471,57 @@ def test_a_flapping_sources_last_changes_reach_the_log_when_the_node_releases_it
     faults.reset()                         # cleanup, shutdown, exit: before the window passed
     assert records[-1].getMessage() == "holding: sync: frames out of step (after 5 changes not logged one by one)"
     assert not faults.active()
+
+
+def ticks_reported(commanding, period_s=0.02):
+    """The control ticks (by index) after which ReportPacing sends a report, for a loop that
+    commands at tick k if commanding(k), one tick every `period_s` of a fake clock; each report
+    says "running" if its tick commanded."""
+    now = [0.0]
+    pacing, reported = ReportPacing(clock=lambda: now[0]), []
+    pacing.sent(running=False)                # a report before the first tick: holding
+    for k in range(1, 50 * 60):
+        now[0] = k * period_s
+        if commanding(k) is not None and pacing.due(commanding(k)):
+            reported.append(k)
+            pacing.sent(running=commanding(k))
+    return reported
+
+
+def test_the_tick_the_loop_resumes_or_starts_holding_is_reported_at_once():
+    """/diagnostics said "running" up to a second after the loop commanded again (after a fault,
+    after an activation's first wait), and "holding" up to a second after it held: only the period
+    made a tick report. Ticks 1-9 hold, 10-29 command, 30-59 hold (a plan run out), then it stops."""
+    def loop(k):
+        return 10 <= k < 30 if k < 60 else None
+    assert ticks_reported(loop) == [10, 30]
+
+
+def test_a_hold_already_reported_and_the_wait_of_configure_follow_the_period():
+    """A tick that holds after a fault's announcement said so (ReportPacing.sent between the
+    ticks) is no change; without a tick (configure's waits: None) only the period counts."""
+    now = [0.0]
+    pacing = ReportPacing(clock=lambda: now[0])
+    assert pacing.due(None)                  # nothing reported yet
+    pacing.sent(running=True)
+    now[0] = 0.01
+    pacing.sent(running=False)               # a fault's announcement, between two ticks
+    now[0] = 0.02
+    assert not pacing.due(False) and not pacing.due(None)
+    now[0] = 0.01 + DIAGNOSTICS_PERIOD_S
+    assert pacing.due(None) and pacing.due(False)
+
+
+def test_a_loop_that_flaps_between_holding_and_commanding_is_reported_near_the_period():
+    """Holding and commanding by turns, tick by tick, for a minute at 50 Hz: LOG_BURST reports of
+    a change per LOG_WINDOW_S, the rest one a period, within test_node_malformed's bound for a
+    flapping input, not 3000."""
+    reported = ticks_reported(lambda k: k % 2 == 0)
+    span_s = (reported[-1] - reported[0]) * 0.02
+    assert len(reported) <= span_s / DIAGNOSTICS_PERIOD_S + 1 + LOG_BURST * (1 + math.floor(span_s / LOG_WINDOW_S))
+    assert reported[:LOG_BURST] == list(range(2, LOG_BURST + 2))     # the first changes at once (tick 1 holds)
+    first_window = [k for k in reported if k * 0.02 <= LOG_WINDOW_S]
+    assert len(first_window) <= LOG_BURST + LOG_WINDOW_S / DIAGNOSTICS_PERIOD_S
 
 
 def test_diagnostics_report_the_batch_each_chunk_ran_in():

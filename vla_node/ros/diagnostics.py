@@ -254,6 +254,7 @@ class Key:
 
 
 OK, WARN, ERROR = 0, 1, 2      # diagnostic_msgs/DiagnosticStatus levels
+RUNNING = "running"            # summary()'s message while the control loop commands (level OK)
 
 
 def summary(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str],
@@ -271,7 +272,7 @@ def summary(state: str, configure_error: str, faults: dict[str, str], hold: Opti
         return WARN, f"holding: {state}"
     if hold is not None:
         return WARN, f"holding: {hold}"
-    return OK, "running"
+    return OK, RUNNING
 
 
 def status_pairs(state: str, configure_error: str, faults: dict[str, str], hold: Optional[str],

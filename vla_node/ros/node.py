@@ -264,7 +264,7 @@ class VLANode(LifecycleNode):
     # -- the control loop (its order: loop.ControlLoop; its decisions: control.ChunkScheduler) ----
     def _on_tick(self) -> None:
         self._loop.tick(self.now_ns())
-        self._diagnostics.after_tick()
+        self._diagnostics.after_tick(commanding=self._control.state.hold is None)
 
     def _on_clock_jump(self, jump) -> None:
         """Time went backwards (a restarted simulation or bag): loop.clock_jumped_back."""

@@ -4,7 +4,9 @@ from start-up to the end, /diagnostics.
 """
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from typing import Callable, Optional
 
 import numpy as np
@@ -19,7 +21,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from . import messages
 from .context import NodeContext
-from .diagnostics import Faults, Key, status_pairs, summary
+from .diagnostics import LOG_BURST, LOG_WINDOW_S, RUNNING, Faults, Key, status_pairs, summary
 
 
 class Outputs:
@@ -58,11 +60,56 @@ class Outputs:
 DIAGNOSTICS_PERIOD_S = 1.0
 
 
+class ReportPacing:
+    """When a report goes out after a control tick (no ROS; `clock` in seconds): once
+    DIAGNOSTICS_PERIOD_S has passed since the last report, or at once when the tick commanded (its
+    hold is None) while the last report said the node holds, or held while it said "running". So
+    /diagnostics says "running" from the first tick the loop commands again (after a fault, after
+    an activation's first wait) and "holding" from the first tick it holds for a reason of its own
+    (a plan run out), not up to a period later. A new reason to hold (the text of "inference slower
+    ..." changes every tick) is no change, nor is a hold that a fault's announcement (Faults'
+    on_change) has reported already (unless a tick runs before that announcement is published:
+    one report more).
+
+    Changes are announced at most LOG_BURST times in any LOG_WINDOW_S, as a fault source's changes
+    are (diagnostics.Faults); beyond that the periodic report says where the loop stands, so a loop
+    that alternates holding and commanding every tick is reported near the period, not at the tick
+    rate. The budget is their own, like one more fault source's, not one shared with the faults:
+    test_node_malformed's cases, a fault that starts and ends every 0.6 s, would leave a shared one
+    nothing for the returns to "running" from the fourth case on."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._sent = -math.inf      # clock() of the last report
+        self._running = False       # whether it said the node runs (RUNNING)
+        self._announced: deque = deque()   # clock() of the changes announced in the last LOG_WINDOW_S
+
+    def due(self, commanding: Optional[bool] = None) -> bool:
+        """Report now? `commanding`: whether the tick just run commanded; None: no tick (configure's
+        waits), only the period counts. True for a change is counted against its budget."""
+        now = self._clock()
+        if now - self._sent >= DIAGNOSTICS_PERIOD_S:
+            return True
+        if commanding is None or commanding == self._running:
+            return False
+        while self._announced and now - self._announced[0] > LOG_WINDOW_S:
+            self._announced.popleft()
+        if len(self._announced) >= LOG_BURST:
+            return False
+        self._announced.append(now)
+        return True
+
+    def sent(self, running: bool) -> None:
+        """A report went out (whatever made it), saying the node runs or not."""
+        self._sent, self._running = self._clock(), running
+
+
 class DiagnosticsPublisher:
     """/diagnostics with `status()` = (level, message, values): right after a control tick once a
-    period has passed (building it takes a few milliseconds: there it cannot delay a tick), when
-    `on_period` publishes (its timer runs on wall time: diagnostics keep coming while a
-    simulation is paused), and at once on now()."""
+    period has passed or when the loop started or stopped commanding (ReportPacing; building a
+    report takes a few milliseconds: there it cannot delay a tick), when `on_period` publishes (its
+    timer runs on wall time: diagnostics keep coming while a simulation is paused), and at once on
+    now() (a fault that starts or ends: Faults limits how often)."""
 
     def __init__(self, node: Node, status: Callable[[], tuple[int, str, list]], on_period: Callable[[], None]):
         self._node, self._status = node, status
@@ -70,13 +117,15 @@ class DiagnosticsPublisher:
         # now() may be called on the decoder thread: the guard condition publishes from the executor.
         self._now = node.create_guard_condition(self.publish)
         node.create_timer(DIAGNOSTICS_PERIOD_S, on_period, clock=Clock(clock_type=ClockType.STEADY_TIME))
-        self._sent = 0.0    # time.monotonic() of the last message
+        self._pacing = ReportPacing()
 
     def now(self) -> None:
         self._now.trigger()
 
-    def after_tick(self) -> None:
-        if time.monotonic() - self._sent >= DIAGNOSTICS_PERIOD_S:
+    def after_tick(self, commanding: Optional[bool] = None) -> None:
+        """After a control tick (`commanding`: its hold is None), or between looks at configure's
+        progress (None): a report if ReportPacing says one is due."""
+        if self._pacing.due(commanding):
             self.publish()
 
     def when_idle(self, faults: Faults, telemetry) -> None:
@@ -90,7 +139,7 @@ class DiagnosticsPublisher:
         level, message, values = self._status()
         self._pub.publish(messages.diagnostics_msg("vla_node: policy", self._node.get_fully_qualified_name(), level,
                                                    message, values, self._node.get_clock().now().to_msg()))
-        self._sent = time.monotonic()
+        self._pacing.sent(message == RUNNING)
 
 
 def node_status(state: str, stage: str, configure_error: str, faults: Faults, control, parts, telemetry, settings,
