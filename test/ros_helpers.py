@@ -348,8 +348,9 @@ class Harness:
 
     def newest_running(self) -> Optional[dict]:
         """The node's newest report if it says the node runs and its process is up, else None
-        (reports come a second apart unless something changed: a case that starts from a running
-        node need not wait for a new one)."""
+        (a report comes a second after the one before, and at once when a fault starts or ends or
+        the control loop starts or stops commanding: a case that starts from a running node need
+        not wait for a new one, and one that ends with the node commanding again has its report)."""
         reports = self.diagnostics_since(0.0)
         if reports and reports[-1]["_message"] == "running" and self.process.proc.poll() is None:
             return reports[-1]
