@@ -16,8 +16,10 @@
 #             (both benches take $BENCH_ARGS too, e.g. "--frames pageable")
 #   profile   one warm DROID `fast` query's kernels under the CUDA profiler (scripts/profile_query.py)
 #   attention the prefill's pattern kernel at every tiling of scripts/bench_prefill_attention.py, DROID and 8 images
-#   ncu       Nsight Compute (clocks left alone): the loop at B = 1, and the pattern kernel at DROID at its default
-#             tiling and at 128x64 w8 s3 (speed of light, memory, warp stalls, occupancy), within $NTIMEOUT s (150) each
+#   ncu       Nsight Compute (clocks left alone): the pattern kernel at DROID at $NCU_TILES ("64x64 w4 s3 tma", its
+#             default; speed of light, memory, warp stalls, occupancy, stall sampling by instruction), within $NTIMEOUT s
+#             (150) each. Not the loop: ncu 2025.3 cannot profile expert_flow's cooperative cluster launch (LaunchFailed
+#             under kernel and application replay on the H100, thirty-second session)
 #   gemms     the query's GEMMs under cuBLAS settings $GEMM_SETTINGS (default,lt: cuBLASLt preferred;
 #             scripts/bench_gemm_gaps.py)
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
@@ -70,16 +72,15 @@ for part in $PARTS; do
       timeout 240 python3 scripts/bench_prefill_attention.py --parts attention --layouts droid,8img \
         --ways "pattern kernel" --json "$OUT/attention.json" 2>&1 | grep -av Warn > "$OUT/attention.log"
       tail -20 "$OUT/attention.log" ;;
-    ncu) say "Nsight Compute: the loop at B = 1, the pattern kernel at DROID"
+    ncu) say "Nsight Compute: the pattern kernel at DROID"
       ncu=(ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats
-           --section SchedulerStats --section Occupancy --section LaunchStats
+           --section SchedulerStats --section Occupancy --section LaunchStats --section SourceCounters
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,lts__t_bytes.sum.per_second")
-      timeout "${NTIMEOUT:-150}" "${ncu[@]}" -k regex:expert_flow -c 1 python3 scripts/check_cuda_expert.py --entries 1 \
-        --backends cuda --out /tmp/ncu_loop > "$OUT/ncu_loop.log" 2>&1; grep -a "Duration\|Throughput\|stalled" "$OUT/ncu_loop.log" | head -40
-      for tiles in "64x64 w4 s3 tma" "128x64 w8 s3 tma"; do
+      IFS=, read -ra tilings <<< "${NCU_TILES:-64x64 w4 s3 tma}"
+      for tiles in "${tilings[@]}"; do
         timeout "${NTIMEOUT:-150}" "${ncu[@]}" -k regex:_pattern_attention -c 1 python3 scripts/bench_prefill_attention.py \
           --parts attention --layouts droid --ways "$tiles" > "$OUT/ncu_pattern_${tiles// /_}.log" 2>&1
-        grep -a "Duration\|Throughput\|Registers\|Achieved Occ" "$OUT/ncu_pattern_${tiles// /_}.log" | head -20
+        grep -a "Duration\|Throughput\|Registers\|Achieved Occ\|stalled" "$OUT/ncu_pattern_${tiles// /_}.log" | head -40
       done ;;
     gemms) say "GEMMs under cuBLAS settings ${GEMM_SETTINGS:-default,lt}"
       timeout 300 python3 scripts/bench_gemm_gaps.py --settings "${GEMM_SETTINGS:-default,lt}" \
