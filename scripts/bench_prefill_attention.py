@@ -53,11 +53,15 @@ PEAK = 790e12  # bf16 FLOP/s, the H200's measured matmul rate
 # and 191 registers (one program a SM: the registers); 128x128 w8 s2 spills. With tma (q, K and V through
 # tensor descriptors, the default) 64x64 w4 s3 113 KB and 176 registers, s2 81 KB; tilings that spilled by
 # pointer fit: 64x128 w4 s2 145 KB and 217 registers, 128x128 w8 s2 161 KB and 230 (one program a SM),
-# 128x64 w8 s3 129 KB and 166.
+# 128x64 w8 s3 129 KB and 166. Key tiles of 32 (Triton 3.9, thirty-second session), for more programs a SM: Nsight
+# Compute put 64x64 w4 s3 at 2 warps a scheduler, each issuing every 4.8 cycles (fixed-latency dependencies,
+# long scoreboard), L2 at 45 %: 64x32 w4 s3 67 KB and 128 registers (three programs a SM), s2 49 KB and 128
+# (four), 128x32 w8 s3 82 KB and 122 (two).
 PATTERN_TILES = {"64x64 w4 s3 tma": (64, 64, 4, 3, True), "64x64 w4 s3": (64, 64, 4, 3, False),
                  "64x64 w4 s2 tma": (64, 64, 4, 2, True), "128x64 w8 s2 tma": (128, 64, 8, 2, True),
                  "128x64 w8 s3 tma": (128, 64, 8, 3, True), "64x128 w4 s2 tma": (64, 128, 4, 2, True),
-                 "128x128 w8 s2 tma": (128, 128, 8, 2, True)}
+                 "128x128 w8 s2 tma": (128, 128, 8, 2, True), "64x32 w4 s3 tma": (64, 32, 4, 3, True),
+                 "64x32 w4 s2 tma": (64, 32, 4, 2, True), "128x32 w8 s3 tma": (128, 32, 8, 3, True)}
 
 
 def image_tokens(layout_name: str) -> torch.Tensor:
