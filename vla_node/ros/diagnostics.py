@@ -16,6 +16,18 @@ LOG_BURST = 10
 LOG_WINDOW_S = 10.0   # ... in this many seconds; flush() sums up the rest once the window allows
 
 
+def burst_allows(times: deque, now: float) -> bool:
+    """Whether one more announcement fits in LOG_BURST per LOG_WINDOW_S, `times` holding the
+    clock of the recent ones (oldest first; those out of the window are dropped). If it fits it is
+    counted: `now` appended."""
+    while times and now - times[0] > LOG_WINDOW_S:
+        times.popleft()
+    if len(times) >= LOG_BURST:
+        return False
+    times.append(now)
+    return True
+
+
 class FaultSource(str, Enum):
     """Where a hold cause comes from: the keys of Faults (cameras are named: camera(name), and a
     silent input is stale(source)). A str, so that logs, /diagnostics and the tests read its value."""
@@ -92,12 +104,7 @@ class Faults:
     def _may_log(self, source: str) -> Optional[str]:
         """With the lock held: None if this change of `source` is only counted, else what to
         add to its log line."""
-        times = self._logged.setdefault(source, deque())
-        now = self._clock()
-        while times and now - times[0] > LOG_WINDOW_S:
-            times.popleft()
-        if len(times) < LOG_BURST:
-            times.append(now)
+        if burst_allows(self._logged.setdefault(source, deque()), self._clock()):
             quiet = self._quiet.pop(source, 0)
             return f" (after {quiet} changes not logged one by one)" if quiet else ""
         self._quiet[source] += 1
@@ -110,11 +117,10 @@ class Faults:
         with self._lock:
             for source in list(self._quiet):
                 times, now = self._logged[source], self._clock()
-                while times and now - times[0] > LOG_WINDOW_S:
-                    times.popleft()
-                if len(times) >= LOG_BURST and not final:
-                    continue
-                times.append(now)
+                if not burst_allows(times, now):
+                    if not final:
+                        continue
+                    times.append(now)
                 state = "holding" if source in self._active else "resolved"
                 quiet = self._quiet.pop(source)
                 lines.append(f"{state}: {source}: {self._last[source]} (after {quiet} changes not logged one by one)")

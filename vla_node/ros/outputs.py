@@ -21,7 +21,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from . import messages
 from .context import NodeContext
-from .diagnostics import LOG_BURST, LOG_WINDOW_S, RUNNING, Faults, Key, status_pairs, summary
+from .diagnostics import RUNNING, Faults, Key, burst_allows, status_pairs, summary
 
 
 class Outputs:
@@ -90,14 +90,7 @@ class ReportPacing:
         now = self._clock()
         if now - self._sent >= DIAGNOSTICS_PERIOD_S:
             return True
-        if commanding is None or commanding == self._running:
-            return False
-        while self._announced and now - self._announced[0] > LOG_WINDOW_S:
-            self._announced.popleft()
-        if len(self._announced) >= LOG_BURST:
-            return False
-        self._announced.append(now)
-        return True
+        return commanding is not None and commanding != self._running and burst_allows(self._announced, now)
 
     def sent(self, running: bool) -> None:
         """A report went out (whatever made it), saying the node runs or not."""
