@@ -41,16 +41,16 @@ def test_a_mode_that_fails_costs_its_own_row_only(tmp_path, capsys, monkeypatch)
     assert "static    failed: RuntimeError: the kernel did not build" in capsys.readouterr().out
 
 
-def test_a_shorter_instruction_budget_pads_less_and_keeps_the_actions(tmp_path):
-    """budget48: the static bucket's instruction turn padded to 48 tokens instead of 96. The padding
-    is masked, so both budgets give eager's actions within fp32 rounding."""
+def test_one_instruction_budget_pads_more_and_keeps_the_actions(tmp_path):
+    """onebudget: the static buckets of max_instruction_tokens only (no instruction_tiers), as before
+    the tiers. The padding is masked, so both give eager's actions within fp32 rounding."""
     from vla_node.runtime import EngineConfig
     from vla_node.tools.bench import mode_config
 
-    assert mode_config("static+budget48", EngineConfig(preset="tiny")).max_instruction_tokens == 48
-    assert mode_config("static", EngineConfig(preset="tiny")).max_instruction_tokens == 96
+    assert mode_config("static+onebudget", EngineConfig(preset="tiny")).instruction_budgets == (96,)
+    assert mode_config("static", EngineConfig(preset="tiny")).instruction_budgets == (48, 96)
     out = tmp_path / "bench.json"
-    assert main(["--preset", "tiny", "--device", "cpu", "--modes", "eager,static,static+budget48", "--iters", "1",
+    assert main(["--preset", "tiny", "--device", "cpu", "--modes", "eager,static,static+onebudget", "--iters", "1",
                  "--dev-windows", "2", "--json", str(out)]) == 0
     modes = json.loads(out.read_text())["modes"]
-    assert all(modes[m]["max_abs_dev"] < 1e-5 for m in ("static", "static+budget48"))
+    assert all(modes[m]["max_abs_dev"] < 1e-5 for m in ("static", "static+onebudget"))

@@ -44,7 +44,7 @@ def test_each_entry_of_a_batch_gets_its_actions_alone(mode, overrides):
     known = engine.model.normalize_actions(torch.as_tensor(obs[-1].known_actions)).numpy()
     assert np.array_equal(batch[-1].normalized[:3], known)   # the known prefix, exactly
     if engine.static is not None:
-        assert {size for _, size in engine.static.buckets} == {1, 2, 4}
+        assert {size for _, size, _ in engine.static.buckets} == {1, 2, 4}
 
 
 def test_each_entry_draws_its_noise_from_its_own_generator():

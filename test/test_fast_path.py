@@ -4,6 +4,9 @@ CPU tests run in CI. Tests marked `cuda` need a GPU (run them on the H200:
 `python3 -m pytest -q test/test_fast_path.py`) and skip elsewhere with the reason.
 """
 import copy
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from vla_node.model.layers import linear_gelu, rope_tables
 from vla_node.runtime import LAYOUTS, EngineConfig, Observation, PolicyEngine
 from vla_node.runtime.compile import uncompile
 from vla_node.runtime.fusion import BatchedContextKV, linear_gelu_epilogue
+from vla_node.runtime.graphs import NO_GEMM_WORKSPACE, use_gemms_without_workspace
 from vla_node.runtime.preprocess import preprocess_reference, resize_normalize
 
 INSTRUCTIONS = ["pick up the red cup", "open the drawer", "put the marker in the bowl and close the lid",
@@ -216,6 +220,19 @@ def test_unknown_layout_and_invalid_configs_are_rejected():
         EngineConfig.for_mode("turbo")
 
 
+def test_gemms_without_workspace_are_asked_for_unless_the_user_chose():
+    environ = {}
+    assert use_gemms_without_workspace(environ) and environ == NO_GEMM_WORKSPACE
+    for chosen in ({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, {"CUBLASLT_WORKSPACE_SIZE": "1024"},
+                   {"TORCH_BLAS_PREFER_CUBLASLT": "1"}):
+        environ = dict(chosen)
+        assert not use_gemms_without_workspace(environ) and environ == chosen
+    assert EngineConfig.for_mode("graphs", device="cuda").workspace_free_gemms
+    assert not EngineConfig.for_mode("graphs").workspace_free_gemms   # a CPU engine's ladder skips it
+    with pytest.raises(ValueError, match="workspace_free_gemms needs a CUDA device"):
+        EngineConfig(workspace_free_gemms=True)
+
+
 # -- on the GPU -------------------------------------------------------------------------------
 
 def gpu_config(mode: str, **kw) -> EngineConfig:
@@ -268,6 +285,17 @@ def test_fast_matches_eager_within_bf16_noise(dtype):
     for a, b in zip(outputs(eager, inputs), outputs(fast, inputs)):
         # fp32 within 1e-4: a TF32 dot anywhere (4e-2 once, the flow loop's attention) fails it
         assert np.linalg.norm(b - a) / np.linalg.norm(a) < (1e-2 if dtype == "bfloat16" else 1e-4)
+
+
+@pytest.mark.cuda
+def test_fast_without_gemm_workspaces_matches_eager_within_bf16_noise():
+    """torch sizes cuBLAS's workspace at a process's first GEMM: in a process of its own the fast
+    engine's workspace_free_gemms is what every GEMM of the comparison above runs with."""
+    env = {name: value for name, value in os.environ.items() if name not in NO_GEMM_WORKSPACE}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+                          f"{__file__}::test_fast_matches_eager_within_bf16_noise[bfloat16]"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:]
 
 
 @pytest.mark.cuda

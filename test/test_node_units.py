@@ -198,6 +198,7 @@ def test_defaults_are_valid_and_every_parameter_has_a_descriptor():
     (dict(model_preset="gpt5"), "unknown model preset 'gpt5'"),
     (dict(dtype="float16"), "dtype must be float32 or bfloat16"),
     (dict(fp8="e5m2"), "fp8 must be off, rowwise or tensorwise"),
+    (dict(instruction_tiers=[48, 0]), r"instruction_tiers must be token counts >= 1, got \[48, 0\]"),
     (dict(streaming_kv=True, engine_mode="graphs"),
      "streaming_kv needs vision_cache and ctx_kv_once .*: engine_mode fast"),
     (dict(action_cache="5:7"), "can only reuse an earlier step"),

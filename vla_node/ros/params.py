@@ -92,6 +92,10 @@ SPECS: dict[str, Spec] = {
     "flow_steps": Spec(0, "flow-matching Euler steps; 0: the model's default", read_only=True, range=(0, 1000)),
     "max_instruction_tokens": Spec(96, "token budget of the chat turn holding the instruction (the prompt pads "
                                        "to it)", read_only=True, range=(1, 4096)),
+    "instruction_tiers": Spec([48], "shorter token budgets of the instruction's chat turn, each a static bucket "
+                                    "of its own (warm-up captures them all): a query runs in the smallest that holds "
+                                    "its instruction. Values at or above max_instruction_tokens add none",
+                              read_only=True),
     "engine_threads": Spec(1, "torch CPU threads of the engine process; 0: torch's default. One thread leaves "
                               "a core to the control loop on small machines", read_only=True, range=(0, 1024)),
     "engine_nice": Spec(10, "niceness added to the engine process, so the control loop wins the CPU",

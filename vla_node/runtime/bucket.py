@@ -1,7 +1,7 @@
-"""Device buffers of one window layout (a bucket) at one batch size: the padded prompts, their
-attention mask, RoPE tables, the query's inputs and the stages' outputs. Shapes never change
-after construction, so stages that read and write only these can be compiled once and captured
-as CUDA graphs.
+"""Device buffers of one window layout (a bucket) at one batch size and instruction token budget:
+the padded prompts, their attention mask, RoPE tables, the query's inputs and the stages'
+outputs. Shapes never change after construction, so stages that read and write only these can be
+compiled once and captured as CUDA graphs.
 
 A batch's entries share the layout, so they share the padded length, the image part of the
 prompt, the prefill's attention mask and the RoPE tables; each row has its own instruction
@@ -17,14 +17,15 @@ from .types import WindowLayout
 
 
 class Bucket:
-    """Device buffers of one window layout at the instruction token budget, for `batch` entries."""
+    """Device buffers of one window layout at one instruction token budget (the chat turn is
+    padded to it), for `batch` entries."""
 
-    def __init__(self, engine: EngineParts, layout: WindowLayout, cache_len: int, batch: int = 1):
+    def __init__(self, engine: EngineParts, layout: WindowLayout, batch: int, budget: int, cache_len: int):
         m, dev = engine.model, engine.device
-        self.layout, self.batch = layout, batch
+        self.layout, self.batch, self.budget = layout, batch, budget
         prompt = engine.prompts.build(len(layout.cameras), layout.frames, "x")
         self.instruction_start = prompt.instruction_start
-        self.length = prompt.instruction_start + engine.config.max_instruction_tokens
+        self.length = prompt.instruction_start + budget
         ids = torch.full((batch, self.length), engine.prompts.pad_id, dtype=torch.long)
         ids[:, :self.instruction_start] = torch.tensor(prompt.ids[:self.instruction_start])
         self.ids = ids.to(dev)

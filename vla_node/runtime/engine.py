@@ -59,6 +59,9 @@ class PolicyEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device {config.device} requested but CUDA is not available")
         self.dtype = getattr(torch, config.dtype)
+        if config.workspace_free_gemms:   # before any GEMM of this process, or it does nothing
+            from .graphs import use_gemms_without_workspace
+            use_gemms_without_workspace()
         t0 = time.perf_counter()
         if config.checkpoint:
             folder = resolve_checkpoint(config.checkpoint, self.progress)  # official folders: converted once

@@ -1,8 +1,10 @@
 """One CUDA-graph capture: a warm run on a side stream (capture needs the kernels loaded and the
 allocator's pools settled, and must not run on the default stream), then the capture itself.
-Used by runtime/static.py, the GPU benchmarks and the fused expert's GPU test."""
+Used by runtime/static.py, the GPU benchmarks and the fused expert's GPU test. And cuBLAS's
+GEMMs without a workspace, whose memsets leave captured graphs idle."""
 from __future__ import annotations
 
+import os
 from typing import Callable, TypeVar
 
 import torch
@@ -22,3 +24,24 @@ def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+# cuBLAS's split-K / stream-K GEMMs reset a semaphore in their workspace before each call: in a
+# captured graph a memset node, after which the GEMM starts ~6 us late (62 such GEMMs a DROID query:
+# 0.28 ms of idle device on an H100). Without a workspace cuBLAS picks kernels of the same speed that
+# need none: the DROID `fast` query 27.90 -> 27.65 ms (BENCHMARKS.md, thirty-third session).
+NO_GEMM_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+
+
+def use_gemms_without_workspace(environ=os.environ) -> bool:
+    """Ask torch's cuBLAS handles for no workspace. Depending on its version torch reads the sizes
+    when it allocates a stream's workspace or once, at the process's first GEMM on a GPU: set them
+    before any (the node's engine process, vla-bench, vla-soak do). Left alone where the user set
+    either size, or prefers cuBLASLt (torch's plain cuBLASLt GEMMs refuse a zero workspace). True
+    where set."""
+    if environ.get("TORCH_BLAS_PREFER_CUBLASLT") or any(name in environ for name in NO_GEMM_WORKSPACE):
+        return False
+    environ.update(NO_GEMM_WORKSPACE)
+    if environ is os.environ and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()   # workspaces already allocated at the old size
+    return True

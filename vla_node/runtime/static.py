@@ -7,13 +7,15 @@ loop). The instruction is padded at the end of the prompt: under the causal mask
 sees the padding, and the expert's cross-attention masks it.
 
 A query holds one observation or a batch of several of one layout (PolicyEngine.predict_batch):
-buffers and graphs are per (layout, batch size), batch sizes BATCH_SIZES up to
-EngineConfig.max_batch; a batch runs in the smallest one that holds it, its padding rows
-repeating its last entry (their outputs are dropped). The new frames of every entry are encoded
+buffers and graphs are per (layout, batch size, instruction budget), batch sizes BATCH_SIZES up
+to EngineConfig.max_batch, budgets EngineConfig.instruction_budgets; a batch runs in the
+smallest size that holds it, its padding rows repeating its last entry (their outputs are
+dropped), and the smallest budget that holds its longest instruction. The new frames of every entry are encoded
 together, the prefill runs over [B, T] and the flow loop over [B, H, A].
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Optional, Sequence
 
@@ -46,7 +48,12 @@ class StaticRunner:
         # streaming engine runs one observation per query.
         self.batch_sizes = [s for s in BATCH_SIZES if s <= (1 if cfg.streaming_kv else cfg.max_batch)]
         most = self.batch_sizes[-1]
-        self.buckets: dict[tuple[WindowLayout, int], Bucket] = {}   # by (layout, batch size)
+        self.buckets: dict[tuple[WindowLayout, int, int], Bucket] = {}   # by (layout, batch size, budget)
+        self.budgets = cfg.instruction_budgets
+        shortest = len(engine.prompts.instruction("x"))
+        if self.budgets[0] < shortest:
+            raise ValueError(f"instruction_tiers: {self.budgets[0]} tokens hold no instruction (the chat turn "
+                             f"of a one-letter one is {shortest})")
         layouts = engine.config.query_layouts
         self.max_images = max(layout.images for layout in layouts)
         # A batch's frames are planned together (none evicts another entry's), so the store holds
@@ -76,7 +83,7 @@ class StaticRunner:
         self.regions = compile_regions(m) if cfg.compile else []
         self.graphs_on = cfg.cuda_graphs
         self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
-        self.stream_layout: WindowLayout | None = None  # whose KV the LLM caches hold
+        self.stream_bucket: Bucket | None = None  # whose KV the LLM caches hold
         self.stream_steps = 0
         self.expert_calls = 0
         longest = max(engine.prompts.build(len(l.cameras), l.frames, "x").instruction_start for l in layouts)
@@ -84,16 +91,27 @@ class StaticRunner:
         if cfg.streaming_kv:   # one row: what a streaming step reads
             m.llm.setup_caches(1, self.cache_len, engine.dtype, dev)
 
-    def bucket(self, layout: WindowLayout, batch: int = 1) -> Bucket:
-        if (layout, batch) not in self.buckets:
-            b = self.buckets[layout, batch] = Bucket(self.engine, layout, self.cache_len, batch)
+    def bucket(self, layout: WindowLayout, batch: int = 1, budget: Optional[int] = None) -> Bucket:
+        """The bucket of `layout` at `batch` entries and instruction `budget` (None: the longest)."""
+        key = (layout, batch, budget or self.budgets[-1])
+        if key not in self.buckets:
+            b = self.buckets[key] = Bucket(self.engine, *key, self.cache_len)
             if self.engine.config.streaming_kv and layout.frames > 1:   # batch 1 (batch_sizes)
                 b.stream = StreamBuffers(self.engine, b)
-        return self.buckets[layout, batch]
+        return self.buckets[key]
+
+    def budget_for(self, instructions: Sequence[str]) -> int:
+        """The smallest instruction budget that holds the chat turn of each of `instructions`."""
+        tokens = max(len(self.engine.prompts.instruction(text)) for text in instructions)
+        budget = next((b for b in self.budgets if b >= tokens), None)
+        if budget is None:
+            raise ValueError(f"instruction is {tokens} tokens, the budget is {self.budgets[-1]} "
+                             f"(max_instruction_tokens)")
+        return budget
 
     def reset(self) -> None:
         self.store.clear()
-        self.stream_layout = None
+        self.stream_bucket = None
         for b in self.buckets.values():
             if b.stream is not None:
                 b.stream.last_ids = None
@@ -196,17 +214,18 @@ class StaticRunner:
 
     # -- a query --------------------------------------------------------------------------------
     def predict(self, observations: Sequence[Observation], noise: torch.Tensor, layout: WindowLayout,
-                known: Optional[KnownActions] = None) -> tuple[torch.Tensor, dict[str, float]]:
+                known: Optional[KnownActions] = None, budget: Optional[int] = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
         """One query of n observations of `layout` (noise [n, H, A]) -> (normalised actions
         [n, H, A], timings), in the bucket of the smallest batch size >= n (its padding rows
-        repeat the last entry). `known` (PolicyEngine.known_actions, [n, H, ...]) is copied into
-        the bucket's buffers, which the inpainting flow loop reads (one graph for every prefix
-        length)."""
+        repeat the last entry) and of instruction `budget` (None: the smallest that holds the
+        instructions). `known` (PolicyEngine.known_actions, [n, H, ...]) is copied into the
+        bucket's buffers, which the inpainting flow loop reads (one graph for every prefix length)."""
         e, n = self.engine, len(observations)
         size = next((s for s in self.batch_sizes if s >= n), None)
         if size is None or n < 1:
             raise ValueError(f"a query holds 1 to {self.batch_sizes[-1]} observations here, got {n}")
-        b = self.bucket(layout, size)
+        b = self.bucket(layout, size, budget or self.budget_for([obs.instruction for obs in observations]))
         timer = StageTimer(e.device)
         windows = [list(obs.frame_ids) if (e.config.vision_cache and obs.frame_ids is not None)
                    else [None] * layout.images for obs in observations]
@@ -233,14 +252,14 @@ class StaticRunner:
             timer.mark("preprocess")
             self._run(b, f"vision{batch}", lambda: self._vision_stage(batch))
             timer.mark("vision")
-        if b.stream is not None and self.stream_layout == layout and b.stream.slides_from(windows[0]):
+        if b.stream is not None and self.stream_bucket is b and b.stream.slides_from(windows[0]):
             self._run(b, "stream", lambda: self._stream_stage(b))
             self.stream_steps += 1
         else:
             self._run(b, "prefill", lambda: self._prefill_stage(b))
         if b.stream is not None:
             b.stream.last_ids = windows[0]
-        self.stream_layout = layout
+        self.stream_bucket = b
         timer.mark("llm")
         bucket_known = b.known if known is not None else None
         if self.schedule.adaptive_threshold is not None:
@@ -264,18 +283,19 @@ class StaticRunner:
     def warmup(self) -> None:
         e = self.engine
         compiled_before = compile_count()
-        for layout, size in ((l, s) for l in e.config.query_layouts for s in self.batch_sizes):
-            b = self.bucket(layout, size)
-            name = f"bucket {layout.images} images" + (f" x{size}" if size > 1 else "")
+        for layout, size, budget in itertools.product(e.config.query_layouts, self.batch_sizes, self.budgets):
+            b = self.bucket(layout, size, budget)
+            name = f"bucket {layout.images} images" + (f" x{size}" if size > 1 else "") + f", instruction {budget}"
             t0 = time.perf_counter()
             with torch.inference_mode():
                 # Two windows one frame time apart: a full prefill, then (streaming) a sliding step.
-                for obs in self._warmup_windows(layout):
+                for obs in self._warmup_windows(layout, budget):
                     # Not from the engine's generator: warm-up must not shift the noise stream,
                     # so engines of any mode with the same seed see the same noise per query.
-                    require_finite(self.predict([obs] * size, torch.zeros_like(b.noise), layout)[0], e.config, name)
+                    require_finite(self.predict([obs] * size, torch.zeros_like(b.noise), layout, budget=budget)[0],
+                                   e.config, name)
                 nothing_known = KnownActions(torch.zeros_like(b.noise), torch.zeros_like(b.known.known))
-                require_finite(self.predict([obs] * size, torch.zeros_like(b.noise), layout, nothing_known)[0],
+                require_finite(self.predict([obs] * size, torch.zeros_like(b.noise), layout, nothing_known, budget)[0],
                                e.config, f"{name}, the inpainting loop")
                 for batch in self.vision_batches:
                     self._vision_stage(batch)
@@ -291,7 +311,7 @@ class StaticRunner:
                     if b.stream is not None:
                         b.graphs["stream"], _ = self._capture(lambda: self._stream_stage(b))
                     self._capture_action(b)
-                    replayed = self.predict([obs] * size, torch.zeros_like(b.noise), layout)[0]
+                    replayed = self.predict([obs] * size, torch.zeros_like(b.noise), layout, budget=budget)[0]
                 require_finite(replayed, e.config, f"{name}, its CUDA graphs replayed")
                 e.progress(f"{name}: captured {len(b.graphs)} CUDA graphs in "
                            f"{time.perf_counter() - t0:.1f}s")
@@ -304,12 +324,14 @@ class StaticRunner:
         self.reset()
         self.expert_calls = self.stream_steps = 0
 
-    def _warmup_windows(self, layout: WindowLayout) -> list[Observation]:
+    def _warmup_windows(self, layout: WindowLayout, budget: int) -> list[Observation]:
         obs = self.engine.dummy_observation(layout)
+        # The shortest instruction (budgets are checked to hold it) where the dummy's is too long.
+        instruction = obs.instruction if len(self.engine.prompts.instruction(obs.instruction)) <= budget else "x"
         windows = []
         for shift in range(2):
             ids = [(cam, t + shift) for t in range(layout.frames) for cam in layout.cameras]
-            windows.append(Observation(images=obs.images, state=obs.state, instruction=obs.instruction, frame_ids=ids))
+            windows.append(Observation(images=obs.images, state=obs.state, instruction=instruction, frame_ids=ids))
         return windows
 
     def _capture_action(self, b: Bucket) -> None:

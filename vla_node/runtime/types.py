@@ -102,8 +102,9 @@ BATCH_SIZES = (1, 2, 4, 8)
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
-                     "flex_attention", "window_attention_ops", "cuda_graphs", "triton_attention", "triton_layer_norm",
-                     "add_norm_kernel", "pattern_kernel", "rotary_kernel", "fused_expert", "vision_cache")
+                     "flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms",
+                     "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel", "rotary_kernel",
+                     "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
@@ -111,7 +112,7 @@ _LADDER = {
     "ctxkv": ("ctx_kv_once",),
     "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
     "compile": ("compile", "flex_attention", "pattern_kernel", "window_attention_ops"),
-    "graphs": ("cuda_graphs",),
+    "graphs": ("cuda_graphs", "workspace_free_gemms"),
     "triton": ("triton_attention", "triton_layer_norm", "add_norm_kernel", "rotary_kernel"),
     "fast": ("fused_expert", "vision_cache"),
 }
@@ -119,8 +120,8 @@ MODES: dict[str, tuple[str, ...]] = {}
 for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
-GPU_FEATURES = ("flex_attention", "window_attention_ops", "cuda_graphs", "triton_attention", "triton_layer_norm",
-                "add_norm_kernel", "pattern_kernel", "rotary_kernel", "fused_expert")
+GPU_FEATURES = ("flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms", "triton_attention",
+                "triton_layer_norm", "add_norm_kernel", "pattern_kernel", "rotary_kernel", "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -147,6 +148,12 @@ class EngineConfig:
     flow_steps: Optional[int] = None      # None: the model's default
     # Token budget of the chat turn holding the instruction (static shapes pad to it).
     max_instruction_tokens: int = 96
+    # Shorter budgets, each a bucket of its own (static shapes; warmed up and captured with the rest):
+    # a query runs in the smallest that holds its instructions, so a short instruction does not carry
+    # the longest one's padding through every LLM layer and the expert's cross-attention. At or above
+    # max_instruction_tokens a tier adds nothing. DROID `fast` on an H100: 27.9 -> 27.2 ms with a
+    # 48-token bucket for a 40-token chat turn (BENCHMARKS.md, thirty-third session).
+    instruction_tiers: tuple[int, ...] = (48,)
     # Lossless features (LOSSLESS_FEATURES), off = the eager reference.
     static_shapes: bool = False
     ctx_kv_once: bool = False
@@ -155,6 +162,9 @@ class EngineConfig:
     gpu_preprocess: bool = False
     compile: bool = False
     cuda_graphs: bool = False
+    # cuBLAS's GEMMs without a workspace: no memset nodes in the captured graphs, each of which left
+    # the GPU idle ~6 us (runtime/graphs.use_gemms_without_workspace; the process's first GEMM fixes it).
+    workspace_free_gemms: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
     # The vision pool's one-query window attention as plain ops a compiled region fuses
     # (runtime/fusion.window_attention_ops), not SDPA: the DROID vision stage 5.77 -> 5.55 ms on the H200.
@@ -198,6 +208,9 @@ class EngineConfig:
             raise ValueError(f"flow_steps must be >= 1, got {self.flow_steps}")
         if self.max_instruction_tokens < 1:
             raise ValueError("max_instruction_tokens must be >= 1")
+        object.__setattr__(self, "instruction_tiers", tuple(self.instruction_tiers))  # lists from YAML or ROS
+        if any(not isinstance(t, int) or t < 1 for t in self.instruction_tiers):
+            raise ValueError(f"instruction_tiers must be token counts >= 1, got {list(self.instruction_tiers)}")
         if self.max_batch not in BATCH_SIZES:
             raise ValueError(f"max_batch must be one of {BATCH_SIZES}, got {self.max_batch}")
         if self.streaming_kv and not (self.vision_cache and self.ctx_kv_once):
@@ -219,8 +232,9 @@ class EngineConfig:
         cams = {l.cameras for l in self.layouts}
         if len(cams) > 1:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
-        if self.cuda_graphs and not self.device.startswith("cuda"):
-            raise ValueError("cuda_graphs needs a CUDA device")
+        for feature in ("cuda_graphs", "workspace_free_gemms"):
+            if getattr(self, feature) and not self.device.startswith("cuda"):
+                raise ValueError(f"{feature} needs a CUDA device")
         for feature in ("triton_attention", "rotary_kernel", "fused_expert", "pattern_kernel"):
             interpreted = os.environ.get("TRITON_INTERPRET") == "1"
             if getattr(self, feature) and not (self.device.startswith("cuda") or interpreted):
@@ -257,6 +271,13 @@ class EngineConfig:
                 if layout.with_frames(frames) not in out:
                     out.append(layout.with_frames(frames))
         return tuple(out)
+
+    @property
+    def instruction_budgets(self) -> tuple[int, ...]:
+        """The instruction token budgets a static engine keeps buckets for, shortest first: the tiers
+        below max_instruction_tokens, then it."""
+        tiers = {t for t in self.instruction_tiers if t < self.max_instruction_tokens}
+        return (*sorted(tiers), self.max_instruction_tokens)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

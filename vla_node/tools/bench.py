@@ -20,11 +20,13 @@ import numpy as np
 import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine
+from ..runtime.graphs import use_gemms_without_workspace
 from ..runtime.types import BATCH_SIZES
 from .floors import stage_floors
 from .stats import summary
 
 STAGES = ("preprocess", "vision", "llm", "action")
+INSTRUCTION = "put the red cup in the bowl"   # a stream's (synthetic_stream)
 
 
 def machine() -> dict:
@@ -65,8 +67,8 @@ OPTIONS = {
     "torchrotary": {"rotary_kernel": False},  # the LLM's q/k norms, RoPE and head layout compiled from torch ops
     "torchnorms": {"triton_layer_norm": False},  # the ViT's and the context's LayerNorms as torch's / inductor's
     "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue
-    # the instruction's chat turn padded to 48 tokens, not 96: what the static bucket's padding costs
-    "budget48": {"max_instruction_tokens": 48},
+    # one instruction budget (96 tokens), as before instruction_tiers: what the tiers' shorter padding saves
+    "onebudget": {"instruction_tiers": ()},
 }
 BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "camera_height", "camera_width",
                "flow_steps", "max_instruction_tokens")
@@ -101,7 +103,7 @@ def synthetic_stream(layout, windows: int) -> list:
                 frames[cam, f] = render[cam if cam in render else "exo"](f / CAMERA_HZ)
         state = joint_positions(times[-1] / CAMERA_HZ).astype(np.float32)
         noise = torch.randn((1, 16, 8), generator=torch.Generator().manual_seed(w))
-        out.append((Observation(images=[frames[i] for i in ids], state=state, instruction="put the red cup in the bowl",
+        out.append((Observation(images=[frames[i] for i in ids], state=state, instruction=INSTRUCTION,
                                 stamp=times[-1] / CAMERA_HZ, frame_ids=ids), noise))
     return out
 
@@ -190,11 +192,11 @@ def floors(engine: PolicyEngine, expert_calls: float, stream: bool) -> dict:
     encodes one new frame time per window with the vision cache, and prefills only its tokens
     with streaming_kv; full queries (cold frames) encode and prefill everything."""
     layout = engine.layout
-    prompt = engine.prompts.build(len(layout.cameras), layout.frames, "put the red cup in the bowl")
+    prompt = engine.prompts.build(len(layout.cameras), layout.frames, INSTRUCTION)
     images, new_tokens = layout.images, None
     if stream and engine.config.vision_cache:
         images = len(layout.cameras)
-        bucket = engine.static.bucket(layout)
+        bucket = engine.static.bucket(layout, 1, engine.static.budget_for([INSTRUCTION]))
         if bucket.stream is not None:
             new_tokens = bucket.length - bucket.stream.new_start
     return stage_floors(engine.model_cfg, images, len(prompt), expert_calls, new_tokens,
@@ -313,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                         layout=LAYOUTS[args.layout])
     progress = lambda m: print(m, flush=True)  # noqa: E731
 
+    if any(mode_config(spec, base).workspace_free_gemms for spec in modes):
+        use_gemms_without_workspace()   # before eager's first GEMM: torch may size them once a process
     probe = PolicyEngine(base)
     if args.stream:
         inputs = synthetic_stream(base.layout, args.stream)
