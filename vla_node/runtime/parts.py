@@ -36,8 +36,11 @@ class EngineParts:
     progress: Progress
 
     def state_tensor(self, obs: Observation) -> torch.Tensor:
-        """The observation's raw state as [1, state_dim] fp32 on the device."""
-        return torch.as_tensor(np.asarray(obs.state, dtype=np.float32), device=self.device)[None]
+        """The observation's raw state as [1, state_dim] fp32 on the device. Its upload does not wait
+        for the device (a pageable host buffer is staged before the call returns): a static query
+        stages it while the vision stage runs."""
+        state = torch.from_numpy(np.array(obs.state, dtype=np.float32))[None]
+        return state.to(self.device, non_blocking=True)
 
     def dummy_observation(self, layout: Optional[WindowLayout] = None, seed: int = 0) -> Observation:
         """Random frames and a state inside the checkpoint's statistics (warm-up, benchmarks)."""

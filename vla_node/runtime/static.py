@@ -231,16 +231,6 @@ class StaticRunner:
                    else [None] * layout.images for obs in observations]
         # One plan for the batch's frames (entry after entry): no entry's rows are recycled for another's.
         rows, to_encode = self.store.plan([f for ids in windows for f in ids])
-        rows += rows[-layout.images:] * (size - n)
-        b.frame_rows.copy_(torch.tensor(rows), non_blocking=True)
-        entries = list(range(n)) + [n - 1] * (size - n)   # each row's observation
-        for row, j in enumerate(entries):
-            b.set_instruction(e, observations[j].instruction, row)
-        b.state.copy_(torch.cat([e.state_tensor(observations[j]) for j in entries]))
-        b.noise.copy_(noise[entries])
-        if known is not None:
-            b.known.values.copy_(known.values[entries])
-            b.known.known.copy_(known.known[entries])
         timer.mark("preprocess")
         images = [image for obs in observations for image in obs.images]   # the plan's order
         for start in range(0, len(to_encode), self.vision_batches[-1]):
@@ -252,6 +242,17 @@ class StaticRunner:
             timer.mark("preprocess")
             self._run(b, f"vision{batch}", lambda: self._vision_stage(batch))
             timer.mark("vision")
+        # The rest of the query's inputs while the device encodes (the prefill reads them, after it).
+        rows += rows[-layout.images:] * (size - n)
+        b.frame_rows.copy_(torch.tensor(rows), non_blocking=True)
+        entries = list(range(n)) + [n - 1] * (size - n)   # each row's observation
+        for row, j in enumerate(entries):
+            b.set_instruction(e, observations[j].instruction, row)
+        b.state.copy_(torch.cat([e.state_tensor(observations[j]) for j in entries]))
+        b.noise.copy_(noise[entries], non_blocking=True)
+        if known is not None:
+            b.known.values.copy_(known.values[entries])
+            b.known.known.copy_(known.known[entries])
         if b.stream is not None and self.stream_bucket is b and b.stream.slides_from(windows[0]):
             self._run(b, "stream", lambda: self._stream_stage(b))
             self.stream_steps += 1
