@@ -10,8 +10,8 @@ A query holds one observation or a batch of several of one layout (PolicyEngine.
 buffers and graphs are per (layout, batch size, instruction budget), batch sizes BATCH_SIZES up
 to EngineConfig.max_batch, budgets EngineConfig.instruction_budgets; a batch runs in the
 smallest size that holds it, its padding rows repeating its last entry (their outputs are
-dropped), and the smallest budget that holds its longest instruction. The new frames of every entry are encoded
-together, the prefill runs over [B, T] and the flow loop over [B, H, A].
+dropped), and the smallest budget that holds its longest instruction. The new frames of every
+entry are encoded together, the prefill runs over [B, T] and the flow loop over [B, H, A].
 """
 from __future__ import annotations
 
