@@ -90,8 +90,9 @@ SPECS: dict[str, Spec] = {
     "dtype": Spec("float32", "model dtype: float32 or bfloat16", read_only=True),
     "seed": Spec(0, "seed of random weights and of the flow-matching noise", read_only=True, range=(0, 2**31 - 1)),
     "flow_steps": Spec(0, "flow-matching Euler steps; 0: the model's default", read_only=True, range=(0, 1000)),
-    "max_instruction_tokens": Spec(96, "token budget of the chat turn holding the instruction (the prompt pads "
-                                       "to it)", read_only=True, range=(1, 4096)),
+    "max_instruction_tokens": Spec(96, "token budget of the chat turn holding the instruction: the longest it "
+                                       "may be (the prompt pads to the smallest of it and instruction_tiers that "
+                                       "holds it)", read_only=True, range=(1, 4096)),
     "instruction_tiers": Spec([48], "shorter token budgets of the instruction's chat turn, each a static bucket "
                                     "of its own (warm-up captures them all): a query runs in the smallest that holds "
                                     "its instruction. Values at or above max_instruction_tokens add none",

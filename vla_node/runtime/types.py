@@ -146,7 +146,8 @@ class EngineConfig:
     camera_height: int = 480
     camera_width: int = 640
     flow_steps: Optional[int] = None      # None: the model's default
-    # Token budget of the chat turn holding the instruction (static shapes pad to it).
+    # Token budget of the chat turn holding the instruction: the longest it may be (static shapes pad
+    # to the smallest of it and instruction_tiers that holds it).
     max_instruction_tokens: int = 96
     # Shorter budgets, each a bucket of its own (static shapes; warmed up and captured with the rest):
     # a query runs in the smallest that holds its instructions, so a short instruction does not carry
