@@ -17,9 +17,7 @@ $(STAMP): requirements.txt setup.py
 demo: $(STAMP)
 	$(VENV)/bin/vla-demo
 
-# Two processes, whole modules each (their fixtures and ROS domains are per module): 523-580 s against
-# 700-870 s in one on the 2-core VM (BENCHMARKS.md, thirty-third session).
-PYTEST_SUITE := -q -rs -n 2 --dist loadfile test
+PYTEST_SUITE := -q -rs test
 LOAD ?= 3
 
 test: $(STAMP)
