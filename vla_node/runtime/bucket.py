@@ -22,7 +22,7 @@ class Bucket:
 
     def __init__(self, engine: EngineParts, layout: WindowLayout, batch: int, budget: int, cache_len: int):
         m, dev = engine.model, engine.device
-        self.layout, self.batch, self.budget = layout, batch, budget
+        self.layout, self.batch = layout, batch
         prompt = engine.prompts.build(len(layout.cameras), layout.frames, "x")
         self.instruction_start = prompt.instruction_start
         self.length = prompt.instruction_start + budget

@@ -101,13 +101,10 @@ class StaticRunner:
         return self.buckets[key]
 
     def budget_for(self, instructions: Sequence[str]) -> int:
-        """The smallest instruction budget that holds the chat turn of each of `instructions`."""
+        """The smallest instruction budget that holds the chat turn of each of `instructions`, which
+        PolicyEngine.check_observation has held to max_instruction_tokens (the last budget)."""
         tokens = max(len(self.engine.prompts.instruction(text)) for text in instructions)
-        budget = next((b for b in self.budgets if b >= tokens), None)
-        if budget is None:
-            raise ValueError(f"instruction is {tokens} tokens, the budget is {self.budgets[-1]} "
-                             f"(max_instruction_tokens)")
-        return budget
+        return next(b for b in self.budgets if b >= tokens)
 
     def reset(self) -> None:
         self.store.clear()
