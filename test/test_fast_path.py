@@ -11,11 +11,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch._dynamo.config as dynamo_config
 
 from vla_node.model import load_checkpoint, save_checkpoint
 from vla_node.model.layers import linear_gelu, rope_tables
 from vla_node.runtime import LAYOUTS, EngineConfig, Observation, PolicyEngine
-from vla_node.runtime.compile import uncompile
+from vla_node.runtime.compile import RECOMPILE_LIMIT, uncompile
 from vla_node.runtime.fusion import BatchedContextKV, linear_gelu_epilogue
 from vla_node.runtime.graphs import NO_GEMM_WORKSPACE, use_gemms_without_workspace
 from vla_node.runtime.preprocess import preprocess_reference, resize_normalize
@@ -173,6 +174,8 @@ def test_no_recompilation_after_warmup_whatever_the_known_prefix_and_keys_unchan
         assert np.isfinite(chunk.actions).all()
         obs.known_actions = chunk.actions[:1 + i * 15 // 19] if i % 2 else None
     assert engine.static.recompiles() == 0
+    for name in ("recompile_limit", "accumulated_recompile_limit"):  # room for every engine a process holds
+        assert getattr(dynamo_config, name) >= RECOMPILE_LIMIT
     obs.known_actions = None
     assert list(engine.model.state_dict()) == keys  # no `_orig_mod.` prefixes
     save_checkpoint(engine.model, tmp_path)
