@@ -49,6 +49,10 @@ def test_one_instruction_budget_pads_more_and_keeps_the_actions(tmp_path):
 
     assert mode_config("static+onebudget", EngineConfig(preset="tiny")).instruction_budgets == (96,)
     assert mode_config("static", EngineConfig(preset="tiny")).instruction_budgets == (48, 96)
+    assert mode_config("static+tier47", EngineConfig(preset="tiny")).instruction_budgets == (47, 96)
+    for unknown in ("static+tier0", "static+tier", "static+tierx"):
+        with pytest.raises(ValueError, match="unknown mode"):
+            mode_config(unknown, EngineConfig(preset="tiny"))
     out = tmp_path / "bench.json"
     assert main(["--preset", "tiny", "--device", "cpu", "--modes", "eager,static,static+onebudget", "--iters", "1",
                  "--dev-windows", "2", "--json", str(out)]) == 0

@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import json
 import platform
+import re
 import statistics
 import time
 import traceback
@@ -74,15 +75,22 @@ BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "cam
                "flow_steps", "max_instruction_tokens")
 
 
+def option_overrides(option: str) -> dict | None:
+    """An option's config fields: OPTIONS', or tierN's one instruction tier of N tokens below
+    max_instruction_tokens (the bucket lengths it makes, say a whole number of GEMM tiles)."""
+    tier = re.fullmatch(r"tier([1-9][0-9]*)", option)
+    return {"instruction_tiers": (int(tier[1]),)} if tier else OPTIONS.get(option)
+
+
 def mode_config(spec: str, base: EngineConfig) -> EngineConfig:
     """'fast+stream+fp8' -> the fast mode's features plus those options."""
     name, *options = spec.split("+")
-    unknown = [o for o in options if o not in OPTIONS]
+    unknown = [o for o in options if option_overrides(o) is None]
     if name not in MODES or unknown:
-        raise ValueError(f"unknown mode {spec!r}: modes {list(MODES)}, options {list(OPTIONS)}")
+        raise ValueError(f"unknown mode {spec!r}: modes {list(MODES)}, options {list(OPTIONS)} or tierN")
     overrides = {k: getattr(base, k) for k in BASE_FIELDS}
     for option in options:
-        overrides.update(OPTIONS[option])
+        overrides.update(option_overrides(option))
     return EngineConfig.for_mode(name, **overrides)
 
 
@@ -277,7 +285,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--modes", default="eager",
-                    help=f"comma-separated, from {list(MODES)}, each optionally +{'+'.join(OPTIONS)}")
+                    help=f"comma-separated, from {list(MODES)}, each optionally +{'+'.join(OPTIONS)} or +tierN "
+                    "(one instruction tier of N tokens)")
     ap.add_argument("--layout", default="droid", choices=sorted(LAYOUTS))
     ap.add_argument("--iters", type=int, default=20, help="warm queries timed per mode")
     ap.add_argument("--dev-windows", type=int, default=5, help="full-query inputs compared against eager per mode")
