@@ -41,11 +41,18 @@ def test_a_mode_that_fails_costs_its_own_row_only(tmp_path, capsys, monkeypatch)
     assert "static    failed: RuntimeError: the kernel did not build" in capsys.readouterr().out
 
 
-def test_one_instruction_budget_pads_more_and_keeps_the_actions(tmp_path):
+def test_one_instruction_budget_pads_more_and_keeps_the_actions(tmp_path, monkeypatch):
     """onebudget: the static buckets of max_instruction_tokens only (no instruction_tiers), as before
-    the tiers. The padding is masked, so both give eager's actions within fp32 rounding."""
+    the tiers. The padding is masked, so both give eager's actions within fp32 rounding. The results
+    say which cuBLAS workspaces every mode ran with: torch's on the CPU, where no mode takes the
+    graphs rung's workspace-free GEMMs (on a GPU the process's GEMMs all run without)."""
     from vla_node.runtime import EngineConfig
+    from vla_node.runtime.graphs import NO_GEMM_WORKSPACE
     from vla_node.tools.bench import mode_config
+
+    for name in NO_GEMM_WORKSPACE:   # as a user who set neither: restored after the test
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
 
     assert mode_config("static+onebudget", EngineConfig(preset="tiny")).instruction_budgets == (96,)
     assert mode_config("static", EngineConfig(preset="tiny")).instruction_budgets == (48, 96)
@@ -56,5 +63,6 @@ def test_one_instruction_budget_pads_more_and_keeps_the_actions(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["--preset", "tiny", "--device", "cpu", "--modes", "eager,static,static+onebudget", "--iters", "1",
                  "--dev-windows", "2", "--json", str(out)]) == 0
-    modes = json.loads(out.read_text())["modes"]
-    assert all(modes[m]["max_abs_dev"] < 1e-5 for m in ("static", "static+onebudget"))
+    results = json.loads(out.read_text())
+    assert all(results["modes"][m]["max_abs_dev"] < 1e-5 for m in ("static", "static+onebudget"))
+    assert results["gemm_workspace"] == "torch's default"

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import platform
 import re
 import statistics
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from ..runtime import LAYOUTS, MODES, EngineConfig, PolicyEngine
-from ..runtime.graphs import use_gemms_without_workspace
+from ..runtime.graphs import NO_GEMM_WORKSPACE, use_gemms_without_workspace
 from ..runtime.types import BATCH_SIZES
 from .floors import stage_floors
 from .stats import summary
@@ -324,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                         layout=LAYOUTS[args.layout])
     progress = lambda m: print(m, flush=True)  # noqa: E731
 
+    # Before eager's first GEMM: torch may size the workspaces once a process, so every mode (eager's
+    # small GEMMs too, which lose cuBLAS's split-K) runs without one; the table says so.
     if any(mode_config(spec, base).workspace_free_gemms for spec in modes):
-        use_gemms_without_workspace()   # before eager's first GEMM: torch may size them once a process
+        use_gemms_without_workspace()
     probe = PolicyEngine(base)
     if args.stream:
         inputs = synthetic_stream(base.layout, args.stream)
@@ -340,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                "layout": args.layout, "images": base.layout.images, "tokens": len(prompt), "frames": frames,
                "flow_steps": probe.flow_steps, "iters": args.iters,
                "scenario": f"stream of {args.stream} sliding windows" if args.stream else "full queries",
-               "modes": {}}
+               "gemm_workspace": " ".join(f"{k}={os.environ[k]}" for k in NO_GEMM_WORKSPACE if k in os.environ)
+               or "torch's default", "modes": {}}
     probe.close()
     del probe
     reference = None
@@ -387,7 +391,8 @@ def print_table(results: dict) -> None:
     print(f"\n{results['preset']} {results['layout']} ({results['images']} images, {results['tokens']} tokens, "
           f"{results['flow_steps']} flow steps) on {results['device']} {results['dtype']}")
     w = max(9, max(len(n) for n in [*results["modes"], *results.get("failed", {})]) + 1)
-    print(f"scenario: {results.get('scenario', 'full queries')}, frames {results.get('frames', 'pageable')}")
+    print(f"scenario: {results.get('scenario', 'full queries')}, frames {results.get('frames', 'pageable')}, "
+          f"cuBLAS workspace: {results.get('gemm_workspace', 'unknown')} (every mode)")
     head = (f"{'mode':<{w}}{'total':>9}{'min':>9}" + "".join(f"{s:>11}" for s in STAGES)
             + f"{'ready s':>9}{'max|dev|':>10}{'relL2':>9}{'wt GB':>8}")
     print(head)
