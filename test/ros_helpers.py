@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -177,6 +178,15 @@ def chunks_answered(live: dict) -> int:
     """The chunks the node of a `vla-replay live` run published, and those it dropped because they
     came after their last action (inference slower than the horizon)."""
     return live["chunks"] + (live["node_late_chunks"] or 0)
+
+
+def jump_back_fits(status: str, back_s: float, clock_period_s: float) -> bool:
+    """Whether `status` says the clock jumped back by `back_s` less one clock period, or less a few
+    periods more: rclpy measures the jump from the last /clock message the node had taken, which
+    on a busy machine may be one or more before the jump (seen under pytest -n 2 and beside busy
+    loops)."""
+    found = re.search(r"clock jumped back by ([0-9.]+) s", status)
+    return found is not None and back_s - 0.1 < float(found[1]) <= back_s - clock_period_s + 5e-4
 
 
 def rgb_frame(height: int, width: int, seed: int) -> np.ndarray:

@@ -6,7 +6,7 @@ it sends (--log-level debug), and compared with offline replay of the same bag."
 import numpy as np
 import pytest
 
-from ros_helpers import chunk_period_ticks, chunks_answered
+from ros_helpers import chunk_period_ticks, chunks_answered, jump_back_fits
 from vla_node.ros.diagnostics import LOG_BURST, LOG_WINDOW_S
 from vla_node.runtime import LAYOUTS
 from vla_node.runtime.windows import PANDA_JOINTS
@@ -92,13 +92,18 @@ def test_the_node_sends_what_offline_replay_sends(wall_clock, offline, truth):
             # The node never had the history frame (lost on the way, or dropped unconverted on a
             # saturated machine): it sent the episode-start window, as it must without one.
             continue
-        assert frames == query.observation.frame_ids
+        # Where the node never had a frame or joint sample offline replay took (lost on the way, or
+        # dropped unconverted on a saturated machine; seen beside three busy loops), it takes the
+        # nearest it had: a neighbour, less than one period and a half of that input away.
+        ids = query.observation.frame_ids
+        assert [c for c, _ in frames] == [c for c, _ in ids], (frames, ids)
+        apart_ns = np.array([t for _, t in frames]) - np.array([t for _, t in ids])
+        assert (np.abs(apart_ns) < 1.5e9 / SPEC.camera_hz).all(), f"frames {apart_ns.tolist()} ns after offline's"
         ahead_ns = stamps - query.state_stamps_ns
-        if (ahead_ns != 0).any() and ((ahead_ns >= 0) & (ahead_ns <= 20_000_000)).all():
-            # The node never had the sample offline paired (lost on the way on a saturated machine,
-            # seen once beside three busy loops): it took the bag's next one (checked above).
+        assert (np.abs(ahead_ns) < 1.5e9 / min(SPEC.arm_hz, SPEC.gripper_hz)).all(), \
+            f"joints' samples {ahead_ns.tolist()} ns after offline's"
+        if apart_ns.any() or ahead_ns.any():
             continue
-        assert stamps.tolist() == query.state_stamps_ns.tolist()
         compared += 1
     assert early <= 2, f"{early} observations with the player's pre-roll joint states: only the first may have them"
     assert compared >= len(observations) * 0.8, f"{compared} of {len(observations)} observations offline made too"
@@ -149,8 +154,8 @@ def test_live_replay_plays_the_bags_clock_into_a_sim_time_node(tmp_path):
         live = replay_live(LiveOptions(bag=QUIRKS_BAG, out=tmp_path / "live", wait_s=120.0, abort_if=node.exited),
                            progress=lambda m: None)
     assert live["clock"] and live["published"]["/clock"] == SPEC.duration_s * SPEC.clock_hz
-    assert any(f"clock jumped back by {BACK_S - 1 / SPEC.clock_hz:.3f} s" in c["status"]
-               for c in live["holds"]["changes"]), live["holds"]["changes"]
+    statuses = [c["status"] for c in live["holds"]["changes"]]
+    assert any(jump_back_fits(status, BACK_S, 1 / SPEC.clock_hz) for status in statuses), statuses
     with Bag(live["recording"]) as recording:
         stamps = [(t, stamp_ns(recording.deserialize(raw, msgtype).header.stamp))
                   for _, msgtype, t, raw in recording.messages(["/vla_node/joint_trajectory"])]
