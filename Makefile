@@ -17,7 +17,9 @@ $(STAMP): requirements.txt setup.py
 demo: $(STAMP)
 	$(VENV)/bin/vla-demo
 
-PYTEST_SUITE := -q -rs test
+# Two processes, whole modules each (their fixtures and ROS domains are per module): 523-580 s against
+# 700-870 s in one on the 2-core VM (BENCHMARKS.md, thirty-third session).
+PYTEST_SUITE := -q -rs -n 2 --dist loadfile test
 LOAD ?= 3
 
 test: $(STAMP)

@@ -19,7 +19,7 @@ setup(
     install_requires=["numpy", "torch", "safetensors", "tokenizers", "transformers", "pyyaml"],
     # `colcon test` runs pytest only for a package that names it as its test dependency (else
     # it falls back to unittest, which finds nothing).
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "ruff"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff"]},
     zip_safe=True,
     maintainer="vla_node maintainers",
     maintainer_email="maintainers@vla-node.dev",
