@@ -17,8 +17,8 @@ $(STAMP): requirements.txt setup.py
 demo: $(STAMP)
 	$(VENV)/bin/vla-demo
 
-# Two processes, whole modules each (their fixtures and ROS domains are per module): 523-580 s against
-# 700-870 s in one on the 2-core VM (BENCHMARKS.md, thirty-third session).
+# Two processes, whole modules each (their fixtures and ROS domains are per module): 523-643 s against
+# 700-874 s in one on the 2-core VM (BENCHMARKS.md, thirty-third and thirty-fourth sessions).
 PYTEST_SUITE := -q -rs -n 2 --dist loadfile test
 LOAD ?= 3
 
