@@ -77,8 +77,9 @@ BASE_FIELDS = ("preset", "checkpoint", "seed", "device", "dtype", "layout", "cam
 
 
 def option_overrides(option: str) -> dict | None:
-    """An option's config fields: OPTIONS', or tierN's one instruction tier of N tokens below
-    max_instruction_tokens (the bucket lengths it makes, say a whole number of GEMM tiles)."""
+    """The config fields an option sets (None: no such option): OPTIONS' entry, or for tierN one
+    instruction tier of N tokens below max_instruction_tokens (to time the bucket lengths it makes:
+    a whole number of GEMM tiles, say)."""
     tier = re.fullmatch(r"tier([1-9][0-9]*)", option)
     return {"instruction_tiers": (int(tier[1]),)} if tier else OPTIONS.get(option)
 
