@@ -326,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                         layout=LAYOUTS[args.layout])
     progress = lambda m: print(m, flush=True)  # noqa: E731
 
-    # Before eager's first GEMM: torch may size the workspaces once a process, so every mode (eager's
-    # small GEMMs too, which lose cuBLAS's split-K) runs without one; the table says so.
+    # Before eager's first GEMM: torch may size the workspaces once a process, so every mode runs
+    # without one, eager too (its DROID row took 2.3x as long on the H100, most likely its small GEMMs
+    # losing cuBLAS's split-K: BENCHMARKS.md, thirty-fourth session); the table says so.
     if any(mode_config(spec, base).workspace_free_gemms for spec in modes):
         use_gemms_without_workspace()
     probe = PolicyEngine(base)
