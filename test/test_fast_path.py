@@ -236,6 +236,14 @@ def test_gemms_without_workspace_are_asked_for_unless_the_user_chose():
         EngineConfig(workspace_free_gemms=True)
 
 
+def test_unpadded_gemms_are_a_compile_setting_of_the_gpu_ladder():
+    assert EngineConfig.for_mode("compile", device="cuda").unpadded_gemms
+    assert not EngineConfig.for_mode("fast").unpadded_gemms   # inductor pads no CPU GEMM: nothing to turn off
+    assert not EngineConfig.for_mode("fused", device="cuda").unpadded_gemms
+    with pytest.raises(ValueError, match="unpadded_gemms needs compile"):
+        EngineConfig(unpadded_gemms=True)
+
+
 # -- on the GPU -------------------------------------------------------------------------------
 
 def gpu_config(mode: str, **kw) -> EngineConfig:

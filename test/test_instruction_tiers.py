@@ -23,17 +23,17 @@ def tiered():
 
 
 def test_each_instruction_runs_in_the_smallest_budget_that_holds_it(tiered):
-    static = tiered.static
-    assert static.budgets == (32, 48, 96)
-    assert [static.budget_for([text]) for text in (SHORT, LONG)] == [32, 96]
-    assert static.budget_for([SHORT, LONG]) == 96   # a batch: its longest instruction
+    static, layout = tiered.static, tiered.layout
+    assert static.budgets[layout] == (32, 48, 96)
+    assert [static.budget_for(layout, [text]) for text in (SHORT, LONG)] == [32, 96]
+    assert static.budget_for(layout, [SHORT, LONG]) == 96   # a batch: its longest instruction
     assert {b.length - b.instruction_start for b in static.buckets.values()} == {32, 48, 96}   # all warmed up
 
 
 def test_every_budget_gives_the_eager_actions_and_a_b_a_repeats_bit_for_bit(tiered):
     eager = PolicyEngine(EngineConfig(seed=0))
     one_budget = PolicyEngine(EngineConfig.for_mode("ctxkv", instruction_tiers=()))
-    assert one_budget.static.budgets == (96,)
+    assert one_budget.static.budgets[one_budget.layout] == (96,)
     obs = eager.dummy_observation()
     noise = torch.randn(1, 16, 8, generator=torch.Generator().manual_seed(3))
     got = {}
@@ -63,6 +63,22 @@ def test_streaming_restarts_with_a_full_prefill_when_the_instruction_changes_bud
     assert np.abs(back - fresh).max() < 1e-5
     streamed.predict(short[2])
     assert streamed.static.stream_steps == 1
+
+
+def test_tile_tiers_end_a_tier_on_a_whole_gemm_row_tile_where_it_costs_a_few_tokens():
+    """The tiny prompt's images end at token 129: a 130-token tier makes 259 tokens, three past 2 x 128,
+    so it becomes 127 (a 256-token bucket); 60 makes 189, far from a tile, and stays; the longest
+    budget is what check_observation promises and is never trimmed. The actions do not change."""
+    tiers = dict(instruction_tiers=(60, 130), max_instruction_tokens=160)
+    tiled = PolicyEngine(EngineConfig.for_mode("ctxkv", tile_tiers=True, **tiers))
+    full = PolicyEngine(EngineConfig.for_mode("ctxkv", **tiers))
+    layout = tiled.layout
+    assert tiled.static.budgets[layout] == (60, 127, 160) and full.static.budgets[layout] == (60, 130, 160)
+    assert tiled.static.bucket(layout, 1, 127).length == 256
+    assert tiled.static.budget_for(layout, ["x " * 40]) == 127   # a 97-token chat turn
+    obs = dataclasses.replace(tiled.dummy_observation(), instruction="x " * 40)
+    noise = torch.randn(1, 16, 8, generator=torch.Generator().manual_seed(4))
+    assert np.abs(tiled.predict(obs, noise=noise).normalized - full.predict(obs, noise=noise).normalized).max() < 1e-5
 
 
 def test_a_tier_too_short_for_any_instruction_is_refused_at_start():

@@ -21,18 +21,20 @@ from ..model.policy import VLAPolicy
 RECOMPILE_LIMIT = 1024
 
 
-def compile_regions(model: VLAPolicy) -> list[nn.Module]:
+def compile_regions(model: VLAPolicy, pad_gemms: bool = True) -> list[nn.Module]:
     """Compile every repeated block in place. With cuBLAS's GEMMs: inductor's max-autotune Triton
     templates were slower in the query where its own timing chose them, and took over 5 minutes of
-    warm-up on the H200 (BENCHMARKS.md, the eighteenth session)."""
+    warm-up on the H200 (BENCHMARKS.md, the eighteenth session). pad_gemms False: inductor's pad_mm
+    pass off (EngineConfig.unpadded_gemms); True leaves its setting as it is."""
     # The names differ between torch versions; the accumulated one caps all regions together.
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
             setattr(dynamo_config, name, RECOMPILE_LIMIT)
     regions: list[nn.Module] = [*model.vision.encoder.blocks, model.vision.pool, model.vision.projector,
                                 *model.llm.layers, *model.expert.blocks]
+    options = {} if pad_gemms else {"shape_padding": False}
     for module in regions:
-        module.compile(fullgraph=True, dynamic=False)
+        module.compile(fullgraph=True, dynamic=False, options=options)
     return regions
 
 

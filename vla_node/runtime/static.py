@@ -15,7 +15,6 @@ entry are encoded together, the prefill runs over [B, T] and the flow loop over 
 """
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Callable, Optional, Sequence
 
@@ -35,6 +34,13 @@ from .streaming import StreamBuffers
 from .timing import StageTimer
 from .types import BATCH_SIZES, Observation, WindowLayout
 
+# cuBLAS tiles the LLM's GEMMs in rows of 128 (its largest row tile on Hopper here): a bucket a few
+# tokens past a multiple of 128 runs a nearly empty row tile through every GEMM (DROID's 48-token tier
+# made 897 tokens; at 896 the LLM stage took 11.77 ms against 12.30 on the H200, BENCHMARKS.md,
+# thirty-fifth session). EngineConfig.tile_tiers trims a tier to the tile where it costs this many
+# tokens at most.
+ROW_TILE, TILE_TRIM = 128, 4
+
 
 class StaticRunner:
     def __init__(self, engine: EngineParts, steps: int, schedule: FlowSchedule):
@@ -49,12 +55,12 @@ class StaticRunner:
         self.batch_sizes = [s for s in BATCH_SIZES if s <= (1 if cfg.streaming_kv else cfg.max_batch)]
         most = self.batch_sizes[-1]
         self.buckets: dict[tuple[WindowLayout, int, int], Bucket] = {}   # by (layout, batch size, budget)
-        self.budgets = cfg.instruction_budgets
-        shortest = len(engine.prompts.instruction("x"))
-        if self.budgets[0] < shortest:
-            raise ValueError(f"instruction_tiers: {self.budgets[0]} tokens hold no instruction (the chat turn "
-                             f"of a one-letter one is {shortest})")
         layouts = engine.config.query_layouts
+        self.budgets = {layout: self._layout_budgets(layout) for layout in layouts}
+        shortest = len(engine.prompts.instruction("x"))
+        if min(b[0] for b in self.budgets.values()) < shortest:
+            raise ValueError(f"instruction_tiers: {cfg.instruction_budgets[0]} tokens hold no instruction (the chat "
+                             f"turn of a one-letter one is {shortest})")
         self.max_images = max(layout.images for layout in layouts)
         # A batch's frames are planned together (none evicts another entry's), so the store holds
         # two of the largest batches.
@@ -80,7 +86,7 @@ class StaticRunner:
         if cfg.ctx_kv_once:
             self._make_modulation_table()
         self.context_kv = BatchedContextKV(m.expert) if cfg.fused else m.expert.context_kv
-        self.regions = compile_regions(m) if cfg.compile else []
+        self.regions = compile_regions(m, pad_gemms=not cfg.unpadded_gemms) if cfg.compile else []
         self.graphs_on = cfg.cuda_graphs
         self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
         self.stream_bucket: Bucket | None = None  # whose KV the LLM caches hold
@@ -91,20 +97,32 @@ class StaticRunner:
         if cfg.streaming_kv:   # one row: what a streaming step reads
             m.llm.setup_caches(1, self.cache_len, engine.dtype, dev)
 
+    def _layout_budgets(self, layout: WindowLayout) -> tuple[int, ...]:
+        """EngineConfig.instruction_budgets for `layout`'s prompt: under tile_tiers each tier below the
+        longest ends its bucket on a whole GEMM row tile where that costs at most TILE_TRIM tokens."""
+        cfg = self.engine.config
+        if not cfg.tile_tiers:
+            return cfg.instruction_budgets
+        start = self.engine.prompts.build(len(layout.cameras), layout.frames, "x").instruction_start
+        tiers = [b - (start + b) % ROW_TILE if (start + b) % ROW_TILE <= TILE_TRIM else b
+                 for b in cfg.instruction_budgets[:-1]]
+        return (*sorted(set(tiers)), cfg.instruction_budgets[-1])
+
     def bucket(self, layout: WindowLayout, batch: int = 1, budget: Optional[int] = None) -> Bucket:
         """The bucket of `layout` at `batch` entries and instruction `budget` (None: the longest)."""
-        key = (layout, batch, budget or self.budgets[-1])
+        key = (layout, batch, budget or self.budgets[layout][-1])
         if key not in self.buckets:
             b = self.buckets[key] = Bucket(self.engine, *key, self.cache_len)
             if self.engine.config.streaming_kv and layout.frames > 1:   # batch 1 (batch_sizes)
                 b.stream = StreamBuffers(self.engine, b)
         return self.buckets[key]
 
-    def budget_for(self, instructions: Sequence[str]) -> int:
-        """The smallest instruction budget that holds the chat turn of each of `instructions`, which
-        PolicyEngine.check_observation has held to max_instruction_tokens (the last budget)."""
+    def budget_for(self, layout: WindowLayout, instructions: Sequence[str]) -> int:
+        """The smallest of `layout`'s instruction budgets that holds the chat turn of each of
+        `instructions`, which PolicyEngine.check_observation has held to max_instruction_tokens (the
+        last budget)."""
         tokens = max(len(self.engine.prompts.instruction(text)) for text in instructions)
-        return next(b for b in self.budgets if b >= tokens)
+        return next(b for b in self.budgets[layout] if b >= tokens)
 
     def reset(self) -> None:
         self.store.clear()
@@ -222,7 +240,7 @@ class StaticRunner:
         size = next((s for s in self.batch_sizes if s >= n), None)
         if size is None or n < 1:
             raise ValueError(f"a query holds 1 to {self.batch_sizes[-1]} observations here, got {n}")
-        b = self.bucket(layout, size, budget or self.budget_for([obs.instruction for obs in observations]))
+        b = self.bucket(layout, size, budget or self.budget_for(layout, [obs.instruction for obs in observations]))
         timer = StageTimer(e.device)
         windows = [list(obs.frame_ids) if (e.config.vision_cache and obs.frame_ids is not None)
                    else [None] * layout.images for obs in observations]
@@ -281,7 +299,8 @@ class StaticRunner:
     def warmup(self) -> None:
         e = self.engine
         compiled_before = compile_count()
-        for layout, size, budget in itertools.product(e.config.query_layouts, self.batch_sizes, self.budgets):
+        for layout, size, budget in ((l, s, b) for l in e.config.query_layouts for s in self.batch_sizes
+                                     for b in self.budgets[l]):
             b = self.bucket(layout, size, budget)
             name = f"bucket {layout.images} images" + (f" x{size}" if size > 1 else "") + f", instruction {budget}"
             t0 = time.perf_counter()

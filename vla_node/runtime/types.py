@@ -102,17 +102,17 @@ BATCH_SIZES = (1, 2, 4, 8)
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
-                     "flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms",
-                     "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel", "rotary_kernel",
-                     "fused_expert", "vision_cache")
+                     "unpadded_gemms", "flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms",
+                     "tile_tiers", "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel",
+                     "rotary_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
     "static": ("static_shapes",),
     "ctxkv": ("ctx_kv_once",),
     "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
-    "compile": ("compile", "flex_attention", "pattern_kernel", "window_attention_ops"),
-    "graphs": ("cuda_graphs", "workspace_free_gemms"),
+    "compile": ("compile", "unpadded_gemms", "flex_attention", "pattern_kernel", "window_attention_ops"),
+    "graphs": ("cuda_graphs", "workspace_free_gemms", "tile_tiers"),
     "triton": ("triton_attention", "triton_layer_norm", "add_norm_kernel", "rotary_kernel"),
     "fast": ("fused_expert", "vision_cache"),
 }
@@ -120,8 +120,9 @@ MODES: dict[str, tuple[str, ...]] = {}
 for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
-GPU_FEATURES = ("flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms", "triton_attention",
-                "triton_layer_norm", "add_norm_kernel", "pattern_kernel", "rotary_kernel", "fused_expert")
+GPU_FEATURES = ("unpadded_gemms", "flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms",
+                "tile_tiers", "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel",
+                "rotary_kernel", "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -162,10 +163,18 @@ class EngineConfig:
     gelu_epilogue: bool = False           # the ViT's fc1 + GELU as one GEMM (runtime/fusion.linear_gelu_epilogue)
     gpu_preprocess: bool = False
     compile: bool = False
+    # The compiled blocks' GEMMs at their own row counts: inductor's pad_mm pass off. Its compile-time
+    # benchmark leaves out the copy that pads an input made by an op it cannot write into (our
+    # kernels, cuDNN's attention), so it padded the ViT's 2916 rows to 2920 with a copy before each
+    # of a block's four GEMMs (19 us a block at DROID on the H200, 0.47 ms a query).
+    unpadded_gemms: bool = False
     cuda_graphs: bool = False
     # cuBLAS's GEMMs without a workspace: no memset nodes in the captured graphs, each of which left
     # the GPU idle ~6 us (runtime/graphs.use_gemms_without_workspace; the process's first GEMM fixes it).
     workspace_free_gemms: bool = False
+    # Each instruction tier below the longest trimmed by up to a few tokens so that its bucket is a
+    # whole number of the LLM GEMMs' row tiles (runtime/static.ROW_TILE): a GPU's tiling.
+    tile_tiers: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
     # The vision pool's one-query window attention as plain ops a compiled region fuses
     # (runtime/fusion.window_attention_ops), not SDPA: the DROID vision stage 5.77 -> 5.55 ms on the H200.
@@ -225,6 +234,8 @@ class EngineConfig:
         if is_adaptive(self.action_cache) and not self.static_shapes:
             raise ValueError(f"the adaptive action cache needs static_shapes (its per-step buffers): engine_mode "
                              f"{_modes_with('static_shapes')}")
+        if self.unpadded_gemms and not self.compile:
+            raise ValueError("unpadded_gemms needs compile (it sets how the blocks are compiled)")
         if self.flex_attention and not self.compile:
             raise ValueError("flex_attention needs compile (uncompiled flex attention is a slow reference)")
         if self.pattern_kernel and not self.flex_attention:

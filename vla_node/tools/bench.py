@@ -69,6 +69,8 @@ OPTIONS = {
     "torchrotary": {"rotary_kernel": False},  # the LLM's q/k norms, RoPE and head layout compiled from torch ops
     "torchnorms": {"triton_layer_norm": False},  # the ViT's and the context's LayerNorms as torch's / inductor's
     "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue
+    "padded": {"unpadded_gemms": False},  # inductor's pad_mm pass on, its default: padding copies before GEMMs
+    "fulltiers": {"tile_tiers": False},  # every instruction tier at its own length, none trimmed to a GEMM tile
     # one instruction budget (96 tokens), as before instruction_tiers: what the tiers' shorter padding saves
     "onebudget": {"instruction_tiers": ()},
 }
@@ -206,7 +208,7 @@ def floors(engine: PolicyEngine, expert_calls: float, stream: bool) -> dict:
     images, new_tokens = layout.images, None
     if stream and engine.config.vision_cache:
         images = len(layout.cameras)
-        bucket = engine.static.bucket(layout, 1, engine.static.budget_for([INSTRUCTION]))
+        bucket = engine.static.bucket(layout, 1, engine.static.budget_for(layout, [INSTRUCTION]))
         if bucket.stream is not None:
             new_tokens = bucket.length - bucket.stream.new_start
     return stage_floors(engine.model_cfg, images, len(prompt), expert_calls, new_tokens,
