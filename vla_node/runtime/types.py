@@ -166,7 +166,8 @@ class EngineConfig:
     # The compiled blocks' GEMMs at their own row counts: inductor's pad_mm pass off. Its compile-time
     # benchmark leaves out the copy that pads an input made by an op it cannot write into (our
     # kernels, cuDNN's attention), so it padded the ViT's 2916 rows to 2920 with a copy before each
-    # of a block's four GEMMs (19 us a block at DROID on the H200, 0.47 ms a query).
+    # of a block's four GEMMs (19 us a block at DROID on the H200): the DROID vision stage 6.06-6.13 ->
+    # 5.60 ms on an H100 (BENCHMARKS.md, thirty-fifth session).
     unpadded_gemms: bool = False
     cuda_graphs: bool = False
     # cuBLAS's GEMMs without a workspace: no memset nodes in the captured graphs, each of which left
