@@ -21,6 +21,7 @@
 #             default; speed of light, memory, warp stalls, occupancy, stall sampling by instruction), within $NTIMEOUT s
 #             (150) each. Not the loop: ncu 2025.3 cannot profile expert_flow's cooperative cluster launch (LaunchFailed
 #             under kernel and application replay on the H100, thirty-second session)
+#   algos     cuBLASLt's algorithms for the query's GEMMs, each timed against torch's (scripts/bench_gemm_algos.py)
 #   gemms     the query's GEMMs under cuBLAS settings $GEMM_SETTINGS (default,lt: cuBLASLt preferred;
 #             scripts/bench_gemm_gaps.py)
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
@@ -52,6 +53,9 @@ for part in $PARTS; do
     check) say "CUDA kernel B=1,2,4,8, A-B-A, anatomy B=1,4"
       timeout 150 python3 scripts/check_cuda_expert.py --entries 1,2,4,8 --backends cuda --aba 1738 --anatomy 1,4 \
         --out "$OUT" 2>&1 | grep -av Warn > "$OUT/check.log"; grep -a "A-B-A\|^anatomy\|^  \|^cuda" "$OUT/check.log" ;;
+    algos) say "cuBLASLt's algorithms for the query's GEMMs"
+      timeout 300 python3 scripts/bench_gemm_algos.py --json "$OUT/gemm_algos.json" 2>&1 | grep -av Warn \
+        > "$OUT/gemm_algos.log"; tail -20 "$OUT/gemm_algos.log" ;;
     probe) say "clusters held at once"
       timeout 30 python3 scripts/probe_clusters.py 2>&1 | tee "$OUT/probe.log" | tail -6 ;;
     bench) say "vla-bench DROID: ${BENCH_MODES:-eager,fast}"
