@@ -251,6 +251,29 @@ def gpu_config(mode: str, **kw) -> EngineConfig:
 
 
 @pytest.mark.cuda
+def test_a_warm_query_never_waits_for_the_device_while_it_queues_its_stages():
+    """The host queues a query's stages while the device runs the one before: a wait in between (a
+    device tensor indexed with a list uploads the index and waits; so does a blocking copy) left the
+    GPU idle from the end of the vision stage until the host had launched the prefill (5.1 ms of
+    cudaStreamSynchronize in the H100 trace of a DROID query). Sync debug mode raises on each such
+    wait; the timer's one wait at the end (torch.cuda.synchronize) is not one. Three entries in the
+    4-row bucket (a padding row), their noise on the device and a known prefix, as PolicyEngine gives."""
+    engine = PolicyEngine(gpu_config("graphs", max_batch=4))
+    engine.warmup()
+    observations = [engine.dummy_observation(seed=i) for i in range(3)]
+    observations[0].known_actions = np.zeros((4, engine.model_cfg.action.action_dim), np.float32)
+    noise = torch.randn(3, 16, 8, device="cuda")
+    known = engine.known_actions(observations)
+    engine.static.predict(observations, noise, engine.layout, known)   # frames and instructions seen once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = engine.static.predict(observations, noise, engine.layout, known)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (3, 16, 8) and torch.isfinite(out).all()
+
+
+@pytest.mark.cuda
 def test_gpu_preprocess_matches_cpu_within_one_uint8_step():
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(4)]

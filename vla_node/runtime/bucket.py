@@ -94,10 +94,12 @@ class Bucket:
                                  "alone (batch of 1)")
             self.image_token[start:] = image
             self._masks_changed()
-        self.ids[entry, start:].copy_(row)
+        # Not waiting for the device (a pageable source is staged before the call returns): a new
+        # instruction is queued while the vision stage runs.
+        self.ids[entry, start:].copy_(row, non_blocking=True)
         mask = torch.ones(self.length + 1, dtype=torch.bool)
         mask[start + n:self.length] = False
-        self.ctx_mask[entry].view(-1).copy_(mask)
+        self.ctx_mask[entry].view(-1).copy_(mask, non_blocking=True)
         self.instructions[entry] = text
 
     def _masks_changed(self) -> None:
