@@ -34,10 +34,10 @@ from .streaming import StreamBuffers
 from .timing import StageTimer
 from .types import BATCH_SIZES, Observation, WindowLayout
 
-# cuBLAS tiles the LLM's GEMMs in rows of 128 (its largest row tile on Hopper here): a bucket a few
-# tokens past a multiple of 128 runs a nearly empty row tile through every GEMM (DROID's 48-token tier
-# made 897 tokens; at 896 the LLM stage took 11.77 ms against 12.30 on the H200, 11.99-12.02 against
-# 12.45-12.55 on an H100, BENCHMARKS.md, thirty-fifth session). EngineConfig.tile_tiers trims a tier to
+# At 896 tokens cuBLAS tiles the LLM's GEMMs' tokens by 128 (seven tiles, none part empty); at 897 it
+# took tiles of 152-192 tokens that fit worse (the kernels' names in the profiles). DROID's 48-token tier
+# made 897: at 896 the LLM stage took 11.77 ms against 12.30 on the H200, 11.99-12.02 against 12.45-12.55
+# on an H100 (BENCHMARKS.md, thirty-fifth session). EngineConfig.tile_tiers trims a tier to a multiple of
 # the tile where it costs this many tokens at most.
 ROW_TILE, TILE_TRIM = 128, 4
 
