@@ -34,8 +34,8 @@ from .streaming import StreamBuffers
 from .timing import StageTimer
 from .types import BATCH_SIZES, Observation, WindowLayout
 
-# At 896 tokens cuBLAS tiles the LLM's GEMMs' tokens by 128 (seven tiles, none part empty); at 897 it
-# took tiles of 152-192 tokens that fit worse (the kernels' names in the profiles). DROID's 48-token tier
+# cuBLAS picks other GEMM kernels for the LLM at 896 tokens (7 x 128) than at 897: tiles 176x128,
+# 144x128 and 168x128 against 192x192, 128x152 and 128x184 (the kernels' names). DROID's 48-token tier
 # made 897: at 896 the LLM stage took 11.77 ms against 12.30 on the H200, 11.99-12.02 against 12.45-12.55
 # on an H100 (BENCHMARKS.md, thirty-fifth session). EngineConfig.tile_tiers trims a tier to a multiple of
 # the tile where it costs this many tokens at most.
