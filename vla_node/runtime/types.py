@@ -174,7 +174,7 @@ class EngineConfig:
     # the GPU idle ~6 us (runtime/graphs.use_gemms_without_workspace; the process's first GEMM fixes it).
     workspace_free_gemms: bool = False
     # Each instruction tier below the longest trimmed by up to a few tokens so that its bucket is a
-    # whole number of the LLM GEMMs' row tiles (runtime/static.ROW_TILE): a GPU's tiling.
+    # multiple of runtime/static.ROW_TILE tokens, where cuBLAS runs faster GEMMs for the LLM.
     tile_tiers: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
     # The vision pool's one-query window attention as plain ops a compiled region fuses
