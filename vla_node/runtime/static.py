@@ -67,10 +67,10 @@ class StaticRunner:
         self.buckets: dict[tuple[WindowLayout, int, int], Bucket] = {}   # by (layout, batch size, budget)
         layouts = engine.config.query_layouts
         self.budgets = {layout: self._layout_budgets(layout) for layout in layouts}
-        shortest = len(engine.prompts.instruction("x"))
-        if min(b[0] for b in self.budgets.values()) < shortest:
-            raise ValueError(f"instruction_tiers: {cfg.instruction_budgets[0]} tokens hold no instruction (the chat "
-                             f"turn of a one-letter one is {shortest})")
+        shortest, smallest = len(engine.prompts.instruction("x")), min(b[0] for b in self.budgets.values())
+        if smallest < shortest:
+            raise ValueError(f"instruction_tiers: {smallest} tokens hold no instruction (the chat turn of a "
+                             f"one-letter one is {shortest})")
         self.max_images = max(layout.images for layout in layouts)
         # A batch's frames are planned together (none evicts another entry's), so the store holds
         # two of the largest batches.
@@ -109,7 +109,7 @@ class StaticRunner:
 
     def _layout_budgets(self, layout: WindowLayout) -> tuple[int, ...]:
         """EngineConfig.instruction_budgets for `layout`'s prompt: under tile_tiers each tier below the
-        longest ends its bucket on a whole GEMM row tile where that costs at most TILE_TRIM tokens."""
+        longest makes its bucket a multiple of ROW_TILE tokens where that costs at most TILE_TRIM of them."""
         cfg = self.engine.config
         if not cfg.tile_tiers:
             return cfg.instruction_budgets
