@@ -65,9 +65,9 @@ def test_streaming_restarts_with_a_full_prefill_when_the_instruction_changes_bud
     assert streamed.static.stream_steps == 1
 
 
-def test_tile_tiers_end_a_tier_on_a_whole_gemm_row_tile_where_it_costs_a_few_tokens():
+def test_tile_tiers_make_a_bucket_a_multiple_of_128_tokens_where_it_costs_a_tier_a_few():
     """The tiny prompt's images end at token 129: a 130-token tier makes 259 tokens, three past 2 x 128,
-    so it becomes 127 (a 256-token bucket); 60 makes 189, far from a tile, and stays; the longest
+    so it becomes 127 (a 256-token bucket); 60 makes 189, far from a multiple, and stays; the longest
     budget is what check_observation promises and is never trimmed. The actions do not change."""
     tiers = dict(instruction_tiers=(60, 130), max_instruction_tokens=160)
     tiled = PolicyEngine(EngineConfig.for_mode("ctxkv", tile_tiers=True, **tiers))
