@@ -8,6 +8,7 @@ import pytest
 
 from ros_helpers import chunk_period_ticks, chunks_answered, jump_back_fits
 from vla_node.ros.diagnostics import LOG_BURST, LOG_WINDOW_S
+from vla_node.ros.params import SPECS
 from vla_node.runtime import LAYOUTS
 from vla_node.runtime.windows import PANDA_JOINTS
 from vla_node.tools.bag_io import Bag, ObservationStream, resolve_inputs, stamp_ns
@@ -18,6 +19,7 @@ from vla_node.tools.sample_bag import QUIRKS_BAG, START_NS, QuirksSpec
 SPEC = QuirksSpec()           # the recipe of the shipped bag
 STEP_S, BACK_S = SPEC.steps[0]
 SMALL = {"camera_height": SPEC.size[0], "camera_width": SPEC.size[1]}
+INPUT_TIMEOUT_S = SPECS["input_timeout_s"].default   # config/tiny.yaml keeps it: older inputs hold the arm
 
 
 @pytest.fixture(scope="module")
@@ -92,16 +94,17 @@ def test_the_node_sends_what_offline_replay_sends(wall_clock, offline, truth):
             # The node never had the history frame (lost on the way, or dropped unconverted on a
             # saturated machine): it sent the episode-start window, as it must without one.
             continue
-        # Where the node never had a frame or joint sample offline replay took (lost on the way, or
-        # dropped unconverted on a saturated machine; seen beside three busy loops), it takes the
-        # nearest it had: a neighbour, less than one period and a half of that input away.
+        # Where the node never had a frame or joint sample offline replay took, or had not yet taken
+        # it in when it sent the query (lost on the way, dropped unconverted or still queued on a busy
+        # machine: one period and a half off beside three busy loops, three arm and two gripper periods
+        # behind in a clean-clone CI run of the suite in two processes), it sends the nearest it had,
+        # within input_timeout_s (older inputs hold the arm): not compared, like a missing history frame.
         ids = query.observation.frame_ids
         assert [c for c, _ in frames] == [c for c, _ in ids], (frames, ids)
         apart_ns = np.array([t for _, t in frames]) - np.array([t for _, t in ids])
-        assert (np.abs(apart_ns) < 1.5e9 / SPEC.camera_hz).all(), f"frames {apart_ns.tolist()} ns after offline's"
         ahead_ns = stamps - query.state_stamps_ns
-        assert (np.abs(ahead_ns) < 1.5e9 / min(SPEC.arm_hz, SPEC.gripper_hz)).all(), \
-            f"joints' samples {ahead_ns.tolist()} ns after offline's"
+        for what, off_ns in (("frames", apart_ns), ("joints' samples", ahead_ns)):
+            assert (np.abs(off_ns) < INPUT_TIMEOUT_S * 1e9).all(), f"{what} {off_ns.tolist()} ns after offline's"
         if apart_ns.any() or ahead_ns.any():
             continue
         compared += 1
