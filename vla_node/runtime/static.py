@@ -66,7 +66,9 @@ class StaticRunner:
         most = self.batch_sizes[-1]
         self.buckets: dict[tuple[WindowLayout, int, int], Bucket] = {}   # by (layout, batch size, budget)
         layouts = engine.config.query_layouts
-        self.budgets = {layout: self._layout_budgets(layout) for layout in layouts}
+        # Where each layout's instruction starts: its budgets, and the LLM cache's length, end there.
+        starts = {l: engine.prompts.build(len(l.cameras), l.frames, "x").instruction_start for l in layouts}
+        self.budgets = {layout: self._layout_budgets(start) for layout, start in starts.items()}
         shortest, smallest = len(engine.prompts.instruction("x")), min(b[0] for b in self.budgets.values())
         if smallest < shortest:
             raise ValueError(f"instruction_tiers: {smallest} tokens hold no instruction (the chat turn of a "
@@ -102,18 +104,17 @@ class StaticRunner:
         self.stream_bucket: Bucket | None = None  # whose KV the LLM caches hold
         self.stream_steps = 0
         self.expert_calls = 0
-        longest = max(engine.prompts.build(len(l.cameras), l.frames, "x").instruction_start for l in layouts)
-        self.cache_len = longest + cfg.max_instruction_tokens
+        self.cache_len = max(starts.values()) + cfg.max_instruction_tokens
         if cfg.streaming_kv:   # one row: what a streaming step reads
             m.llm.setup_caches(1, self.cache_len, engine.dtype, dev)
 
-    def _layout_budgets(self, layout: WindowLayout) -> tuple[int, ...]:
-        """EngineConfig.instruction_budgets for `layout`'s prompt: under tile_tiers each tier below the
-        longest makes its bucket a multiple of ROW_TILE tokens where that costs at most TILE_TRIM of them."""
+    def _layout_budgets(self, start: int) -> tuple[int, ...]:
+        """EngineConfig.instruction_budgets for a prompt whose instruction starts at token `start`: under
+        tile_tiers each tier below the longest makes its bucket a multiple of ROW_TILE tokens where that
+        costs at most TILE_TRIM of them."""
         cfg = self.engine.config
         if not cfg.tile_tiers:
             return cfg.instruction_budgets
-        start = self.engine.prompts.build(len(layout.cameras), layout.frames, "x").instruction_start
         tiers = [b - (start + b) % ROW_TILE if (start + b) % ROW_TILE <= TILE_TRIM else b
                  for b in cfg.instruction_budgets[:-1]]
         return (*sorted(set(tiers)), cfg.instruction_budgets[-1])
