@@ -17,113 +17,15 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from vla_node.model.config import get_preset
 from vla_node.runtime.graphs import use_gemms_without_workspace
+from vla_node.runtime.lt_gemm import LtGemm, alignment, load_cublaslt, ok, torch_linear
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_prefill_attention import timed  # noqa: E402
 
-# cublasLt.h (CUDA 12 and 13)
-COMPUTE_32F, R_32F, R_16BF = 68, 0, 14
-DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
-OP_N, OP_T = 0, 1
-EPILOGUE = {"none": 1, "bias": 4, "gelu_bias": 36}
-PREF_MAX_WORKSPACE_BYTES = 1
-ALGO_CONFIG = (("id", 0), ("tile", 1), ("splitk", 2), ("reduction", 3), ("swizzle", 4), ("stages", 6),
-               ("cluster", 8))
 WORKSPACES = {"ws0": 0, "ws32M": 32 << 20}
-
-
-class Algo(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 8)]
-
-
-class Heuristic(ctypes.Structure):
-    _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
-
-
-def load_cublaslt() -> ctypes.CDLL:
-    """The libcublasLt torch itself loaded (the same build its GEMMs run)."""
-    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
-    with open("/proc/self/maps") as maps:
-        paths = sorted({line.split()[-1] for line in maps if "libcublasLt" in line})
-    if not paths:
-        raise RuntimeError("no libcublasLt in this process")
-    lib = ctypes.CDLL(paths[0])
-    p, vp, sz = ctypes.POINTER, ctypes.c_void_p, ctypes.c_size_t
-    lib.cublasLtMatrixLayoutCreate.argtypes = [p(vp), ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]
-    lib.cublasLtMatmulDescCreate.argtypes = [p(vp), ctypes.c_int, ctypes.c_int]
-    lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, ctypes.c_int, vp, sz]
-    lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, ctypes.c_int, vp, sz]
-    lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, ctypes.c_int, p(Heuristic),
-                                                   p(ctypes.c_int)]
-    lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [p(Algo), ctypes.c_int, vp, sz, p(sz)]
-    lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, p(Algo), vp, sz, vp]
-    return lib
-
-
-def ok(status: int, what: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{what}: cuBLAS status {status}")
-
-
-class LtGemm:
-    """out[M, N] = epilogue(x[M, K] @ w[N, K]^T + bias) through cublasLtMatmul: column-major, that is
-    out^T = w (K x N, transposed) times x^T (K x M), as torch's row-major linear runs it."""
-
-    def __init__(self, lib: ctypes.CDLL, handle, x, w, bias, epilogue: str):
-        self.lib, self.handle, self.x, self.w, self.bias = lib, handle, x, w, bias
-        (m, k), n = x.shape, w.shape[0]
-        self.out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        self.desc = ctypes.c_void_p()
-        ok(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, R_32F), "desc")
-        for attr, value in ((DESC_TRANSA, ctypes.c_int32(OP_T)), (DESC_TRANSB, ctypes.c_int32(OP_N)),
-                            (DESC_EPILOGUE, ctypes.c_uint32(EPILOGUE[epilogue]))):
-            ok(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), ctypes.sizeof(value)), "attr")
-        if bias is not None:
-            ptr = ctypes.c_void_p(bias.data_ptr())
-            ok(lib.cublasLtMatmulDescSetAttribute(self.desc, DESC_BIAS_POINTER, ctypes.byref(ptr), 8), "bias")
-        self.layouts = []
-        for rows, cols in ((k, n), (k, m), (n, m)):   # w, x, out (out is C and D)
-            layout = ctypes.c_void_p()
-            ok(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), R_16BF, rows, cols, rows), "layout")
-            self.layouts.append(layout)
-        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-
-    def algos(self, count: int, workspace: int) -> list[Heuristic]:
-        pref, size = ctypes.c_void_p(), ctypes.c_uint64(workspace)
-        ok(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-        ok(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), 8),
-           "workspace")
-        results, got = (Heuristic * count)(), ctypes.c_int()
-        a, b, c = self.layouts
-        ok(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, pref, count, results,
-                                                   ctypes.byref(got)), "heuristic")
-        self.lib.cublasLtMatmulPreferenceDestroy(pref)
-        return [r for r in results[:got.value] if r.state == 0]
-
-    def run(self, found: Heuristic, workspace: torch.Tensor) -> None:
-        a, b, c = self.layouts
-        ok(self.lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.alpha), self.w.data_ptr(), a,
-                                   self.x.data_ptr(), b, ctypes.byref(self.beta), self.out.data_ptr(), c,
-                                   self.out.data_ptr(), c, ctypes.byref(found.algo), workspace.data_ptr(),
-                                   found.workspace, torch.cuda.current_stream().cuda_stream), "matmul")
-
-    def describe(self, found: Heuristic) -> str:
-        parts = []
-        for name, attr in ALGO_CONFIG:
-            size = ctypes.c_size_t()
-            if self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(found.algo), attr, None, 0,
-                                                             ctypes.byref(size)) or not 0 < size.value <= 8:
-                continue
-            buf = (ctypes.c_uint8 * size.value)()
-            self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(found.algo), attr, buf, size.value,
-                                                          ctypes.byref(size))
-            parts.append(f"{name}={int.from_bytes(bytes(buf), 'little')}")
-        return " ".join(parts) + f" waves={found.waves:.2f}"
 
 
 def query_gemms(layout: str) -> list[tuple[str, int, int, int, str, int]]:
@@ -144,29 +46,23 @@ def query_gemms(layout: str) -> list[tuple[str, int, int, int, str, int]]:
             ("vit fc2", patches, vit.mlp, vit.width, "bias", vit.layers_run)]
 
 
-def torch_gemm(x, w, bias, epilogue: str):
-    """What the engine's compiled blocks run: linear (mm / addmm), or the ViT's fc1 with its GELU epilogue."""
-    if epilogue == "gelu_bias":
-        return lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True)
-    return lambda: F.linear(x, w, bias)
-
-
 def measure(lib, handle, name, m, k, n, epilogue, calls, count: int, workspace: torch.Tensor) -> dict:
     torch.manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if epilogue != "none" else None
-    reference = torch_gemm(x, w, bias, epilogue)
-    want = reference().float()
-    row = {"gemm": name, "m": m, "k": k, "n": n, "calls": calls, "torch_us": timed(reference)}
-    gemm = LtGemm(lib, handle, x, w, bias, epilogue)
+    gelu = epilogue == "gelu_bias"
+    want = torch_linear(x, w, bias, gelu).float()
+    row = {"gemm": name, "m": m, "k": k, "n": n, "calls": calls,
+           "torch_us": timed(lambda: torch_linear(x, w, bias, gelu))}
+    gemm, out = LtGemm(lib, handle, m, k, n, x.dtype, epilogue), torch.empty(m, n, device="cuda", dtype=x.dtype)
     for label, size in WORKSPACES.items():
         tried = []
-        for i, found in enumerate(gemm.algos(count, size)):
-            gemm.run(found, workspace)
+        for i, found in enumerate(gemm.algos(count, alignment(x, w, bias, out), bias, size)):
+            gemm(found, x, w, bias, out, workspace)
             torch.cuda.synchronize()
-            rel = ((gemm.out.float() - want).norm() / want.norm()).item()
-            us = timed(lambda found=found: gemm.run(found, workspace))
+            rel = ((out.float() - want).norm() / want.norm()).item()
+            us = timed(lambda found=found: gemm(found, x, w, bias, out, workspace))
             tried.append({"rank": i, "us": us, "rel_l2": rel, "config": gemm.describe(found),
                           "workspace": int(found.workspace)})
         right = [t for t in tried if t["rel_l2"] < 1e-2]

@@ -34,10 +34,11 @@ class FusableProjection(nn.Module):
         # Plain attributes, not parameters: the checkpoint keys stay the separate ones.
         self.fused_weight: Optional[torch.Tensor] = None
         self.fused_bias: Optional[torch.Tensor] = None
+        self.fused_linear = F.linear   # the fused GEMM (runtime.lt_gemm may choose its algorithm)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.fused_weight is not None:
-            return F.linear(x, self.fused_weight, self.fused_bias).split(self.sizes, dim=-1)
+            return self.fused_linear(x, self.fused_weight, self.fused_bias).split(self.sizes, dim=-1)
         return tuple(getattr(self, n)(x) for n in self.names)
 
 

@@ -100,6 +100,9 @@ class PolicyEngine:
             use_window_attention_ops(self.model)
         if config.fp8 != "off":
             self.stats.fp8_weight_bytes = quantize_llm_(self.model, config.fp8)
+        if config.tuned_gemms:   # after fusion and fp8: it takes over the fused GEMMs, leaves e4m3 ones
+            from .lt_gemm import use_tuned_gemms
+            use_tuned_gemms(self.model)
         if config.triton_attention:
             from .kernels.few_query_attention import few_query_attention
             for block in self.model.expert.blocks:

@@ -91,14 +91,18 @@ class BatchedContextKV:
         return [(blk._heads(kv[i, ..., :w]), blk._heads(kv[i, ..., w:])) for i, blk in enumerate(self.expert.blocks)]
 
 
+def addmm_gelu(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """tanh-GELU(rows @ weight^T + bias) of rows [N, in]: on the GPU cuBLASLt's GELU_BIAS epilogue, the
+    tanh GELU of the fp32 sums. Half types only: the engine's GPU dtype, the one measured against fp32
+    on the H200 (an fp32 engine keeps the two passes)."""
+    if rows.is_cuda and rows.dtype != torch.float32:
+        return torch._addmm_activation(bias, rows, weight.t(), use_gelu=True)
+    return F.gelu(F.linear(rows, weight, bias), approximate="tanh")  # the CPU's _addmm_activation is erf-GELU
+
+
 @torch.library.custom_op("vla::linear_gelu", mutates_args=())
 def _linear_gelu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    # cuBLASLt's GELU_BIAS epilogue: the tanh GELU of the fp32 sums. Half types only: the engine's GPU
-    # dtype, the one measured against fp32 on the H200 (an fp32 engine keeps the two passes).
-    if x.is_cuda and x.dtype != torch.float32:
-        rows = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
-        return rows.view(*x.shape[:-1], weight.shape[0])
-    return F.gelu(F.linear(x, weight, bias), approximate="tanh")  # the CPU's _addmm_activation is erf-GELU
+    return addmm_gelu(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 @_linear_gelu_op.register_fake

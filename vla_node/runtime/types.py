@@ -176,6 +176,9 @@ class EngineConfig:
     # Each instruction tier below the longest trimmed by up to a few tokens so that its bucket is a
     # multiple of runtime/static.ROW_TILE tokens, where cuBLAS runs faster GEMMs for the LLM.
     tile_tiers: bool = False
+    # The ViT's and the LLM's GEMMs at the cuBLASLt algorithm each shape runs fastest, timed at warm-up
+    # against torch's (runtime/lt_gemm); off the GPU, or where none is faster, torch's GEMM.
+    tuned_gemms: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
     # The vision pool's one-query window attention as plain ops a compiled region fuses
     # (runtime/fusion.window_attention_ops), not SDPA: the DROID vision stage 5.77 -> 5.55 ms on the H200.

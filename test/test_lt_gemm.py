@@ -1,0 +1,97 @@
+"""runtime/lt_gemm: the ViT's and the LLM's GEMMs at cuBLASLt's fastest algorithm per shape.
+
+On the CPU the tuned GEMMs are torch's own: an engine with them gives the same numbers bit for bit,
+compiled or not. The `cuda` tests check the chosen algorithms against torch's GEMMs at the query's
+shapes and a tuned engine against the plain one (run them on the H200).
+"""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from test_fast_path import outputs, same_inputs
+from vla_node.model import get_preset
+from vla_node.model.layers import linear_gelu
+from vla_node.runtime import EngineConfig, PolicyEngine
+from vla_node.runtime.lt_gemm import TUNED, TunedLinear, tuned_linear, tuned_linear_gelu
+
+
+def test_tuned_gemms_take_every_vit_and_llm_gemm_and_keep_the_checkpoint_keys():
+    plain = PolicyEngine(EngineConfig.for_mode("fused"))
+    tuned = PolicyEngine(EngineConfig.for_mode("fused", tuned_gemms=True))
+    assert plain.model.state_dict().keys() == tuned.model.state_dict().keys()
+    for block in tuned.model.vision.encoder.blocks:
+        assert isinstance(block.attn.out, TunedLinear) and isinstance(block.fc2, TunedLinear)
+        assert block.fc1_gelu is tuned_linear_gelu
+    for layer in tuned.model.llm.layers:
+        assert not [m for m in layer.modules() if type(m) is nn.Linear], "a plain linear left in an LLM layer"
+    assert not any(isinstance(m, TunedLinear) for m in tuned.model.expert.modules()), "the expert has its own kernels"
+
+
+@pytest.mark.parametrize("mode", ["fused", "compile"])
+def test_tuned_gemms_change_no_number_off_the_gpu(mode):
+    plain = PolicyEngine(EngineConfig.for_mode(mode))
+    tuned = PolicyEngine(EngineConfig.for_mode(mode, tuned_gemms=True))
+    inputs = same_inputs(plain, 2)
+    for a, b in zip(outputs(plain, inputs), outputs(tuned, inputs)):
+        assert np.array_equal(a, b)
+
+
+def test_an_unaligned_or_strided_input_runs_as_torchs_linear():
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 40)
+    x = torch.randn(3, 7, 25)[..., 1:]   # not contiguous, offset by one element
+    with torch.no_grad():
+        assert torch.equal(tuned_linear(x, lin.weight, lin.bias, False), lin(x))
+        assert torch.equal(tuned_linear(x, lin.weight, lin.bias, True), linear_gelu(x, lin))
+
+
+def gpu_rows(m: int, k: int, offset: int = 0) -> torch.Tensor:
+    """[m, k] bf16 rows on the GPU, `offset` elements into their buffer (offset 8: 16-byte aligned only)."""
+    return torch.randn(m * k + offset, device="cuda", dtype=torch.bfloat16)[offset:].view(m, k)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("offset", [0, 8])
+def test_the_chosen_algorithms_agree_with_torchs_gemms_at_the_query_shapes(offset):
+    """molmobot-4b's ViT and LLM shapes at DROID (2916 patches, 896 tokens): every epilogue, and an
+    input only 16-byte aligned (its own choice: an algorithm chosen for 256-byte buffers may not run)."""
+    cfg = get_preset("molmobot-4b")
+    vit, llm = cfg.vision, cfg.llm
+    torch.manual_seed(0)
+    shapes = [(2916, vit.width, 3 * vit.width, "bias"), (2916, vit.width, vit.mlp, "gelu"),
+              (2916, vit.mlp, vit.width, "bias"), (896, llm.dim, 2 * llm.mlp, "none"),
+              (896, llm.heads * llm.head_dim, llm.dim, "none")]
+    for m, k, n, epilogue in shapes:
+        x = gpu_rows(m, k, offset)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if epilogue != "none" else None
+        gelu = epilogue == "gelu"
+        ref = (torch.nn.functional.gelu(x.float() @ w.float().t() + bias.float(), approximate="tanh") if gelu
+               else torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()))
+        got = tuned_linear(x, w, bias, gelu).float()
+        again = tuned_linear(x, w, bias, gelu)   # the choice made, then run
+        plain = (torch._addmm_activation(bias, x, w.t(), use_gelu=True) if gelu
+                 else torch.nn.functional.linear(x, w, bias)).float()
+        err, err_torch = ((got - ref).norm() / ref.norm()).item(), ((plain - ref).norm() / ref.norm()).item()
+        assert err < 1.5 * err_torch + 1e-4, (m, k, n, epilogue, err, err_torch)
+        assert torch.equal(again.float(), got), "one algorithm a shape: the same bits every call"
+    chosen = {key: c.config for key, c in TUNED.choices.items()}
+    print(chosen)
+
+
+@pytest.mark.cuda
+def test_a_tuned_engine_matches_the_plain_one_and_chooses_only_at_warm_up():
+    base = dict(device="cuda", dtype="bfloat16", preset="tiny")
+    plain = PolicyEngine(EngineConfig.for_mode("fast", **base))
+    tuned = PolicyEngine(EngineConfig.for_mode("fast", tuned_gemms=True, **base))
+    plain.warmup()
+    tuned.warmup()
+    chosen = dict(TUNED.choices)
+    inputs = same_inputs(plain, 4)
+    a, b = outputs(plain, inputs), outputs(tuned, inputs)
+    for x, y in zip(a, b):
+        assert np.abs(x - y).max() < 2e-2, np.abs(x - y).max()
+    assert all(np.array_equal(x, y) for x, y in zip(b, outputs(tuned, inputs))), "replays bit-identical"
+    assert TUNED.choices == chosen, "a shape first met after warm-up"
+    assert tuned.static.recompiles() == 0
