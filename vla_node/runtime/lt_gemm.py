@@ -229,6 +229,13 @@ class TunedGemms:
         return choice.gemm(choice.algo, x, w, bias, x.new_empty(x.shape[0], w.shape[0]))
 
 
+    def report(self) -> list[dict]:
+        """Each shape's choice and its warm-up timings (vla-bench's JSON)."""
+        return [{"m_k_n": [m, k, n], "gelu": gelu, "bias": bias, "align": align, "torch_us": c.torch_us,
+                 "chosen_us": c.best_us, "algorithm": c.config}
+                for (m, k, n, _, gelu, bias, align), c in self.choices.items()]
+
+
 TUNED = TunedGemms()
 
 

@@ -178,6 +178,12 @@ def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool,
     if not stream and len(batches) > 1:
         result["batches"] = {n: batch_timings(engine, inputs, outs, n, iters) for n in batches
                              if n <= engine.max_batch}   # 1 under streaming_kv, the adaptive cache
+    if cuda and cfg.tuned_gemms:
+        from ..runtime.lt_gemm import TUNED
+        result["tuned_gemms"] = TUNED.report()
+        for row in result["tuned_gemms"]:
+            progress(f"[{spec}] GEMM {row['m_k_n']}: torch {row['torch_us']:.1f} us, chosen {row['chosen_us']:.1f} "
+                     f"({row['algorithm']})")
     if cuda:
         result["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
         result["reserved_mem_gb"] = torch.cuda.memory_reserved() / 1e9
