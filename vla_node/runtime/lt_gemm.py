@@ -1,6 +1,6 @@
 """The ViT's and the LLM's GEMMs at the cuBLASLt algorithm each shape runs fastest, chosen at warm-up.
 
-torch runs the first algorithm cuBLASLt's heuristic offers for a shape. The H100 profile of a DROID
+torch's GEMMs run the one kernel cuBLAS's heuristic picks for a shape. The H100 profile of a DROID
 query ran the ViT's GEMMs at 546-644 TFLOP/s (qkv: 384x104 tiles, three waves for 2.06 waves of work)
 and the LLM's qkv and out at ~690, against 790 for its gate/up (BENCHMARKS.md, thirty-fifth session).
 `tuned_linear` times, the first time a shape runs outside a CUDA-graph capture, each algorithm the
@@ -36,7 +36,7 @@ PREF_MAX_WORKSPACE_BYTES, PREF_MIN_ALIGNMENT = 1, (5, 6, 7, 8)   # alignment of 
 ALGO_CONFIG = (("id", 0), ("tile", 1), ("splitk", 2), ("reduction", 3), ("swizzle", 4), ("stages", 6),
                ("cluster", 8))
 # The heuristic's algorithms asked for, and how much faster than torch's one must be to replace it
-# (the graph timings' spread between replays is ~1 %).
+# (a margin above the timings' noise: a choice made on noise would change numbers for nothing).
 CANDIDATES, MARGIN = 16, 0.97
 # An algorithm's output against torch's (fp32 sums of bf16 products in another order: ~1e-3).
 AGREEMENT = 1e-2
