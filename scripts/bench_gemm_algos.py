@@ -2,11 +2,12 @@
 
 The thirty-fifth session's H100 profile of a DROID `fast` query: the ViT's GEMMs at 546-644 TFLOP/s (qkv
 39.4 us a block at 2916 rows, its 384x104 tiles three waves for 2.06 waves of work; fc1 + GELU 49.9 us, 408
-tiles of 256x128 on 132 SMs), the LLM's qkv and out at ~690, its gate/up at 790 (BENCHMARKS.md). torch
-takes the first algorithm cuBLASLt's heuristic gives; this asks the heuristic for up to --algos, times each
+tiles of 256x128 on 132 SMs), the LLM's qkv and out at ~690, its gate/up at 790 (BENCHMARKS.md). torch's
+GEMMs run the kernel cuBLAS's heuristic picks; this asks cuBLASLt's heuristic for up to --algos, times each
 inside a CUDA graph (10 calls a replay, median of 20 replays; scripts/bench_prefill_attention.timed) without
 a workspace, as the engine runs them (workspace_free_gemms), and with 32 MiB, and checks each output
-against torch's. The table says what choosing an algorithm per shape at warm-up would save a query.
+against torch's. The table says what choosing an algorithm per shape at warm-up would save a query (what
+runtime/lt_gemm does in the engine under tuned_gemms, with the same LtGemm).
 
     PYTHONPATH=$PWD python3 scripts/bench_gemm_algos.py [--layouts droid,8img] [--algos 32] [--json F]
 """
