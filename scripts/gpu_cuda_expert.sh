@@ -22,6 +22,7 @@
 #             (150) each. Not the loop: ncu 2025.3 cannot profile expert_flow's cooperative cluster launch (LaunchFailed
 #             under kernel and application replay on the H100, thirty-second session)
 #   algos     cuBLASLt's algorithms for the query's GEMMs, each timed against torch's (scripts/bench_gemm_algos.py)
+#   tuned     the CUDA tests of tuned_gemms (test/test_lt_gemm.py; the chosen algorithms print with -s)
 #   gemms     the query's GEMMs under cuBLAS settings $GEMM_SETTINGS (default,lt: cuBLASLt preferred;
 #             scripts/bench_gemm_gaps.py)
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
@@ -56,6 +57,9 @@ for part in $PARTS; do
     algos) say "cuBLASLt's algorithms for the query's GEMMs"
       timeout 300 python3 scripts/bench_gemm_algos.py --json "$OUT/gemm_algos.json" 2>&1 | grep -av Warn \
         > "$OUT/gemm_algos.log"; tail -20 "$OUT/gemm_algos.log" ;;
+    tuned) say "tuned_gemms' CUDA tests"
+      timeout 200 python3 -m pytest -q -s -rs -p no:cacheprovider -W ignore -p no:logging -m cuda test/test_lt_gemm.py \
+        2>&1 | tee "$OUT/tuned.log" | grep -a "passed\|failed\|^FAILED\|^E " | tail -6 ;;
     probe) say "clusters held at once"
       timeout 30 python3 scripts/probe_clusters.py 2>&1 | tee "$OUT/probe.log" | tail -6 ;;
     bench) say "vla-bench DROID: ${BENCH_MODES:-eager,fast}"

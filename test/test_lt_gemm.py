@@ -76,8 +76,8 @@ def test_the_chosen_algorithms_agree_with_torchs_gemms_at_the_query_shapes(offse
         err, err_torch = ((got - ref).norm() / ref.norm()).item(), ((plain - ref).norm() / ref.norm()).item()
         assert err < 1.5 * err_torch + 1e-4, (m, k, n, epilogue, err, err_torch)
         assert torch.equal(again.float(), got), "one algorithm a shape: the same bits every call"
-    chosen = {key: c.config for key, c in TUNED.choices.items()}
-    print(chosen)
+    for row in TUNED.report():   # what each shape chose (pytest -s; scripts/gpu_cuda_expert.sh PARTS=tuned)
+        print(row)
 
 
 @pytest.mark.cuda
