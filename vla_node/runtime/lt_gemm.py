@@ -228,7 +228,6 @@ class TunedGemms:
             return torch_linear(x, w, bias, gelu)
         return choice.gemm(choice.algo, x, w, bias, x.new_empty(x.shape[0], w.shape[0]))
 
-
     def report(self) -> list[dict]:
         """Each shape's choice and its warm-up timings (vla-bench's JSON)."""
         return [{"m_k_n": [m, k, n], "gelu": gelu, "bias": bias, "align": align, "torch_us": c.torch_us,
