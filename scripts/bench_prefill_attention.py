@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import traceback
 
 import torch
@@ -40,6 +39,7 @@ from vla_node.model.tokenizer import load_tokenizer
 from vla_node.model.weights import TINY_TOKENIZER
 from vla_node.runtime import LAYOUTS, EngineConfig
 from vla_node.runtime.fusion import fuse_projections
+from vla_node.runtime.graphs import graph_us
 from vla_node.runtime.kernels.pattern_attention import PatternAttention, pattern_mask
 from vla_node.runtime.kernels.prefill_attention import block_mask, flex_attend
 
@@ -82,25 +82,7 @@ def timed(fn, calls: int = 10, replays: int = 20) -> float:
     if not CUDA:
         fn()
         return float("nan")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(times)
+    return graph_us(fn, calls, replays)
 
 
 def causal_attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from test_fast_path import outputs, same_inputs
 from vla_node.model import get_preset
 from vla_node.model.layers import linear_gelu
 from vla_node.runtime import EngineConfig, PolicyEngine
-from vla_node.runtime.lt_gemm import TUNED, TunedLinear, tuned_linear, tuned_linear_gelu
+from vla_node.runtime.lt_gemm import TUNED, TunedLinear, torch_linear, tuned_linear, tuned_linear_gelu
 
 
 def test_tuned_gemms_take_every_vit_and_llm_gemm_and_keep_the_checkpoint_keys():
@@ -71,8 +71,7 @@ def test_the_chosen_algorithms_agree_with_torchs_gemms_at_the_query_shapes(offse
                else torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()))
         got = tuned_linear(x, w, bias, gelu).float()
         again = tuned_linear(x, w, bias, gelu)   # the choice made, then run
-        plain = (torch._addmm_activation(bias, x, w.t(), use_gelu=True) if gelu
-                 else torch.nn.functional.linear(x, w, bias)).float()
+        plain = torch_linear(x, w, bias, gelu).float()   # what the engine runs without a choice
         err, err_torch = ((got - ref).norm() / ref.norm()).item(), ((plain - ref).norm() / ref.norm()).item()
         assert err < 1.5 * err_torch + 1e-4, (m, k, n, epilogue, err, err_torch)
         assert torch.equal(again.float(), got), "one algorithm a shape: the same bits every call"

@@ -5,6 +5,7 @@ GEMMs without a workspace, whose memsets leave captured graphs idle."""
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Callable, TypeVar
 
 import torch
@@ -24,6 +25,21 @@ def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 7) -> float:
+    """us a call of `fn` as a captured graph runs it: `calls` calls in one CUDA graph, the median of
+    `replays` replays (runtime/lt_gemm's choices at warm-up, the GPU benchmarks)."""
+    graph, _ = capture(lambda: [fn() for _ in range(calls)])
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
 
 
 # cuBLAS's split-K / stream-K GEMMs reset a semaphore in their workspace before each call: in a

@@ -13,7 +13,6 @@ The CPU, fp32 and a shape first met inside a capture run torch's GEMM.
 from __future__ import annotations
 
 import ctypes
-import statistics
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,7 +23,7 @@ from torch import nn
 from ..model.layers import FusableProjection
 from ..model.vision import ViTBlock
 from .fusion import addmm_gelu
-from .graphs import capture
+from .graphs import graph_us
 
 # cublasLt.h (CUDA 12 and 13)
 COMPUTE_32F, SCALE_32F = 68, 0
@@ -95,7 +94,7 @@ class LtGemm:
 
     def __init__(self, lib: ctypes.CDLL, handle: ctypes.c_void_p, m: int, k: int, n: int, dtype: torch.dtype,
                  epilogue: str):
-        self.lib, self.handle, self.shape = lib, handle, (m, k, n)
+        self.lib, self.handle = lib, handle
         self.desc = ctypes.c_void_p()
         ok(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, SCALE_32F), "matmul description")
         for attr, value in ((DESC_TRANSA, ctypes.c_int32(OP_T)), (DESC_TRANSB, ctypes.c_int32(OP_N)),
@@ -157,20 +156,6 @@ class LtGemm:
                                                           ctypes.byref(size))
             parts.append(f"{name}={int.from_bytes(bytes(buf), 'little')}")
         return " ".join(parts) + f" waves={algo.waves:.2f}"
-
-
-def graph_us(fn, calls: int = 10, replays: int = 7) -> float:
-    """us a call of `fn`: `calls` calls in one CUDA graph, the median of `replays` replays."""
-    graph, _ = capture(lambda: [fn() for _ in range(calls)])
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def torch_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool) -> torch.Tensor:
