@@ -82,8 +82,8 @@ def test_the_chosen_algorithms_agree_with_torchs_gemms_at_the_query_shapes(offse
 @pytest.mark.cuda
 def test_a_tuned_engine_matches_the_plain_one_and_chooses_only_at_warm_up():
     base = dict(device="cuda", dtype="bfloat16", preset="tiny")
-    plain = PolicyEngine(EngineConfig.for_mode("fast", **base))
-    tuned = PolicyEngine(EngineConfig.for_mode("fast", tuned_gemms=True, **base))
+    plain = PolicyEngine(EngineConfig.for_mode("fast", tuned_gemms=False, **base))
+    tuned = PolicyEngine(EngineConfig.for_mode("fast", **base))
     plain.warmup()
     tuned.warmup()
     chosen = dict(TUNED.choices)

@@ -103,8 +103,8 @@ BATCH_SIZES = (1, 2, 4, 8)
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
                      "unpadded_gemms", "flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms",
-                     "tile_tiers", "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel",
-                     "rotary_kernel", "fused_expert", "vision_cache")
+                     "tile_tiers", "tuned_gemms", "triton_attention", "triton_layer_norm", "add_norm_kernel",
+                     "pattern_kernel", "rotary_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
@@ -112,7 +112,7 @@ _LADDER = {
     "ctxkv": ("ctx_kv_once",),
     "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
     "compile": ("compile", "unpadded_gemms", "flex_attention", "pattern_kernel", "window_attention_ops"),
-    "graphs": ("cuda_graphs", "workspace_free_gemms", "tile_tiers"),
+    "graphs": ("cuda_graphs", "workspace_free_gemms", "tile_tiers", "tuned_gemms"),
     "triton": ("triton_attention", "triton_layer_norm", "add_norm_kernel", "rotary_kernel"),
     "fast": ("fused_expert", "vision_cache"),
 }
@@ -121,8 +121,8 @@ for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
 GPU_FEATURES = ("unpadded_gemms", "flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms",
-                "tile_tiers", "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel",
-                "rotary_kernel", "fused_expert")
+                "tile_tiers", "tuned_gemms", "triton_attention", "triton_layer_norm", "add_norm_kernel",
+                "pattern_kernel", "rotary_kernel", "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -177,7 +177,9 @@ class EngineConfig:
     # multiple of runtime/static.ROW_TILE tokens, where cuBLAS runs faster GEMMs for the LLM.
     tile_tiers: bool = False
     # The ViT's and the LLM's GEMMs at the cuBLASLt algorithm each shape runs fastest, timed at warm-up
-    # against torch's (runtime/lt_gemm); off the GPU, or where none is faster, torch's GEMM.
+    # against torch's (runtime/lt_gemm); off the GPU, or where none is faster, torch's GEMM. On an H100
+    # DROID `fast` 26.37 -> 26.30, 26.38 -> 26.13 ms, 8 images 45.63 -> 45.23, 45.45 -> 45.09 (the ViT's
+    # fc2 at 5832 rows 94.6 -> 81.0 us; BENCHMARKS.md, thirty-seventh session).
     tuned_gemms: bool = False
     flex_attention: bool = False          # LLM prefill attention through flex attention with a block mask (compiled)
     # The vision pool's one-query window attention as plain ops a compiled region fuses

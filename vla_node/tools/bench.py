@@ -70,7 +70,7 @@ OPTIONS = {
     "torchnorms": {"triton_layer_norm": False},  # the ViT's and the context's LayerNorms as torch's / inductor's
     "gelupass": {"gelu_epilogue": False},  # the ViT's GELU as its own pass after fc1, as before the epilogue
     "padded": {"unpadded_gemms": False},  # inductor's pad_mm pass on, its default: padding copies before GEMMs
-    "ltgemms": {"tuned_gemms": True},  # the ViT's and LLM's GEMMs at cuBLASLt's fastest algorithm, timed at warm-up
+    "torchgemms": {"tuned_gemms": False},  # the ViT's and LLM's GEMMs at torch's choice, not timed at warm-up
     "fulltiers": {"tile_tiers": False},  # every instruction tier at its own length, none trimmed to a GEMM tile
     # one instruction budget (96 tokens), as before instruction_tiers: what the tiers' shorter padding saves
     "onebudget": {"instruction_tiers": ()},
