@@ -28,6 +28,12 @@ def test_tuned_gemms_take_every_vit_and_llm_gemm_and_keep_the_checkpoint_keys():
     assert not any(isinstance(m, TunedLinear) for m in tuned.model.expert.modules()), "the expert has its own kernels"
 
 
+def test_without_the_gelu_epilogue_fc1_is_tuned_and_its_gelu_stays_a_pass():
+    tuned = PolicyEngine(EngineConfig.for_mode("fused", gelu_epilogue=False, tuned_gemms=True))
+    for block in tuned.model.vision.encoder.blocks:
+        assert isinstance(block.fc1, TunedLinear) and block.fc1_gelu is linear_gelu
+
+
 @pytest.mark.parametrize("mode", ["fused", "compile"])
 def test_tuned_gemms_change_no_number_off_the_gpu(mode):
     plain = PolicyEngine(EngineConfig.for_mode(mode))

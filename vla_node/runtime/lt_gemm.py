@@ -22,7 +22,7 @@ from torch import nn
 
 from ..model.layers import FusableProjection
 from ..model.vision import ViTBlock
-from .fusion import addmm_gelu
+from .fusion import addmm_gelu, linear_gelu_epilogue
 from .graphs import graph_us
 
 # cublasLt.h (CUDA 12 and 13)
@@ -257,16 +257,16 @@ def tuned_fused(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 def use_tuned_gemms(model: nn.Module) -> int:
     """The ViT blocks' and the LLM layers' GEMMs through tuned_linear: their linears (e4m3 ones left
-    alone), fused projections and the ViT's fc1 + GELU (after runtime.fusion, whose epilogue this takes
-    over). Returns how many modules changed."""
+    alone), fused projections and, where runtime.fusion put it in the epilogue, the ViT's fc1 + GELU
+    (this takes the epilogue over). Returns how many modules changed."""
     count = 0
     for module in (*model.vision.encoder.blocks.modules(), *model.llm.layers.modules()):
         if type(module) is nn.Linear:
             module.__class__ = TunedLinear
         elif isinstance(module, FusableProjection):
             module.fused_linear = tuned_fused
-        elif isinstance(module, ViTBlock):
-            module.fc1_gelu = tuned_linear_gelu
+        elif isinstance(module, ViTBlock) and module.fc1_gelu is linear_gelu_epilogue:
+            module.fc1_gelu = tuned_linear_gelu   # without the epilogue fc1 is a TunedLinear, its GELU a pass
         else:
             continue
         count += 1
