@@ -4,7 +4,7 @@ The thirty-fifth session's H100 profile of a DROID `fast` query: the ViT's GEMMs
 39.4 us a block at 2916 rows, its 384x104 tiles three waves for 2.06 waves of work; fc1 + GELU 49.9 us, 408
 tiles of 256x128 on 132 SMs), the LLM's qkv and out at ~690, its gate/up at 790 (BENCHMARKS.md). torch's
 GEMMs run the kernel cuBLAS's heuristic picks; this asks cuBLASLt's heuristic for up to --algos, times each
-inside a CUDA graph (10 calls a replay, median of 20 replays; scripts/bench_prefill_attention.timed) without
+inside a CUDA graph (10 calls a replay, median of 20 replays; runtime/graphs.graph_us) without
 a workspace, as the engine runs them (workspace_free_gemms), and with 32 MiB, and checks each output
 against torch's. The table says what choosing an algorithm per shape at warm-up would save a query (what
 runtime/lt_gemm does in the engine under tuned_gemms, with the same LtGemm).
@@ -14,17 +14,13 @@ runtime/lt_gemm does in the engine under tuned_gemms, with the same LtGemm).
 import argparse
 import ctypes
 import json
-import os
 import sys
 
 import torch
 
 from vla_node.model.config import get_preset
-from vla_node.runtime.graphs import use_gemms_without_workspace
-from vla_node.runtime.lt_gemm import LtGemm, alignment, load_cublaslt, ok, torch_linear
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_prefill_attention import timed  # noqa: E402
+from vla_node.runtime.graphs import graph_us, use_gemms_without_workspace
+from vla_node.runtime.lt_gemm import AGREEMENT, LtGemm, alignment, load_cublaslt, ok, torch_linear
 
 WORKSPACES = {"ws0": 0, "ws32M": 32 << 20}
 
@@ -55,7 +51,7 @@ def measure(lib, handle, name, m, k, n, epilogue, calls, count: int, workspace: 
     gelu = epilogue == "gelu_bias"
     want = torch_linear(x, w, bias, gelu).float()
     row = {"gemm": name, "m": m, "k": k, "n": n, "calls": calls,
-           "torch_us": timed(lambda: torch_linear(x, w, bias, gelu))}
+           "torch_us": graph_us(lambda: torch_linear(x, w, bias, gelu), replays=20)}
     gemm, out = LtGemm(lib, handle, m, k, n, x.dtype, epilogue), torch.empty(m, n, device="cuda", dtype=x.dtype)
     for label, size in WORKSPACES.items():
         tried = []
@@ -63,10 +59,10 @@ def measure(lib, handle, name, m, k, n, epilogue, calls, count: int, workspace: 
             gemm(found, x, w, bias, out, workspace)
             torch.cuda.synchronize()
             rel = ((out.float() - want).norm() / want.norm()).item()
-            us = timed(lambda found=found: gemm(found, x, w, bias, out, workspace))
+            us = graph_us(lambda found=found: gemm(found, x, w, bias, out, workspace), replays=20)
             tried.append({"rank": i, "us": us, "rel_l2": rel, "config": gemm.describe(found),
                           "workspace": int(found.workspace)})
-        right = [t for t in tried if t["rel_l2"] < 1e-2]
+        right = [t for t in tried if t["rel_l2"] < AGREEMENT]
         row[label] = {"algos": len(tried), "wrong": len(tried) - len(right), "tried": tried,
                       "first": tried[0] if tried else None, "best": min(right, key=lambda t: t["us"], default=None)}
     return row
