@@ -91,8 +91,10 @@ def test_a_tuned_engine_matches_the_plain_one_and_chooses_only_at_warm_up():
     plain = PolicyEngine(EngineConfig.for_mode("fast", tuned_gemms=False, **base))
     tuned = PolicyEngine(EngineConfig.for_mode("fast", **base))
     plain.warmup()
+    TUNED.seen.clear()
     tuned.warmup()
     chosen = dict(TUNED.choices)
+    assert len(TUNED.report(TUNED.seen)) == len(TUNED.seen) > 0, "every shape the engine ran has its choice"
     inputs = same_inputs(plain, 4)
     a, b = outputs(plain, inputs), outputs(tuned, inputs)
     for x, y in zip(a, b):

@@ -174,12 +174,14 @@ class Choice:
 
 
 class TunedGemms:
-    """The process's choices, one per (M, K, N, dtype, epilogue, alignment), made at a shape's first call."""
+    """The process's choices, one per (M, K, N, dtype, epilogue, alignment), made at a shape's first call;
+    `seen` holds the shapes called since it was last cleared (one engine's, where several share the process)."""
 
     def __init__(self):
         self.lib: Optional[ctypes.CDLL] = None
         self.handle = ctypes.c_void_p()
         self.choices: dict[tuple, Choice] = {}
+        self.seen: set[tuple] = set()
 
     def _choose(self, key: tuple, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 gelu: bool) -> Choice:
@@ -204,6 +206,7 @@ class TunedGemms:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool) -> torch.Tensor:
         key = (*x.shape, w.shape[0], x.dtype, gelu, bias is not None, alignment(x, w, bias))
+        self.seen.add(key)
         choice = self.choices.get(key)
         if choice is None:
             if torch.cuda.is_current_stream_capturing():
@@ -213,11 +216,15 @@ class TunedGemms:
             return torch_linear(x, w, bias, gelu)
         return choice.gemm(choice.algo, x, w, bias, x.new_empty(x.shape[0], w.shape[0]))
 
-    def report(self) -> list[dict]:
-        """Each shape's choice and its warm-up timings (vla-bench's JSON)."""
-        return [{"m_k_n": [m, k, n], "gelu": gelu, "bias": bias, "align": align, "torch_us": c.torch_us,
-                 "chosen_us": c.best_us, "algorithm": c.config}
-                for (m, k, n, _, gelu, bias, align), c in self.choices.items()]
+    def report(self, keys: Optional[set[tuple]] = None) -> list[dict]:
+        """The choice of each shape in `keys` (all: None) and its warm-up timings (vla-bench's JSON)."""
+        rows = []
+        for key, c in self.choices.items():
+            if keys is None or key in keys:
+                m, k, n, _, gelu, bias, align = key
+                rows.append({"m_k_n": [m, k, n], "gelu": gelu, "bias": bias, "align": align, "torch_us": c.torch_us,
+                             "chosen_us": c.best_us, "algorithm": c.config})
+        return rows
 
 
 TUNED = TunedGemms()

@@ -145,6 +145,9 @@ def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool,
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     cfg = mode_config(spec, base).replace(max_batch=max(batches))
+    if cuda and cfg.tuned_gemms:
+        from ..runtime.lt_gemm import TUNED
+        TUNED.seen.clear()   # this mode's shapes only in its report (earlier modes' choices are reused)
     engine = PolicyEngine(cfg, progress=lambda m: progress(f"[{spec}] {m}"))
     stats = engine.warmup()
     dev = engine.device
@@ -179,8 +182,7 @@ def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool,
         result["batches"] = {n: batch_timings(engine, inputs, outs, n, iters) for n in batches
                              if n <= engine.max_batch}   # 1 under streaming_kv, the adaptive cache
     if cuda and cfg.tuned_gemms:
-        from ..runtime.lt_gemm import TUNED
-        result["tuned_gemms"] = TUNED.report()
+        result["tuned_gemms"] = TUNED.report(TUNED.seen)
         for row in result["tuned_gemms"]:
             progress(f"[{spec}] GEMM {row['m_k_n']}: torch {row['torch_us']:.1f} us, chosen {row['chosen_us']:.1f} "
                      f"({row['algorithm']})")
