@@ -4,6 +4,9 @@ On the CPU the tuned GEMMs are torch's own: an engine with them gives the same n
 compiled or not. The `cuda` tests check the chosen algorithms against torch's GEMMs at the query's
 shapes and a tuned engine against the plain one (run them on the H200).
 """
+import ctypes
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -12,8 +15,20 @@ from torch import nn
 from test_fast_path import outputs, same_inputs
 from vla_node.model import get_preset
 from vla_node.model.layers import linear_gelu
-from vla_node.runtime import EngineConfig, PolicyEngine
-from vla_node.runtime.lt_gemm import TUNED, TunedLinear, torch_linear, tuned_linear, tuned_linear_gelu
+from vla_node.runtime import EngineConfig, PolicyEngine, lt_gemm
+from vla_node.runtime.kernels.expert_flow_cuda import store
+from vla_node.runtime.lt_gemm import (
+    TUNED,
+    Choice,
+    Heuristic,
+    TunedGemms,
+    TunedLinear,
+    key_name,
+    read_choices,
+    torch_linear,
+    tuned_linear,
+    tuned_linear_gelu,
+)
 
 
 def test_tuned_gemms_take_every_vit_and_llm_gemm_and_keep_the_checkpoint_keys():
@@ -50,6 +65,30 @@ def test_an_unaligned_or_strided_input_runs_as_torchs_linear():
     with torch.no_grad():
         assert torch.equal(tuned_linear(x, lin.weight, lin.bias, False), lin(x))
         assert torch.equal(tuned_linear(x, lin.weight, lin.bias, True), linear_gelu(x, lin))
+
+
+def test_a_choice_survives_the_cache_file_and_a_bad_file_is_read_as_none(tmp_path):
+    algo = Heuristic()
+    algo.algo.data[0], algo.algo.data[7], algo.waves = 0x1234_5678_9ABC, 42, 2.5
+    chosen, kept_torch = Choice(None, algo, 10.0, 8.0, "id=5 tile=20"), Choice(None, None, 5.0, 5.0, "torch's")
+    keys = [(2916, 1152, 3456, torch.bfloat16, False, True, 256), (896, 2560, 19456, torch.bfloat16, False, False, 16)]
+    assert key_name(keys[0]) == "2916x1152x3456 bfloat16 gelu=0 bias=1 align=256"
+    path = tmp_path / "gemms.json"
+    entries = {key_name(keys[0]): chosen.stored(), key_name(keys[1]): kept_torch.stored()}
+    assert store(path, json.dumps(entries).encode())
+    stored = read_choices(path)
+    back = Choice.restored("the shape's gemm", stored[key_name(keys[0])])
+    assert bytes(back.algo) == bytes(algo) and back.gemm == "the shape's gemm"
+    assert (back.torch_us, back.best_us, back.config) == (10.0, 8.0, "id=5 tile=20")
+    back = Choice.restored("the shape's gemm", stored[key_name(keys[1])])
+    assert back.algo is None and back.gemm is None and back.best_us == 5.0
+    for bad in ({"algo": "zz"}, {"algo": "00", "torch_us": 1, "chosen_us": 1, "algorithm": "short"}, "text"):
+        with pytest.raises(ValueError):
+            Choice.restored(None, bad)
+    for text in ("{not json", "[1, 2]"):
+        path.write_text(text)
+        assert read_choices(path) == {}
+    assert read_choices(tmp_path / "absent.json") == {}
 
 
 def gpu_rows(m: int, k: int, offset: int = 0) -> torch.Tensor:
@@ -102,3 +141,25 @@ def test_a_tuned_engine_matches_the_plain_one_and_chooses_only_at_warm_up():
     assert all(np.array_equal(x, y) for x, y in zip(b, outputs(tuned, inputs))), "replays bit-identical"
     assert TUNED.choices == chosen, "a shape first met after warm-up"
     assert tuned.static.recompiles() == 0
+
+
+@pytest.mark.cuda
+def test_a_restart_runs_the_stored_choice_untimed_and_a_bad_one_is_chosen_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLA_NODE_KERNEL_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    x, w = gpu_rows(2916, 1152), torch.randn(3456, 1152, device="cuda", dtype=torch.bfloat16) / 34
+    bias = torch.randn(3456, device="cuda", dtype=torch.bfloat16)
+    first = TunedGemms()
+    want = first(x, w, bias, False)
+    (key, choice), = first.choices.items()
+    assert first.file.parent == tmp_path and key_name(key) in read_choices(first.file)
+    timed = []
+    monkeypatch.setattr(lt_gemm, "graph_us", lambda fn, **kw: timed.append(fn) or 1.0)
+    restarted = TunedGemms()
+    assert torch.equal(restarted(x, w, bias, False), want), "the same algorithm: the same bits"
+    assert not timed and restarted.choices[key].config == choice.config
+    stored = read_choices(first.file)
+    stored[key_name(key)]["algo"] = "ff" * ctypes.sizeof(Heuristic)   # an algorithm cuBLASLt does not know
+    store(first.file, json.dumps(stored).encode())
+    TunedGemms()(x, w, bias, False)
+    assert timed, "a stored algorithm that does not run is chosen again"

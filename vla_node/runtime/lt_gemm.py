@@ -8,12 +8,17 @@ heuristic offers without a workspace (as the engine's GEMMs run, workspace_free_
 own GEMM, each one in a CUDA graph as the engine replays them, and keeps the fastest whose output
 matches torch's; torch's stays where none is faster. Another algorithm sums in another order: equal to
 torch's GEMM up to rounding (split-K ones included), and the same algorithm every call of the process.
+The choices are kept on disk per GPU model and cuBLASLt build ($VLA_NODE_KERNEL_CACHE, as the expert
+kernel's builds): a restart on the same machine runs the same algorithms (the same bits) without timing
+them again; a cached algorithm is checked against torch's output before it is used.
 The CPU, fp32 and a shape first met inside a capture run torch's GEMM.
 """
 from __future__ import annotations
 
 import ctypes
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -24,6 +29,7 @@ from ..model.layers import FusableProjection
 from ..model.vision import ViTBlock
 from .fusion import addmm_gelu, linear_gelu_epilogue
 from .graphs import graph_us
+from .kernels.expert_flow_cuda import cache_dir, store
 
 # cublasLt.h (CUDA 12 and 13)
 COMPUTE_32F, SCALE_32F = 68, 0
@@ -75,6 +81,8 @@ def load_cublaslt() -> ctypes.CDLL:
                                                    p(ctypes.c_int)]
     lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [p(Algo), ctypes.c_int, vp, sz, p(sz)]
     lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, p(Algo), vp, sz, vp]
+    lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, p(Algo), p(Heuristic)]
+    lib.cublasLtGetVersion.restype = sz
     return lib
 
 
@@ -132,6 +140,13 @@ class LtGemm:
         ok(status, "heuristic")
         return [r for r in results[:got.value] if r.state == 0]
 
+    def accepts(self, algo: Heuristic, bias: Optional[torch.Tensor]) -> bool:
+        """Whether cuBLASLt runs `algo` for this shape (one read back from the cache file: not the heuristic's)."""
+        self._bias(bias)
+        a, b, c = self.layouts
+        return self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, c, c, ctypes.byref(algo.algo),
+                                                ctypes.byref(Heuristic())) == 0
+
     def __call__(self, algo: Heuristic, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                  out: torch.Tensor, workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._bias(bias)
@@ -172,6 +187,43 @@ class Choice:
     best_us: float
     config: str
 
+    def stored(self) -> dict:
+        """The choice as the cache file keeps it (the algorithm as cuBLASLt's opaque bytes)."""
+        return {"algo": None if self.algo is None else bytes(self.algo).hex(), "torch_us": self.torch_us,
+                "chosen_us": self.best_us, "algorithm": self.config}
+
+    @staticmethod
+    def restored(gemm: LtGemm, kept: dict) -> "Choice":
+        """`stored`'s inverse for `gemm`'s shape; ValueError where the entry is not one."""
+        try:
+            algo = None if kept["algo"] is None else Heuristic.from_buffer_copy(bytes.fromhex(kept["algo"]))
+            return Choice(gemm if algo else None, algo, float(kept["torch_us"]), float(kept["chosen_us"]),
+                          str(kept["algorithm"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a stored choice: {kept!r}") from e
+
+
+def key_name(key: tuple) -> str:
+    """A shape's key as the cache file names it."""
+    m, k, n, dtype, gelu, bias, align = key
+    return f"{m}x{k}x{n} {str(dtype).removeprefix('torch.')} gelu={int(gelu)} bias={int(bias)} align={align}"
+
+
+def cache_file(lib: ctypes.CDLL) -> Path:
+    """Where this GPU model's choices under this cuBLASLt build are kept."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    gpu = f"{props.name} sm{props.major}{props.minor} x{props.multi_processor_count}".replace(" ", "_")
+    return cache_dir() / f"gemms_{gpu}_cublaslt{lib.cublasLtGetVersion()}.json"
+
+
+def read_choices(path: Path) -> dict:
+    """The choices kept in `path`: {} where there is none or it cannot be read (chosen again)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
 
 class TunedGemms:
     """The process's choices, one per (M, K, N, dtype, epilogue, alignment), made at a shape's first call;
@@ -182,26 +234,43 @@ class TunedGemms:
         self.handle = ctypes.c_void_p()
         self.choices: dict[tuple, Choice] = {}
         self.seen: set[tuple] = set()
+        self.file: Optional[Path] = None
+        self.stored: dict[str, dict] = {}
 
     def _choose(self, key: tuple, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 gelu: bool) -> Choice:
         if self.lib is None:
             self.lib = load_cublaslt()
             ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "create")
+            self.file = cache_file(self.lib)
+            self.stored = read_choices(self.file)
         (m, k), n = x.shape, w.shape[0]
         want = torch_linear(x, w, bias, gelu)
-        torch_us = graph_us(lambda: torch_linear(x, w, bias, gelu))
         epilogue = "gelu_bias" if gelu else "bias" if bias is not None else "none"
         gemm = LtGemm(self.lib, self.handle, m, k, n, x.dtype, epilogue)
         out = torch.empty_like(want)
+
+        def agrees(algo: Heuristic) -> bool:
+            gemm(algo, x, w, bias, out)
+            return bool(((out.float() - want.float()).norm() <= AGREEMENT * want.float().norm()).item())
+
+        try:   # a choice made before on this GPU model and cuBLASLt build, where it still runs and agrees
+            kept = Choice.restored(gemm, self.stored[key_name(key)])
+            if kept.algo is None or (gemm.accepts(kept.algo, bias) and agrees(kept.algo)):
+                return kept
+        except (KeyError, ValueError):
+            pass
+        torch_us = graph_us(lambda: torch_linear(x, w, bias, gelu))
         best = Choice(None, None, torch_us, torch_us, "torch's")
         for algo in gemm.algos(CANDIDATES, key[-1], bias):
-            gemm(algo, x, w, bias, out)
-            if ((out.float() - want.float()).norm() > AGREEMENT * want.float().norm()).item():
+            if not agrees(algo):
                 continue
             us = graph_us(lambda algo=algo: gemm(algo, x, w, bias, out))
             if us < min(best.best_us, MARGIN * torch_us):
                 best = Choice(gemm, algo, torch_us, us, gemm.describe(algo))
+        # another process may have stored choices since this one read the file: keep theirs too
+        self.stored = {**read_choices(self.file), **self.stored, key_name(key): best.stored()}
+        store(self.file, json.dumps(self.stored, indent=1).encode())   # a read-only cache: chosen again next time
         return best
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool) -> torch.Tensor:

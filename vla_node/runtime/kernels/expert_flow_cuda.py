@@ -87,16 +87,17 @@ def nvrtc_compile(constants: dict, arch: str, verbose: bool = False, source: Opt
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where run-time builds and choices are kept ($VLA_NODE_KERNEL_CACHE, default ~/.cache/vla_node/kernels)."""
     return Path(os.environ.get("VLA_NODE_KERNEL_CACHE", Path.home() / ".cache" / "vla_node" / "kernels"))
 
 
 def _cache_path(what: bytes, suffix: str) -> Path:
     """Where the build of `what` (the sources, options and constants) is cached."""
-    return _cache_dir() / f"expert_flow_{hashlib.sha256(what).hexdigest()[:24]}{suffix}"
+    return cache_dir() / f"expert_flow_{hashlib.sha256(what).hexdigest()[:24]}{suffix}"
 
 
-def _store(path: Path, data: bytes) -> bool:
+def store(path: Path, data: bytes) -> bool:
     """Write `data` to the cache atomically; False where the cache is not writable."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +121,7 @@ def cubin_for(constants: dict, arch: str) -> bytes:
     except OSError:
         pass
     cubin, _ = nvrtc_compile(constants, arch)
-    _store(path, cubin)   # a read-only home: compile again next time
+    store(path, cubin)   # a read-only home: compile again next time
     return cubin
 
 
