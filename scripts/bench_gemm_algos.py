@@ -77,7 +77,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_gemm_algos needs a CUDA device")
     use_gemms_without_workspace()   # before the first GEMM: torch's as the engine runs them
-    lib = load_cublaslt()
+    lib, _ = load_cublaslt()
     handle = ctypes.c_void_p()
     ok(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
     workspace = torch.empty(max(WORKSPACES.values()), dtype=torch.uint8, device="cuda")

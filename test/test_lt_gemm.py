@@ -23,6 +23,7 @@ from vla_node.runtime.lt_gemm import (
     Heuristic,
     TunedGemms,
     TunedLinear,
+    cublaslt_paths,
     key_name,
     read_choices,
     torch_linear,
@@ -78,7 +79,7 @@ def test_a_choice_survives_the_cache_file_and_a_bad_file_is_read_as_none(tmp_pat
     assert store(path, json.dumps(entries).encode())
     stored = read_choices(path)
     back = Choice.restored("the shape's gemm", stored[key_name(keys[0])])
-    assert bytes(back.algo) == bytes(algo) and back.gemm == "the shape's gemm"
+    assert bytes(back.algo) == bytes(algo) and back.gemm == "the shape's gemm" and back.from_file
     assert (back.torch_us, back.best_us, back.config) == (10.0, 8.0, "id=5 tile=20")
     back = Choice.restored("the shape's gemm", stored[key_name(keys[1])])
     assert back.algo is None and back.gemm is None and back.best_us == 5.0
@@ -89,6 +90,17 @@ def test_a_choice_survives_the_cache_file_and_a_bad_file_is_read_as_none(tmp_pat
         path.write_text(text)
         assert read_choices(path) == {}
     assert read_choices(tmp_path / "absent.json") == {}
+
+
+def test_torchs_cublaslt_is_taken_before_one_of_another_cuda():
+    maps = ["7f00-7f10 r-xp 0 08:01 5 /opt/cuda12/lib/libcublasLt.so.12.9.1",
+            "7f10-7f20 r-xp 0 08:01 6 /venv/nvidia/cu13/lib/libcublasLt.so.13",
+            "7f20-7f30 r--p 0 08:01 6 /venv/nvidia/cu13/lib/libcublasLt.so.13",
+            "7f30-7f40 r-xp 0 08:01 7 /venv/torch/lib/libtorch_cuda.so"]
+    assert cublaslt_paths(maps, "13.0") == ["/venv/nvidia/cu13/lib/libcublasLt.so.13",
+                                            "/opt/cuda12/lib/libcublasLt.so.12.9.1"]
+    assert cublaslt_paths(maps, "12.8")[0] == "/opt/cuda12/lib/libcublasLt.so.12.9.1"
+    assert cublaslt_paths(maps[3:], "13.0") == []
 
 
 def gpu_rows(m: int, k: int, offset: int = 0) -> torch.Tensor:
@@ -157,7 +169,7 @@ def test_a_restart_runs_the_stored_choice_untimed_and_a_bad_one_is_chosen_again(
     monkeypatch.setattr(lt_gemm, "graph_us", lambda fn, **kw: timed.append(fn) or 1.0)
     restarted = TunedGemms()
     assert torch.equal(restarted(x, w, bias, False), want), "the same algorithm: the same bits"
-    assert not timed and restarted.choices[key].config == choice.config
+    assert not timed and restarted.choices[key].from_file and restarted.choices[key].config == choice.config
     stored = read_choices(first.file)
     stored[key_name(key)]["algo"] = "ff" * ctypes.sizeof(Heuristic)   # an algorithm cuBLASLt does not know
     store(first.file, json.dumps(stored).encode())

@@ -19,7 +19,7 @@ import ctypes
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -61,11 +61,20 @@ def ok(status: int, what: str) -> None:
         raise RuntimeError(f"cuBLASLt {what}: status {status}")
 
 
-def load_cublaslt() -> ctypes.CDLL:
-    """The libcublasLt torch itself loaded (the build its own GEMMs run), its calls typed."""
+def cublaslt_paths(maps: Iterable[str], cuda: Optional[str]) -> list[str]:
+    """The libcublasLt files of /proc/self/maps' lines, those of CUDA `cuda`'s major version (torch's) first:
+    a library loaded later with a CUDA of its own must not be taken for torch's."""
+    paths = sorted({line.split()[-1] for line in maps if "libcublasLt" in line})
+    torchs = f"libcublasLt.so.{(cuda or '').split('.')[0]}"
+    return sorted(paths, key=lambda path: not Path(path).name.startswith(torchs))
+
+
+def load_cublaslt() -> tuple[ctypes.CDLL, list[str]]:
+    """The libcublasLt torch itself loaded (the build its own GEMMs run), its calls typed, and every
+    libcublasLt the process has mapped (that one first)."""
     torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
     with open("/proc/self/maps") as maps:
-        paths = sorted({line.split()[-1] for line in maps if "libcublasLt" in line})
+        paths = cublaslt_paths(maps, torch.version.cuda)
     if not paths:
         raise RuntimeError("no libcublasLt in this process")
     lib = ctypes.CDLL(paths[0])
@@ -83,7 +92,7 @@ def load_cublaslt() -> ctypes.CDLL:
     lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, p(Algo), vp, sz, vp]
     lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, p(Algo), p(Heuristic)]
     lib.cublasLtGetVersion.restype = sz
-    return lib
+    return lib, paths
 
 
 def alignment(*tensors: Optional[torch.Tensor]) -> int:
@@ -186,6 +195,7 @@ class Choice:
     torch_us: float
     best_us: float
     config: str
+    from_file: bool = False   # read from the cache file, not timed in this process
 
     def stored(self) -> dict:
         """The choice as the cache file keeps it (the algorithm as cuBLASLt's opaque bytes)."""
@@ -198,7 +208,7 @@ class Choice:
         try:
             algo = None if kept["algo"] is None else Heuristic.from_buffer_copy(bytes.fromhex(kept["algo"]))
             return Choice(gemm if algo else None, algo, float(kept["torch_us"]), float(kept["chosen_us"]),
-                          str(kept["algorithm"]))
+                          str(kept["algorithm"]), from_file=True)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a stored choice: {kept!r}") from e
 
@@ -236,11 +246,12 @@ class TunedGemms:
         self.seen: set[tuple] = set()
         self.file: Optional[Path] = None
         self.stored: dict[str, dict] = {}
+        self.libraries: list[str] = []
 
     def _choose(self, key: tuple, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 gelu: bool) -> Choice:
         if self.lib is None:
-            self.lib = load_cublaslt()
+            self.lib, self.libraries = load_cublaslt()
             ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "create")
             self.file = cache_file(self.lib)
             self.stored = read_choices(self.file)
@@ -292,7 +303,7 @@ class TunedGemms:
             if keys is None or key in keys:
                 m, k, n, _, gelu, bias, align = key
                 rows.append({"m_k_n": [m, k, n], "gelu": gelu, "bias": bias, "align": align, "torch_us": c.torch_us,
-                             "chosen_us": c.best_us, "algorithm": c.config})
+                             "chosen_us": c.best_us, "algorithm": c.config, "from_file": c.from_file})
         return rows
 
 
