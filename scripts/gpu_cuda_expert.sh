@@ -65,14 +65,16 @@ for part in $PARTS; do
     bench) say "vla-bench DROID: ${BENCH_MODES:-eager,fast}"
       timeout "${BENCH_TIMEOUT:-300}" python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout droid \
         --iters 10 --dev-windows 3 --modes "${BENCH_MODES:-eager,fast}" ${BENCH_ARGS:-} --json "$OUT/bench_droid.json" 2>&1 \
-        | grep -av Warning > "$OUT/bench_droid.log"; tail -9 "$OUT/bench_droid.log" ;;
+        | grep -av Warning > "$OUT/bench_droid.log"; grep -a "tuned_gemms:" "$OUT/bench_droid.log"
+      tail -9 "$OUT/bench_droid.log" ;;
     soak) say "vla-soak engine, fast, 1000 queries"
       timeout 200 python3 -m vla_node.tools.soak engine --preset molmobot-4b --device cuda --mode fast \
         --queries 1000 --json "$OUT/soak_fast.json" 2>&1 | grep -av Warning > "$OUT/soak.log"; tail -8 "$OUT/soak.log" ;;
     bench8) say "vla-bench 8 images: ${BENCH8_MODES:-fast}"
       timeout 400 python3 -m vla_node.tools.bench --preset molmobot-4b --device cuda --layout 8img --iters 10 \
         --dev-windows 1 --modes "${BENCH8_MODES:-fast}" ${BENCH_ARGS:-} --json "$OUT/bench_8img.json" 2>&1 \
-        | grep -av Warning > "$OUT/bench_8img.log"; tail -6 "$OUT/bench_8img.log" ;;
+        | grep -av Warning > "$OUT/bench_8img.log"; grep -a "tuned_gemms:" "$OUT/bench_8img.log"
+      tail -6 "$OUT/bench_8img.log" ;;
     profile) say "one DROID fast query's kernels"
       timeout 200 python3 scripts/profile_query.py --mode fast --layout droid --out "$OUT" 2>&1 \
         | grep -av Warning > "$OUT/profile_droid.log"; grep -a "stages ms" "$OUT/profile_droid.log" | tail -1
