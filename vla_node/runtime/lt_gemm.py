@@ -207,7 +207,7 @@ class Choice:
         """`stored`'s inverse for `gemm`'s shape; ValueError where the entry is not one."""
         try:
             algo = None if kept["algo"] is None else Heuristic.from_buffer_copy(bytes.fromhex(kept["algo"]))
-            return Choice(gemm if algo else None, algo, float(kept["torch_us"]), float(kept["chosen_us"]),
+            return Choice(gemm if algo is not None else None, algo, float(kept["torch_us"]), float(kept["chosen_us"]),
                           str(kept["algorithm"]), from_file=True)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a stored choice: {kept!r}") from e
