@@ -18,7 +18,6 @@ from vla_node.model.layers import linear_gelu
 from vla_node.runtime import EngineConfig, PolicyEngine, lt_gemm
 from vla_node.runtime.kernels.expert_flow_cuda import store
 from vla_node.runtime.lt_gemm import (
-    TUNED,
     Choice,
     Heuristic,
     TunedGemms,
@@ -68,7 +67,7 @@ def test_an_unaligned_or_strided_input_runs_as_torchs_linear():
         assert torch.equal(tuned_linear(x, lin.weight, lin.bias, True), linear_gelu(x, lin))
 
 
-def test_a_choice_survives_the_cache_file_and_a_bad_file_is_read_as_none(tmp_path):
+def test_a_choice_survives_the_cache_file_and_a_bad_file_is_timed_again_and_said(tmp_path):
     algo = Heuristic()
     algo.algo.data[0], algo.algo.data[7], algo.waves = 0x1234_5678_9ABC, 42, 2.5
     chosen, kept_torch = Choice(None, algo, 10.0, 8.0, "id=5 tile=20"), Choice(None, None, 5.0, 5.0, "torch's")
@@ -76,7 +75,7 @@ def test_a_choice_survives_the_cache_file_and_a_bad_file_is_read_as_none(tmp_pat
     assert key_name(keys[0]) == "2916x1152x3456 bfloat16 gelu=0 bias=1 align=256"
     path = tmp_path / "gemms.json"
     entries = {key_name(keys[0]): chosen.stored(), key_name(keys[1]): kept_torch.stored()}
-    assert store(path, json.dumps(entries).encode())
+    assert store(path, json.dumps(entries).encode()) is None
     stored = read_choices(path)
     back = Choice.restored("the shape's gemm", stored[key_name(keys[0])])
     assert bytes(back.algo) == bytes(algo) and back.gemm == "the shape's gemm" and back.from_file
@@ -86,10 +85,15 @@ def test_a_choice_survives_the_cache_file_and_a_bad_file_is_read_as_none(tmp_pat
     for bad in ({"algo": "zz"}, {"algo": "00", "torch_us": 1, "chosen_us": 1, "algorithm": "short"}, "text"):
         with pytest.raises(ValueError):
             Choice.restored(None, bad)
+    assert read_choices(tmp_path / "absent.json") == {}
+    tuned = TunedGemms()
     for text in ("{not json", "[1, 2]"):
         path.write_text(text)
-        assert read_choices(path) == {}
-    assert read_choices(tmp_path / "absent.json") == {}
+        with pytest.raises(ValueError):
+            read_choices(path)
+        tuned.file, tuned.file_error = path, None
+        assert tuned._read() == {} and tuned.file_error.startswith("not read: ")   # timed again, and said so
+    assert isinstance(store(path / "under_a_file.json", b"{}"), OSError)
 
 
 def test_torchs_cublaslt_is_taken_before_one_of_another_cuda():
@@ -103,6 +107,15 @@ def test_torchs_cublaslt_is_taken_before_one_of_another_cuda():
     assert cublaslt_paths(maps[3:], "13.0") == []
 
 
+@pytest.fixture
+def own_choices(tmp_path, monkeypatch) -> TunedGemms:
+    """The process's TunedGemms, new and keeping its choices under tmp_path: a test times its shapes
+    itself and leaves the user's choices alone (the expert kernel's builds stay cached where they are)."""
+    monkeypatch.setattr(lt_gemm, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(lt_gemm, "TUNED", TunedGemms())
+    return lt_gemm.TUNED
+
+
 def gpu_rows(m: int, k: int, offset: int = 0) -> torch.Tensor:
     """[m, k] bf16 rows on the GPU, `offset` elements into their buffer (offset 8: 16-byte aligned only)."""
     return torch.randn(m * k + offset, device="cuda", dtype=torch.bfloat16)[offset:].view(m, k)
@@ -110,7 +123,7 @@ def gpu_rows(m: int, k: int, offset: int = 0) -> torch.Tensor:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("offset", [0, 8])
-def test_the_chosen_algorithms_agree_with_torchs_gemms_at_the_query_shapes(offset):
+def test_the_chosen_algorithms_agree_with_torchs_gemms_at_the_query_shapes(offset, own_choices):
     """molmobot-4b's ViT and LLM shapes at DROID (2916 patches, 896 tokens): every epilogue, and an
     input only 16-byte aligned (its own choice: an algorithm chosen for 256-byte buffers may not run)."""
     cfg = get_preset("molmobot-4b")
@@ -132,26 +145,27 @@ def test_the_chosen_algorithms_agree_with_torchs_gemms_at_the_query_shapes(offse
         err, err_torch = ((got - ref).norm() / ref.norm()).item(), ((plain - ref).norm() / ref.norm()).item()
         assert err < 1.5 * err_torch + 1e-4, (m, k, n, epilogue, err, err_torch)
         assert torch.equal(again.float(), got), "one algorithm a shape: the same bits every call"
-    for row in TUNED.report():   # what each shape chose (pytest -s; scripts/gpu_cuda_expert.sh PARTS=tuned)
+    for row in own_choices.report():   # what each shape chose (pytest -s; scripts/gpu_cuda_expert.sh PARTS=tuned)
         print(row)
 
 
 @pytest.mark.cuda
-def test_a_tuned_engine_matches_the_plain_one_and_chooses_only_at_warm_up():
+def test_a_tuned_engine_matches_the_plain_one_and_chooses_only_at_warm_up(own_choices):
     base = dict(device="cuda", dtype="bfloat16", preset="tiny")
     plain = PolicyEngine(EngineConfig.for_mode("fast", tuned_gemms=False, **base))
     tuned = PolicyEngine(EngineConfig.for_mode("fast", **base))
     plain.warmup()
-    TUNED.seen.clear()
+    own_choices.seen.clear()
     tuned.warmup()
-    chosen = dict(TUNED.choices)
-    assert len(TUNED.report(TUNED.seen)) == len(TUNED.seen) > 0, "every shape the engine ran has its choice"
+    chosen = dict(own_choices.choices)
+    seen = own_choices.seen
+    assert len(own_choices.report(seen)) == len(seen) > 0, "every shape the engine ran has its choice"
     inputs = same_inputs(plain, 4)
     a, b = outputs(plain, inputs), outputs(tuned, inputs)
     for x, y in zip(a, b):
         assert np.abs(x - y).max() < 2e-2, np.abs(x - y).max()
     assert all(np.array_equal(x, y) for x, y in zip(b, outputs(tuned, inputs))), "replays bit-identical"
-    assert TUNED.choices == chosen, "a shape first met after warm-up"
+    assert own_choices.choices == chosen, "a shape first met after warm-up"
     assert tuned.static.recompiles() == 0
 
 

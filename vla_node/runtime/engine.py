@@ -167,6 +167,10 @@ class PolicyEngine:
             require_finite(torch.from_numpy(chunk.normalized), self.config, "the eager pass")
         self.stats.ready_s = time.perf_counter() - t0
         self.stats.queries = 0
+        if self.config.tuned_gemms and self.device.type == "cuda":
+            from .lt_gemm import TUNED
+            if TUNED.file_error:   # the choices are still made, but timed again at every start
+                self.progress(f"tuned_gemms: {TUNED.file} {TUNED.file_error}")
         self.progress(f"ready in {self.stats.ready_s:.1f}s ({self.stats.compiled_graphs} compiled graphs, "
                       f"{self.stats.graph_captures} CUDA graphs)")
         return self.stats

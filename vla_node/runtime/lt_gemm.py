@@ -227,12 +227,14 @@ def cache_file(lib: ctypes.CDLL) -> Path:
 
 
 def read_choices(path: Path) -> dict:
-    """The choices kept in `path`: {} where there is none or it cannot be read (chosen again)."""
+    """The choices kept in `path`, {} where there is none; OSError or ValueError where it cannot be read."""
     try:
         stored = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
-    return stored if isinstance(stored, dict) else {}
+    if not isinstance(stored, dict):
+        raise ValueError("not a JSON object")
+    return stored
 
 
 class TunedGemms:
@@ -246,7 +248,16 @@ class TunedGemms:
         self.seen: set[tuple] = set()
         self.file: Optional[Path] = None
         self.stored: dict[str, dict] = {}
+        self.file_error: Optional[str] = None   # the first reason the file was not read or written
         self.libraries: list[str] = []
+
+    def _read(self) -> dict:
+        """The file's choices; {} where it cannot be read (its shapes are timed again), said in file_error."""
+        try:
+            return read_choices(self.file)
+        except (OSError, ValueError) as e:
+            self.file_error = self.file_error or f"not read: {e!r}"
+            return {}
 
     def _choose(self, key: tuple, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 gelu: bool) -> Choice:
@@ -254,7 +265,7 @@ class TunedGemms:
             self.lib, self.libraries = load_cublaslt()
             ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "create")
             self.file = cache_file(self.lib)
-            self.stored = read_choices(self.file)
+            self.stored = self._read()
         (m, k), n = x.shape, w.shape[0]
         want = torch_linear(x, w, bias, gelu)
         epilogue = "gelu_bias" if gelu else "bias" if bias is not None else "none"
@@ -280,8 +291,10 @@ class TunedGemms:
             if us < min(best.best_us, MARGIN * torch_us):
                 best = Choice(gemm, algo, torch_us, us, gemm.describe(algo))
         # another process may have stored choices since this one read the file: keep theirs too
-        self.stored = {**read_choices(self.file), **self.stored, key_name(key): best.stored()}
-        store(self.file, json.dumps(self.stored, indent=1).encode())   # a read-only cache: chosen again next time
+        self.stored = {**self._read(), **self.stored, key_name(key): best.stored()}
+        error = store(self.file, json.dumps(self.stored, indent=1).encode())   # chosen again next start
+        if error is not None:
+            self.file_error = self.file_error or f"not written: {error!r}"
         return best
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool) -> torch.Tensor:

@@ -183,12 +183,14 @@ def run_mode(spec: str, base: EngineConfig, iters: int, inputs, stream: bool,
                              if n <= engine.max_batch}   # 1 under streaming_kv, the adaptive cache
     if cuda and cfg.tuned_gemms:
         result["tuned_gemms"] = TUNED.report(TUNED.seen)
-        result["tuned_gemms_source"] = {"file": str(TUNED.file), "cublaslt": TUNED.libraries}
+        result["tuned_gemms_source"] = {"file": str(TUNED.file), "cublaslt": TUNED.libraries,
+                                        "file_error": TUNED.file_error}
         for row in result["tuned_gemms"]:
             progress(f"[{spec}] GEMM {row['m_k_n']}: torch {row['torch_us']:.1f} us, chosen {row['chosen_us']:.1f} "
                      f"({row['algorithm']}{', from the file' if row['from_file'] else ''})")
         progress(f"[{spec}] tuned_gemms: {sum(r['from_file'] for r in result['tuned_gemms'])} of "
-                 f"{len(result['tuned_gemms'])} choices read from {TUNED.file}; cuBLASLt {TUNED.libraries}")
+                 f"{len(result['tuned_gemms'])} choices read from {TUNED.file}"
+                 f"{f' (file {TUNED.file_error})' if TUNED.file_error else ''}; cuBLASLt {TUNED.libraries}")
     if cuda:
         result["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
         result["reserved_mem_gb"] = torch.cuda.memory_reserved() / 1e9

@@ -97,16 +97,16 @@ def _cache_path(what: bytes, suffix: str) -> Path:
     return cache_dir() / f"expert_flow_{hashlib.sha256(what).hexdigest()[:24]}{suffix}"
 
 
-def store(path: Path, data: bytes) -> bool:
-    """Write `data` to the cache atomically; False where the cache is not writable."""
+def store(path: Path, data: bytes) -> Optional[OSError]:
+    """Write `data` to the cache atomically; the error where it could not (None: stored)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(data)
         tmp.replace(path)
-        return True
-    except OSError:
-        return False
+        return None
+    except OSError as e:
+        return e
 
 
 def cubin_for(constants: dict, arch: str) -> bytes:
