@@ -236,6 +236,19 @@ def test_the_kernel_compiles_for_hopper(hopper_compiles, entries, tiling):
 ON_BOTH = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")]
 
 
+def test_a_compile_with_an_empty_log_leaves_the_interpreters_own_bytes_alone():
+    """NVRTC writes its log into the buffer it is given. An empty log is one NUL, and `b" " * 1` is the
+    interpreter's shared b" ": a compile once left it b"\\x00" for the rest of the process (print's
+    separators became NULs; on the GPU machine's Python 3.12, modules imported after it lost spaces from
+    their strings, so tuned_gemms' file keys no longer matched)."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
+    cubin, log = nvrtc_compile({}, "sm_90", source=b'extern "C" __global__ void k(float* x) { x[0] = 1.0f; }',
+                               name="k.cu")
+    assert cubin[:4] == b"\x7fELF" and log == ""
+    assert int.from_bytes(b" ", "little") == 0x20 and " ".encode() == bytes([0x20]), "b' ' was written into"
+
+
 def small_expert(device: str, heads: int = 2, horizon: int = 0):
     """A random bf16 expert the CUDA kernel takes (width and MLP multiples of 256), its fp32 twin
     (horizon: the tiny preset's unless given)."""

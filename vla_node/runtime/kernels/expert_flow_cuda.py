@@ -73,16 +73,19 @@ def nvrtc_compile(constants: dict, arch: str, verbose: bool = False, source: Opt
         options.append(b"--ptxas-options=-v")
     try:
         result = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        # NVRTC writes into the buffers given: each a bytearray of its own. `b" " * size` was one while the log
+        # was longer than its NUL, but at an empty log (size 1) it is the interpreter's shared b" ", which then
+        # held a NUL: print's separators became NULs, and f-strings on Python 3.12 lost their spaces.
         size = _ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * size
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
         log = log.decode(errors="replace").rstrip("\x00 \n")
         if int(result[0]) != 0:
             raise RuntimeError(f"{name} did not compile ({result[0]!r}):\n{log}")
         size = _ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         _ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin, log
+        return bytes(cubin), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
