@@ -73,9 +73,9 @@ def nvrtc_compile(constants: dict, arch: str, verbose: bool = False, source: Opt
         options.append(b"--ptxas-options=-v")
     try:
         result = nvrtc.nvrtcCompileProgram(prog, len(options), options)
-        # NVRTC writes into the buffers given: each a bytearray of its own. `b" " * size` was one while the log
-        # was longer than its NUL, but at an empty log (size 1) it is the interpreter's shared b" ", which then
-        # held a NUL: print's separators became NULs, and f-strings on Python 3.12 lost their spaces.
+        # NVRTC writes into the buffers it is given, so each is a bytearray of its own: `b" " * size` at an
+        # empty log (size 1) is the interpreter's shared b" ", which then held a NUL for the rest of the process
+        # (print's separators NULs; on Python 3.12 modules imported after it lost spaces from their strings).
         size = _ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
         log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
