@@ -77,14 +77,14 @@ def test_a_choice_survives_the_cache_file_and_a_bad_file_is_timed_again_and_said
     entries = {key_name(keys[0]): chosen.stored(), key_name(keys[1]): kept_torch.stored()}
     assert store(path, json.dumps(entries).encode()) is None
     stored = read_choices(path)
-    back = Choice.restored("the shape's gemm", stored[key_name(keys[0])])
-    assert bytes(back.algo) == bytes(algo) and back.gemm == "the shape's gemm" and back.from_file
+    back = Choice.restored(stored[key_name(keys[0])])
+    assert bytes(back.algo) == bytes(algo) and back.gemm is None and back.from_file
     assert (back.torch_us, back.best_us, back.config) == (10.0, 8.0, "id=5 tile=20")
-    back = Choice.restored("the shape's gemm", stored[key_name(keys[1])])
+    back = Choice.restored(stored[key_name(keys[1])])
     assert back.algo is None and back.gemm is None and back.best_us == 5.0
     for bad in ({"algo": "zz"}, {"algo": "00", "torch_us": 1, "chosen_us": 1, "algorithm": "short"}, "text"):
         with pytest.raises(ValueError):
-            Choice.restored(None, bad)
+            Choice.restored(bad)
     assert read_choices(tmp_path / "absent.json") == {}
     tuned = TunedGemms()
     for text in ("{not json", "[1, 2]"):
@@ -189,3 +189,9 @@ def test_a_restart_runs_the_stored_choice_untimed_and_a_bad_one_is_chosen_again(
     store(first.file, json.dumps(stored).encode())
     TunedGemms()(x, w, bias, False)
     assert timed, "a stored algorithm that does not run is chosen again"
+    stored[key_name(key)] = Choice(None, None, 5.0, 5.0, "torch's").stored()
+    store(first.file, json.dumps(stored).encode())
+    monkeypatch.setattr(lt_gemm, "LtGemm", None)   # a stored torch's choice builds no cuBLASLt GEMM
+    again = TunedGemms()
+    assert torch.equal(again(x, w, bias, False), lt_gemm.torch_linear(x, w, bias, False))
+    assert again.choices[key].from_file and again.choices[key].algo is None

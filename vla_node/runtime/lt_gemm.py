@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -203,12 +203,13 @@ class Choice:
                 "chosen_us": self.best_us, "algorithm": self.config}
 
     @staticmethod
-    def restored(gemm: LtGemm, kept: dict) -> "Choice":
-        """`stored`'s inverse for `gemm`'s shape; ValueError where the entry is not one."""
+    def restored(kept: dict) -> "Choice":
+        """`stored`'s inverse, without its LtGemm (the caller's, for an algorithm); ValueError where the entry
+        is not one."""
         try:
             algo = None if kept["algo"] is None else Heuristic.from_buffer_copy(bytes.fromhex(kept["algo"]))
-            return Choice(gemm if algo is not None else None, algo, float(kept["torch_us"]), float(kept["chosen_us"]),
-                          str(kept["algorithm"]), from_file=True)
+            return Choice(None, algo, float(kept["torch_us"]), float(kept["chosen_us"]), str(kept["algorithm"]),
+                          from_file=True)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a stored choice: {kept!r}") from e
 
@@ -266,6 +267,12 @@ class TunedGemms:
             ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "create")
             self.file = cache_file(self.lib)
             self.stored = self._read()
+        try:   # a choice made before on this GPU model and cuBLASLt build
+            kept: Optional[Choice] = Choice.restored(self.stored[key_name(key)])
+        except (KeyError, ValueError):
+            kept = None
+        if kept is not None and kept.algo is None:
+            return kept   # torch's: nothing of cuBLASLt's to build or check
         (m, k), n = x.shape, w.shape[0]
         want = torch_linear(x, w, bias, gelu)
         epilogue = "gelu_bias" if gelu else "bias" if bias is not None else "none"
@@ -276,12 +283,8 @@ class TunedGemms:
             gemm(algo, x, w, bias, out)
             return bool(((out.float() - want.float()).norm() <= AGREEMENT * want.float().norm()).item())
 
-        try:   # a choice made before on this GPU model and cuBLASLt build, where it still runs and agrees
-            kept = Choice.restored(gemm, self.stored[key_name(key)])
-            if kept.algo is None or (gemm.accepts(kept.algo, bias) and agrees(kept.algo)):
-                return kept
-        except (KeyError, ValueError):
-            pass
+        if kept is not None and gemm.accepts(kept.algo, bias) and agrees(kept.algo):   # it still runs and agrees
+            return replace(kept, gemm=gemm)
         torch_us = graph_us(lambda: torch_linear(x, w, bias, gelu))
         best = Choice(None, None, torch_us, torch_us, "torch's")
         for algo in gemm.algos(CANDIDATES, key[-1], bias):
