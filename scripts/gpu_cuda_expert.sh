@@ -6,8 +6,9 @@
 #             and the anatomy of $ANATOMY's tilings at B = $ANAT_ENTRIES (1), within $VTIMEOUT s (360)
 #   tests     the CUDA tests of the kernel (pytest -m cuda test/test_fused_expert_cuda.py) within $TTIMEOUT s (180)
 #   fastpath  the kernels' tests (test_kernels, natively), then the engine's other CUDA tests (test_fast_path,
-#             test_options, test_engine_batch, test_instruction_tiers; ~5 min: each case compiles its engines)
-#             within $FTIMEOUT s (450)
+#             test_options, test_engine_batch, test_instruction_tiers; each case compiles its engines: ~5 min
+#             warm, ~8 on a fresh machine: a call of its own there) within $FTIMEOUT s (500); the log names
+#             each case as it passes, so a timeout still shows how far it came
 #   check     the default kernel at B = 1, 2, 4, 8 against the fp32 expert (action caching,
 #             inpainting, 50 replays), two context lengths replayed A-B-A, the anatomy at B = 1, 4
 #   probe     clusters of the kernel the GPU holds at once (scripts/probe_clusters.py)
@@ -48,7 +49,7 @@ for part in $PARTS; do
     fastpath) say "the engine's CUDA tests and the kernels'"
       timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -W ignore test/test_kernels.py 2>&1 \
         | tee "$OUT/kernels.log" | grep -a "passed\|failed\|^FAILED\|^E " | tail -6
-      timeout "${FTIMEOUT:-450}" python3 -m pytest -q -rs -p no:cacheprovider -W ignore -p no:logging -m cuda \
+      timeout "${FTIMEOUT:-500}" python3 -m pytest -v -rs -p no:cacheprovider -W ignore -p no:logging -m cuda \
         test/test_fast_path.py test/test_options.py test/test_engine_batch.py test/test_instruction_tiers.py 2>&1 \
         | tee "$OUT/fastpath.log" | grep -a "passed\|failed\|^FAILED\|^E " | tail -12 ;;
     check) say "CUDA kernel B=1,2,4,8, A-B-A, anatomy B=1,4"
