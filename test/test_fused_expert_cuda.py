@@ -218,8 +218,7 @@ def hopper_compiles(request):
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
                                              (4, CudaTiling(l2_prefetch=3)),
                                              (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False)),
-                                             (1, CudaTiling(v_late=True)), (4, CudaTiling(v_late=False)),
-                                             (4, CudaTiling(stats_share=True))])
+                                             (1, CudaTiling(v_late=True)), (4, CudaTiling(v_late=False))])
 def test_the_kernel_compiles_for_hopper(hopper_compiles, entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     constants = kernel_constants(entries, tiling)
@@ -391,10 +390,8 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     at an unpadded stride (also with the cross-attention merged through global memory by its last
     program), the weights loaded after each wait with the key tiles alone pulled into L2 and the
     barriers polled by warp 0, the key tiles pulled into L2 from qkv's arrival, every GEMV
-    phase's tiles on half the programs (some idle), the first key tile's V loaded before the
-    cross-attention's wait (v_late off; the default at B = 2) and after it without clusters, and the
-    LayerNorm statistics made a share a program of a cluster (also with fc1 on half the programs,
-    whose idle ones make their share). Without
+    phase's tiles on half the programs (some idle), and the first key tile's V loaded before the
+    cross-attention's wait (v_late off; the default at B = 2) and after it without clusters. Without
     clusters fc2's K is not split (at B = 2 the default splits it over 2 programs of a cluster, another
     order of its sums), so those run against the default at fc2_split=1."""
     cfg, e, truth = small_expert("cpu")
@@ -403,8 +400,7 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
                  CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
                  CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True), CudaTiling(cross_pad=False),
                  CudaTiling(late_weights=True, l2_prefetch=2, poll_warp=0), CudaTiling(l2_prefetch=3),
-                 CudaTiling(qkv_tpc=32, so_tpc=16, co_tpc=8, fc1_tpc=16, fc2_tpc=16), CudaTiling(v_late=False),
-                 CudaTiling(stats_share=True), CudaTiling(stats_share=True, fc1_tpc=16))
+                 CudaTiling(qkv_tpc=32, so_tpc=16, co_tpc=8, fc1_tpc=16, fc2_tpc=16), CudaTiling(v_late=False))
     unclustered = (CudaTiling(cluster=1, cross_pad=False), CudaTiling(v_late=True, cluster=1, cross_pad=False))
     with torch.inference_mode():
         def out(tiling):

@@ -180,11 +180,6 @@ class CudaTiling:
     # ms at B = 1, 11.47 -> 11.21 at B = 2, 15.65 -> 15.34 at B = 4, 21.41 -> 21.23 at B = 8, the
     # same spills (BENCHMARKS.md, twenty-first session)
     cross_pad: bool = True
-    # the LayerNorm phases' (qkv, fc1) row statistics made MP / cluster rows a program of a
-    # cross-attention cluster and read from the others' shared memory: at B = 4 every program read
-    # all 48 KB of the rows' tile statistics from L2 before its first dot. Where the cross-attention
-    # runs in clusters; the same numbers bit for bit
-    stats_share: bool = False
 
     def __post_init__(self):
         if self.fc2_split not in (None, 1, 2, 4, 8):
@@ -414,8 +409,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      LATE_W=int(t.late_weights), KV_AHEAD=int(t.kv_ahead),
                      V_LATE=int((entries >= 2 if t.v_late is None else t.v_late) and not kv_smem),
                      A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
-                     SELF_CLUSTER=int(t.self_cluster), STATS_SHARE=int(t.stats_share and cluster > 1), W_OFF=gen,
-                     W_BUF=w_buf, SO_STRIDE=so_stride,
+                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
                      W_FP8=int(fp8), FP8_HOLD=int(fp8 and t.fp8_hold))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 

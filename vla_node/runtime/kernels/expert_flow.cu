@@ -41,7 +41,6 @@
 // the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC) and the others' (SO_TPC CO_TPC,
 // FC2_TPC a group of FC2_SPLIT programs'), FOLD_CQ (the cross-attention's queries folded into qkv
 // and self_out: no cross_q phase; see Part2),
-// STATS_SHARE (the LayerNorm phases' row statistics made a share a program of a cluster: layer_norm_stats),
 // KV_SMEM (the cross-attention's key tiles copied into shared memory at KV_OFF floats, ahead of
 // their use), FUSE_SELF and X_FRAGS (the LayerNorm phases read the residual stream's bf16 copy
 // in A-fragment order, xf),
@@ -488,28 +487,6 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
             mean[rr] = mu;
             rstd[rr] = rsqrtf(m2 / WIDTH + p.eps);
         }
-    }
-}
-
-// Every row's LayerNorm mean and 1/std (a LayerNorm phase's). STATS_SHARE: each program of a cluster
-// makes MP / CLUSTER rows' and reads the others' from their programs' shared memory, so a program
-// reads 1 / CLUSTER of the statistics from L2 (at B = 4 every program read all 48 KB); the same
-// arithmetic a row. Every program of the cluster calls it; the next writes to mean and rstd come a
-// grid barrier later, when every peer has read them.
-__device__ void layer_norm_stats(const Params& p, float* mean, float* rstd) {
-    if constexpr (!STATS_SHARE) {
-        row_stats(p, mean, rstd);
-    } else {
-        constexpr int SHARE = MP / CLUSTER;
-        static_assert(MP % CLUSTER == 0, "STATS_SHARE: whole rows a program");
-        const int rank = blockIdx.x % CLUSTER;
-        row_stats(p, mean + rank * SHARE, rstd + rank * SHARE, rank * SHARE, SHARE);
-        cluster_sync();
-        for (int r = threadIdx.x; r < MP; r += NTHREADS)
-            if (r / SHARE != rank) {
-                mean[r] = ld_peer(mean + r, r / SHARE);
-                rstd[r] = ld_peer(rstd + r, r / SHARE);
-            }
     }
 }
 
@@ -1115,21 +1092,19 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         cluster_sync();
         trace_mark(p, s, 3);
         if (active) gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
-    } else if (WORK && (active || (STATS_SHARE && SRC == FROM_X_LN))) {   // STATS_SHARE: every program's share
+    } else if (WORK && active) {
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
-            if (active) gemv.load_x(p, 0, raw);
-            layer_norm_stats(p, mean, rstd);
+            gemv.load_x(p, 0, raw);
+            row_stats(p, mean, rstd);
             __syncthreads();
         }
-        if (active) {
-            trace_mark(p, s, 2);
-            gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
-            cp_async_wait();   // pre: an item's inputs came through its threads' copies
-            __syncthreads();
-            trace_mark(p, s, 3);
-            gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
-        }
+        trace_mark(p, s, 2);
+        gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
+        cp_async_wait();   // pre: an item's inputs came through its threads' copies
+        __syncthreads();
+        trace_mark(p, s, 3);
+        gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
     }
     cp_async_wait();
     s.w_phase++;
