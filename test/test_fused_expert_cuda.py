@@ -137,10 +137,12 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
         assert (smem.tiles_per_cta, dict(smem.constants)["KV_SMEM"]) == (tiles, fits) and smem.smem <= 227 * 1024
     p8 = plan_of(MOLMOBOT_4B, entries=8, tokens=16, n_keys=892, programs=H200_SMS)
     assert p8.cpp * 8 * MOLMOBOT_4B.heads <= H200_SMS and p8.smem <= 227 * 1024
-    # weight buffers: two of 48 KB at one observation; at eight the phases' scratch leaves no room
-    w1, w8 = (plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, CudaTiling(weights_smem=True)) for e in (1, 8))
-    assert (dict(w1.constants)["W_SMEM"], dict(w8.constants)["W_SMEM"]) == (1, 0)
-    assert w1.smem <= 227 * 1024 and w8.smem <= 227 * 1024
+    # weight buffers: two of 48 KB at one observation; at eight the phases' scratch (fc1's partial sums
+    # of 4 tiles a program) leaves no room; with fc1's 3 tiles a program (its default there) they fit
+    w1, w8, w8_fc1_3 = (plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, CudaTiling(weights_smem=True, fc1_tpc=tpc))
+                        for e, tpc in ((1, 4), (8, 4), (8, 3)))
+    assert [dict(w.constants)["W_SMEM"] for w in (w1, w8, w8_fc1_3)] == [1, 0, 1]
+    assert max(w.smem for w in (w1, w8, w8_fc1_3)) <= 227 * 1024
     # the default: the buffers at one observation (fc2's K unsplit), none at two (fc2 split)
     d1, d2 = (dict(plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, held=h200).constants) for e in (1, 2))
     assert (d1["W_SMEM"], d1["FC2_SPLIT"], d2["W_SMEM"], d2["FC2_SPLIT"]) == (1, 1, 0, 2)
@@ -149,6 +151,11 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     assert (d1["CO_TPC"], d2["CO_TPC"], d4["CO_TPC"]) == (2, 2, 1)
     # the first key tile's V after the cross-attention's wait from two observations on
     assert (d1["V_LATE"], d2["V_LATE"], d4["V_LATE"]) == (0, 1, 1)
+    # fc1: 4 tiles a program (96 programs) up to three observations, as few as cover it (3) from four;
+    # A fragments loaded 3 k-steps at a time at four observations, 6 elsewhere
+    d3, d8 = (dict(plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, held=h200).constants) for e in (3, 8))
+    assert [d["FC1_TPC"] for d in (d1, d3, d4, d8)] == [4, 4, 3, 3]
+    assert [d["A_CHUNK"] for d in (d1, d3, d4, d8)] == [6, 6, 3, 6]
     with pytest.raises(ValueError, match="at most 128 padded rows"):
         plan_of(MOLMOBOT_4B, entries=9, tokens=16, n_keys=892, programs=H200_SMS)
 

@@ -70,11 +70,14 @@ class CudaTiling:
     # loop 9.87 -> 9.40 ms at B = 1, 13.28 -> 12.91 at B = 2, unchanged at B = 4, 8
     epi_split: int = 4
     # output tiles of 8 columns a program takes in the LayerNorm linears (at least as many as
-    # cover them): more a program, fewer programs read the residual stream. fc1 4: on the H200
-    # (132 SMs) 96 programs instead of 128, the loop 0.4-0.7 ms faster at B = 1 (BENCHMARKS.md)
+    # cover them): more a program, fewer programs read the residual stream. fc1_tpc None: 4 at
+    # B <= 3 (on the H200 (132 SMs) 96 programs instead of 128, the loop 0.4-0.7 ms faster at B = 1,
+    # ninth session; on the H100 the same as 3 at B = 1 to 3) and 0 from B = 4, where on the H100 the
+    # 128 programs of 3 tiles were 1.9-3.5 % faster in two runs or more at B = 4, 6, 8 (B = 4 15.21-15.32
+    # against 15.55-15.66 ms: fc1's release 2.25 -> 1.50 us; BENCHMARKS.md, forty-first session)
     qkv_tpc: int = 0
     cq_tpc: int = 0
-    fc1_tpc: int = 4
+    fc1_tpc: Optional[int] = None
     # the same for the phases that read a produced buffer (self_out and cross_out the attention
     # output, fc2 the MLP hidden, a group of fc2_split programs sharing its tiles): every program
     # reads all of its rows, so more tiles a program, fewer programs read them
@@ -162,10 +165,13 @@ class CudaTiling:
     # k-steps of A fragments a warp loads at once in a GEMV phase (fc2's 24 k-steps a warp are 4
     # chunks of 6; the largest divisor of a warp's k-steps up to it): 12 and 24 no faster on the
     # H200 (fc2's dots at B = 4 are bound by every program reading all of the MLP hidden, not by
-    # round trips). x_ahead: the LayerNorm phases' next row tile of residual values loaded before
-    # this one's dots: on the H200 the loop 12.91 -> 12.78 ms at B = 2, 18.48 -> 18.37 at B = 4,
-    # 26.99 -> 26.35 at B = 8 (BENCHMARKS.md, tenth session); B = 1 has one row tile
-    a_chunk: int = 6
+    # round trips). None: 3 at B = 4, where on the H100 the loop was 0.8-1.5 % faster in five runs
+    # (15.00-15.15 against 15.21-15.32 ms), and 6 elsewhere (B = 3 the same, B = 6 and 8 0.3-0.5 %
+    # slower at 3; BENCHMARKS.md, forty-first session): ptxas lays the whole loop out anew.
+    # x_ahead: the LayerNorm phases' next row tile of residual values loaded before this one's dots:
+    # on the H200 the loop 12.91 -> 12.78 ms at B = 2, 18.48 -> 18.37 at B = 4, 26.99 -> 26.35 at
+    # B = 8 (BENCHMARKS.md, tenth session); B = 1 has one row tile
+    a_chunk: Optional[int] = None
     x_ahead: bool = True
     # fc2's K split over this many programs of a cross-attention cluster (1, 2, 4 or 8; at most the
     # cluster, and a warp's part of K whole 16-byte loads): each program reads 1 / fc2_split of the
@@ -188,7 +194,7 @@ class CudaTiling:
             raise ValueError("fc2_split and weights_smem: a program's split weights are not one range to copy")
         if self.self_cluster and self.fuse_self:
             raise ValueError("self_cluster and fuse_self: two ways of one fusion, take one")
-        if self.a_chunk < 1:
+        if self.a_chunk is not None and self.a_chunk < 1:
             raise ValueError(f"a_chunk: k-steps of A fragments loaded at once (at least 1), got {self.a_chunk}")
         if self.l2_prefetch not in (None, 0, 1, 2, 3):
             raise ValueError(f"l2_prefetch: 0, 1 (weights and key tiles), 2 (key tiles) or 3 (key tiles after qkv), "
@@ -359,7 +365,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     w, fold = dims.width, int(t.fold_cross_q)
     so_stride = dims.head_dim + ((8 - dims.head_dim % 32) % 32 if t.cross_pad else 0)   # cross_pad
     qkv, so = tpc((3 + fold) * w, t.qkv_tpc, fold * 3 * w), tpc((1 + fold) * w, t.so_tpc, fold * w)
-    cq, fc1 = tpc(w, t.cq_tpc), tpc(dims.mlp, t.fc1_tpc)
+    cq, fc1 = tpc(w, t.cq_tpc), tpc(dims.mlp, (4 if entries <= 3 else 0) if t.fc1_tpc is None else t.fc1_tpc)
     co = tpc(w, (2 if entries <= 2 else 0) if t.co_tpc is None else t.co_tpc)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
     fc2 = tiles_a_program(w, t.fc2_tpc, programs=programs // split)   # a group of `split` programs shares fc2's tiles
@@ -408,7 +414,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=l2_prefetch_of(t, entries),
                      LATE_W=int(t.late_weights), KV_AHEAD=int(t.kv_ahead),
                      V_LATE=int((entries >= 2 if t.v_late is None else t.v_late) and not kv_smem),
-                     A_CHUNK=t.a_chunk, X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
+                     A_CHUNK=(3 if entries == 4 else 6) if t.a_chunk is None else t.a_chunk,
+                     X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
                      W_FP8=int(fp8), FP8_HOLD=int(fp8 and t.fp8_hold))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
