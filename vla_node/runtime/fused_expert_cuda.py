@@ -154,11 +154,8 @@ class CudaTiling:
     # the cross-attention's warps load the next key tile's mask bits and pull its K/V into L2 while
     # the current tile computes (where a warp takes several tiles: B >= 2 at molmobot-4b's DROID
     # context). On the H100 the loop 11.85 -> 12.06 ms at B = 2, 15.94 -> 15.96 at B = 4, 22.27 ->
-    # 21.95 at B = 8: a B = 4 warp's tiles still ~2 us each (BENCHMARKS.md, twenty-fourth session).
-    # None: on at B = 1, where a warp takes one tile and only the build differs: on the H100 the loop
-    # 8.36-8.39 ms against 8.41-8.45 in three runs each (-0.7 %; B = 2 0.6-1.0 % slower; forty-first
-    # session)
-    kv_ahead: Optional[bool] = None
+    # 21.95 at B = 8: a B = 4 warp's tiles still ~2 us each (BENCHMARKS.md, twenty-fourth session)
+    kv_ahead: bool = False
     # the cross-attention's first key tile of a warp: its K loaded before the phase's wait, its V
     # after the queries are made, in flight while the tile's Q K^T and softmax run (without kv_smem).
     # None: where entries >= 2, where on the H100 the loop was 0.4 / 1.0 / 1.6 % faster at B = 2 / 4 / 8
@@ -415,7 +412,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=l2_prefetch_of(t, entries),
-                     LATE_W=int(t.late_weights), KV_AHEAD=int(entries == 1 if t.kv_ahead is None else t.kv_ahead),
+                     LATE_W=int(t.late_weights), KV_AHEAD=int(t.kv_ahead),
                      V_LATE=int((entries >= 2 if t.v_late is None else t.v_late) and not kv_smem),
                      A_CHUNK=(3 if entries == 4 else 6) if t.a_chunk is None else t.a_chunk,
                      X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
