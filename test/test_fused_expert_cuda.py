@@ -225,7 +225,8 @@ def hopper_compiles(request):
                                              (4, CudaTiling(weights_smem=True)), (4, CudaTiling(l2_prefetch=True)),
                                              (4, CudaTiling(l2_prefetch=3)),
                                              (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False)),
-                                             (1, CudaTiling(v_late=True)), (4, CudaTiling(v_late=False))])
+                                             (1, CudaTiling(v_late=True)), (4, CudaTiling(v_late=False)),
+                                             (4, CudaTiling(cluster=2, cross_groups=2))])
 def test_the_kernel_compiles_for_hopper(hopper_compiles, entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     constants = kernel_constants(entries, tiling)
@@ -437,6 +438,36 @@ def test_fc2_split_keeps_the_loop_near_the_unsplit_on_the_cpu_build(entries):
     assert float((got - default).norm()) < 0.5 * float((eager - want).norm())
     assert float((got - want).norm()) < 1.1 * float((default - want).norm())
     assert_near_truth(got, want, eager)
+
+
+@pytest.mark.parametrize("kv_smem", [False, True], ids=["", "kv_smem"])
+def test_cross_groups_merge_a_pairs_clusters_on_the_cpu_build(kv_smem):
+    """cross_groups: an (entry, head)'s 4 programs as 2 clusters of 2 (the CPU build's 8 programs, 2
+    heads, 13 key tiles: 4, 4, 4 and 1 a program), each cluster's partials merged in distributed
+    shared memory, the two clusters' by the pair's last program through global memory. The same
+    programs' partials as one cluster of 4, merged in another order: near it, and near the truth."""
+    cfg, e, truth = small_expert("cpu")
+    run = flow_case(cfg, e, truth, entries=1, steps=3, device="cpu", context=200)
+    grouped = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(cluster=2, cross_groups=2, kv_smem=kv_smem))
+    plan = plan_of(grouped, 1, 16, 201, 8, grouped.cuda.tiling, smem_limit=HOST_SMEM_LIMIT)
+    assert (dict(plan.constants)["CLUSTER"], plan.cpp, plan.tiles_per_cta) == (2, 4, 4)
+    got, want, eager = run(grouped)
+    one, _, _ = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(cluster=4, kv_smem=kv_smem)))
+    assert float((got - one).norm()) < 0.5 * float((eager - want).norm())
+    assert_near_truth(got, want, eager)
+
+
+def test_cross_groups_need_clusters_and_room():
+    def plan(entries, tiling):   # the H200 holds 120 programs in clusters of 4 or 8 (probe_clusters.py)
+        return plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, tiling, held={2: 132, 4: 120, 8: 120}.__getitem__)
+    p = plan(4, CudaTiling(cross_groups=2))   # 32 pairs x 2 clusters of 2: 128 programs of 14 key tiles
+    assert (dict(p.constants)["CLUSTER"], p.cpp, p.tiles_per_cta) == (2, 4, 14)
+    with pytest.raises(ValueError, match="cross_groups 2: 8 programs an"):
+        plan(2, CudaTiling(cross_groups=2))   # 16 pairs x 2 clusters of 4 > 120
+    with pytest.raises(ValueError, match="runs without clusters"):
+        plan(1, CudaTiling(cluster=1, cross_groups=2))
+    with pytest.raises(ValueError, match="cross_groups"):
+        CudaTiling(cross_groups=0)
 
 
 def test_fc2_split_is_at_most_the_cluster_and_whole_loads():

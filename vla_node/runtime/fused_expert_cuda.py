@@ -94,6 +94,12 @@ class CudaTiling:
     # (entry, head) (on the H200 the loop 10.8 -> 9.9 ms at B = 1, 36.5 -> 33.1 at B = 8:
     # BENCHMARKS.md, ninth session); 1: no clusters
     cluster: int = 0
+    # an (entry, head)'s programs as this many clusters (with clusters): each cluster merges its
+    # programs' partials in distributed shared memory, the pair's last program the clusters' through
+    # global memory. Clusters of 4 and 8 hold 120 programs on an H100 or H200, so at B = 4 a pair
+    # gets one cluster of 2 (64 of 132 programs at work, 28 key tiles each, up to 4 a warp one after
+    # the other; at B = 1 and 2 also 64): 2 groups give B = 4 128 programs of 14 tiles. Untimed
+    cross_groups: int = 1
     # self_out computes its own warp's head of the self-attention (no self phase, one barrier less;
     # heads = 8 and head_dim = width / 8 only): every self_out program reads all of q, k, v
     fuse_self: bool = False
@@ -188,6 +194,8 @@ class CudaTiling:
     cross_pad: bool = True
 
     def __post_init__(self):
+        if self.cross_groups < 1:
+            raise ValueError(f"cross_groups: clusters an (entry, head) (at least 1), got {self.cross_groups}")
         if self.fc2_split not in (None, 1, 2, 4, 8):
             raise ValueError(f"fc2_split: 1, 2, 4 or 8 programs share fc2's K, got {self.fc2_split}")
         if (self.fc2_split or 1) > 1 and self.weights_smem:
@@ -339,7 +347,12 @@ def cross_split(t: CudaTiling, key_tiles: int, tile_bytes: int, most: int, clust
     if not t.kv_smem and t.cross_programs > most:
         raise ValueError(f"cross_programs {t.cross_programs}: the GPU's programs hold {most} for each (entry, head)")
     if cluster > 1:
-        return t.kv_smem and fits(cluster, kv_bytes(cluster)), cluster
+        cpp = cluster * t.cross_groups
+        if cpp > most:
+            raise ValueError(f"cross_groups {t.cross_groups}: {cpp} programs an (entry, head), the GPU's hold {most}")
+        return t.kv_smem and fits(cpp, kv_bytes(cpp)), cpp
+    if t.cross_groups > 1:
+        raise ValueError("cross_groups: groups of the cross-attention's clusters, and it runs without clusters")
     for c in range(max(1, math.ceil(key_tiles / 32)), most + 1) if t.kv_smem else ():
         if (not t.cross_programs or c == t.cross_programs) and fits(c, kv_bytes(c)):
             return True, c
@@ -416,7 +429,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      V_LATE=int((entries >= 2 if t.v_late is None else t.v_late) and not kv_smem),
                      A_CHUNK=(3 if entries == 4 else 6) if t.a_chunk is None else t.a_chunk,
                      X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
-                     SELF_CLUSTER=int(t.self_cluster), W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
+                     SELF_CLUSTER=int(t.self_cluster), CROSS_GROUPS=cpp // cluster if cluster > 1 else 1,
+                     W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
                      W_FP8=int(fp8), FP8_HOLD=int(fp8 and t.fp8_hold))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)
 

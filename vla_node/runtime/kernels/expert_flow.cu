@@ -41,6 +41,7 @@
 // the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC) and the others' (SO_TPC CO_TPC,
 // FC2_TPC a group of FC2_SPLIT programs'), FOLD_CQ (the cross-attention's queries folded into qkv
 // and self_out: no cross_q phase; see Part2),
+// CROSS_GROUPS (with CLUSTER: an (entry, head)'s programs as that many clusters, merged by its last program),
 // KV_SMEM (the cross-attention's key tiles copied into shared memory at KV_OFF floats, ahead of
 // their use), FUSE_SELF and X_FRAGS (the LayerNorm phases read the residual stream's bf16 copy
 // in A-fragment order, xf),
@@ -1247,6 +1248,38 @@ __device__ __forceinline__ void folded_queries(const float* stage, int qm, const
 // Cross-attention of block j over the context K/V: (entry, head) pairs, p.cpp programs each,
 // p.tiles_per_cta key tiles a program, warp w its tiles w, w + 8, ... fc: the step and block's
 // fold constants (FOLD_CQ).
+// The pair's last program to arrive merges its n partials in global memory (each program's, or
+// with cross groups each cluster's: opart [n][TOK16][HDIM], mlpart [n][TOK16][max, sum]) into y, in
+// order; every program of the pair arrives once. scratch: shared memory for n partials; flag: an int.
+__device__ void merge_by_the_last(const Params& p, float* scratch, int* flag, int pair, int n, int b, int h) {
+    __syncthreads();
+    if (threadIdx.x == 0)   // releases this program's partial, acquires the others'
+        *flag = atom_acq_rel_add(p.counter + pair, 1u) == (u32)(p.cpp - 1);
+    __syncthreads();
+    if (!*flag) return;
+    // All of them copied in at once (one round trip).
+    float* gpart = scratch;                             // [n][TOK16][HDIM]
+    float* gm = scratch + n * TOK16 * HDIM;             // [n][TOK16] max, then weight
+    float* gl = gm + n * TOK16;                         // [n][TOK16] sum
+    const float* src = p.opart + (size_t)pair * n * TOK16 * HDIM;
+    for (int k = threadIdx.x; k < n * TOK16 * HDIM / 4; k += NTHREADS) cp_async16(gpart + 4 * k, src + 4 * k);
+    const float* src_ml = p.mlpart + (size_t)pair * n * TOK16 * 2;
+    for (int k = threadIdx.x; k < n * TOK16; k += NTHREADS) {
+        gm[k] = ld_cg_f(src_ml + 2 * k);
+        gl[k] = ld_cg_f(src_ml + 2 * k + 1);
+    }
+    cp_async_wait();
+    __syncthreads();
+    merge_weights(gm, gl, n);
+    for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
+        const int row = e / HDIM, d = e % HDIM;
+        float acc = 0.0f;
+        for (int c = 0; c < n; ++c) acc += gm[c * TOK16 + row] * gpart[(c * TOK16 + row) * HDIM + d];
+        p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / gl[row]);
+    }
+    if (threadIdx.x == 0) p.counter[pair] = 0;
+}
+
 __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const float* fc) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int pair = blockIdx.x / p.cpp, part = blockIdx.x % p.cpp;
@@ -1370,14 +1403,16 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
         }
         if (CROSS_MARKS != 2) trace_mark(p, s, 3);
         if (CLUSTER > 1 && !CROSS_CUT) {
-            // The pair's programs are a cluster: after its barrier each merges its share of the
-            // outputs from every program's partial in distributed shared memory (programs in order;
-            // merge_weights' arithmetic a row at a time, so a peer's maxima, sums and outputs are
-            // loaded together).
+            // A cluster's programs (the pair's, or with groups one of its clusters): after its barrier
+            // each merges its share of the outputs from every program's partial in distributed shared
+            // memory (programs in order; merge_weights' arithmetic a row at a time, so a peer's maxima,
+            // sums and outputs are loaded together). With groups the cluster's merged partial goes to
+            // global memory, for the pair's last program to merge with its other clusters'.
             cluster_sync();
             const float* cpart = smem + C_OFF;
+            const int rank = part % CLUSTER;
             constexpr int SHARE = (TOK16 * HDIM + CLUSTER - 1) / CLUSTER;
-            for (int e = part * SHARE + threadIdx.x; e < min((part + 1) * SHARE, TOK16 * HDIM); e += NTHREADS) {
+            for (int e = rank * SHARE + threadIdx.x; e < min((rank + 1) * SHARE, TOK16 * HDIM); e += NTHREADS) {
                 const int row = e / HDIM, d = e % HDIM;
                 float m[CLUSTER], o[CLUSTER], l[CLUSTER], mx = NEG;
 #pragma unroll
@@ -1393,36 +1428,20 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
                     sum += f * l[c];
                     acc += f * o[c];
                 }
-                p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sum);
+                if (CROSS_GROUPS == 1) {
+                    p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sum);
+                } else {
+                    const int at = (pair * CROSS_GROUPS + part / CLUSTER) * TOK16 + row;
+                    p.opart[at * HDIM + d] = acc;
+                    if (d == 0) {
+                        p.mlpart[at * 2] = mx;
+                        p.mlpart[at * 2 + 1] = sum;
+                    }
+                }
             }
+            if (CROSS_GROUPS > 1) merge_by_the_last(p, so, flag, pair, CROSS_GROUPS, b, h);
         } else if (p.cpp > 1 && !CROSS_CUT) {
-            __syncthreads();
-            if (threadIdx.x == 0)   // releases this program's partial, acquires the others'
-                *flag = atom_acq_rel_add(p.counter + pair, 1u) == (u32)(p.cpp - 1);
-            __syncthreads();
-            if (*flag) {   // the last program of the pair: every program's partial, in order
-                // All of them copied in at once (one round trip; smem is free after the merge above).
-                float* gpart = so;                                  // [cpp][TOK16][HDIM]
-                float* gm = so + p.cpp * TOK16 * HDIM;              // [cpp][TOK16] max, then weight
-                float* gl = gm + p.cpp * TOK16;                     // [cpp][TOK16] sum
-                const float* src = p.opart + (size_t)pair * p.cpp * TOK16 * HDIM;
-                for (int k = threadIdx.x; k < p.cpp * TOK16 * HDIM / 4; k += NTHREADS) cp_async16(gpart + 4 * k, src + 4 * k);
-                const float* src_ml = p.mlpart + (size_t)pair * p.cpp * TOK16 * 2;
-                for (int k = threadIdx.x; k < p.cpp * TOK16; k += NTHREADS) {
-                    gm[k] = ld_cg_f(src_ml + 2 * k);
-                    gl[k] = ld_cg_f(src_ml + 2 * k + 1);
-                }
-                cp_async_wait();
-                __syncthreads();
-                merge_weights(gm, gl, p.cpp);
-                for (int e = threadIdx.x; e < TOK16 * HDIM; e += NTHREADS) {
-                    const int row = e / HDIM, d = e % HDIM;
-                    float acc = 0.0f;
-                    for (int c = 0; c < p.cpp; ++c) acc += gm[c * TOK16 + row] * gpart[(c * TOK16 + row) * HDIM + d];
-                    p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / gl[row]);
-                }
-                if (threadIdx.x == 0) p.counter[pair] = 0;
-            }
+            merge_by_the_last(p, so, flag, pair, p.cpp, b, h);
         }
     }
     grid_arrive(p, s);
