@@ -1245,9 +1245,6 @@ __device__ __forceinline__ void folded_queries(const float* stage, int qm, const
     }
 }
 
-// Cross-attention of block j over the context K/V: (entry, head) pairs, p.cpp programs each,
-// p.tiles_per_cta key tiles a program, warp w its tiles w, w + 8, ... fc: the step and block's
-// fold constants (FOLD_CQ).
 // The pair's last program to arrive merges its n partials in global memory (each program's, or
 // with cross groups each cluster's: opart [n][TOK16][HDIM], mlpart [n][TOK16][max, sum]) into y, in
 // order; every program of the pair arrives once. scratch: shared memory for n partials; flag: an int.
@@ -1280,6 +1277,9 @@ __device__ void merge_by_the_last(const Params& p, float* scratch, int* flag, in
     if (threadIdx.x == 0) p.counter[pair] = 0;
 }
 
+// Cross-attention of block j over the context K/V: (entry, head) pairs, p.cpp programs each,
+// p.tiles_per_cta key tiles a program, warp w its tiles w, w + 8, ... fc: the step and block's
+// fold constants (FOLD_CQ).
 __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const float* fc) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int pair = blockIdx.x / p.cpp, part = blockIdx.x % p.cpp;
