@@ -74,13 +74,16 @@ def tilings(spec: str) -> list[tuple[str, CudaTiling, bool]]:
 
 def time_variants(args, cfg, expert, truth, times, report: dict) -> None:
     """--variants at --variant-entries: each one's loop in a CUDA graph (median ms), its distance from
-    the fp32 expert and from the variant named default, and whether 50 replays are bit-identical."""
-    for entries in (int(e) for e in args.variant_entries.split(",") if args.variants):
+    the fp32 expert and from the variant named default (or, with none so named, the first), and whether
+    50 replays are bit-identical."""
+    variants = tilings(args.variants) if args.variants else []
+    ref = "default" if any(name == "default" for name, _, _ in variants) else variants and variants[0][0]
+    for entries in (int(e) for e in args.variant_entries.split(",") if variants):
         ctx = context(cfg, expert, entries, args.tokens, times)
         with torch.inference_mode():
             want = euler(truth_velocity(truth, ctx, times), ctx["noise"], args.steps)
         reference = None
-        for name, tiling, fp8 in tilings(args.variants):
+        for name, tiling, fp8 in variants:
             f = FusedExpert(expert, fp8=fp8, backend="cuda", cuda_tiling=tiling)
             inputs = f.schedule(ctx["mods"])
             try:   # a plan or launch the GPU refuses (before anything ran): report, go on
@@ -97,11 +100,12 @@ def time_variants(args, cfg, expert, truth, times, report: dict) -> None:
             for _ in range(50):
                 graph.replay()
                 identical &= bool(torch.equal(out, first))
-            reference = reference if name != "default" else out.clone()   # the first variant named default
-            diff, err = rel(out, reference), rel(out, want)
+            reference = out.clone() if name == ref and reference is None else reference
+            diff = rel(out, reference) if reference is not None else float("nan")   # before the reference ran
+            err = rel(out, want)
             report["variants"].append(dict(variant=name, entries=entries, loop_ms=ms, diff_vs_default=diff, err=err,
                                            replays_identical=identical, barrier_timed_out=f.barrier_timed_out()))
-            print(f"variant {name:10s} B={entries}: loop {ms:.3f} ms, rel err {err:.1e}, rel diff to the default "
+            print(f"variant {name:10s} B={entries}: loop {ms:.3f} ms, rel err {err:.1e}, rel diff to {ref} "
                   f"{diff:.1e}, 50 replays bit-identical {identical}, barrier timed out {f.barrier_timed_out()}",
                   flush=True)
 
