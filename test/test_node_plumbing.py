@@ -91,7 +91,11 @@ def test_processes_are_found_by_an_environment_marker_wherever_they_run():
     # A grandchild, orphaned at once: it is found although it is nobody's child here.
     script = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
     subprocess.run([sys.executable, "-c", script], env={**os.environ, "VLA_MARKER": marker}, check=True)
-    pids = processes_with_env("VLA_MARKER", marker)
+    # Popen returns once the exec is past its point of no return, before the kernel has set up the
+    # new environment: /proc reads it empty for that moment, longer on a loaded machine
+    deadline = time.monotonic() + 30
+    while not (pids := processes_with_env("VLA_MARKER", marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     try:
         assert len(pids) == 1
     finally:

@@ -185,7 +185,9 @@ def _locked(path: Path) -> bool:
 
 def processes_with_env(name: str, value: str) -> list[int]:
     """Live processes (other than this one) whose environment sets name=value: the children,
-    grandchildren and orphans of whoever set it, wherever they were reparented."""
+    grandchildren and orphans of whoever set it, wherever they were reparented. A process in the
+    middle of an exec (its new environment not yet set up) reads as empty, so one just started can
+    be missed for a moment: callers wait for what they expect."""
     entry = f"{name}={value}".encode()
     pids = []
     for proc in Path("/proc").iterdir():
