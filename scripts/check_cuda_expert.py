@@ -77,7 +77,8 @@ def time_variants(args, cfg, expert, truth, times, report: dict) -> None:
     the fp32 expert and from the variant named default (or, with none so named, the first), and whether
     50 replays are bit-identical."""
     variants = tilings(args.variants) if args.variants else []
-    ref = "default" if any(name == "default" for name, _, _ in variants) else variants and variants[0][0]
+    names = [name for name, _, _ in variants]
+    ref = "default" if "default" in names or not names else names[0]
     for entries in (int(e) for e in args.variant_entries.split(",") if variants):
         ctx = context(cfg, expert, entries, args.tokens, times)
         with torch.inference_mode():
