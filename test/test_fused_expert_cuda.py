@@ -111,12 +111,13 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     assert (p.key_tiles, p.cpp, p.tiles_per_cta) == (56, 7, 8)   # 8 heads x 7 programs, a tile a warp
     assert p.smem <= 227 * 1024 and dict(p.constants)["CLUSTER"] == 1
     # clusters: the largest that holds every (entry, head), as many programs as the GPU holds in them
+    # (B = 4: two clusters of 2 a pair, cross_groups)
     def h200(c):
         return {2: 132, 4: 120, 8: 120}[c]
-    for entries, cluster, programs in ((1, 8, 120), (2, 4, 120), (4, 2, 132), (8, 2, 132)):
+    for entries, cluster, cpp, programs in ((1, 8, 8, 120), (2, 4, 4, 120), (4, 2, 4, 132), (8, 2, 2, 132)):
         p = plan_of(MOLMOBOT_4B, entries, tokens=16, n_keys=892, programs=H200_SMS, held=h200)
         assert (dict(p.constants)["CLUSTER"], p.cpp, p.programs, dict(p.constants)["NPROG"]) == \
-            (cluster, cluster, programs, programs)
+            (cluster, cpp, programs, programs)
         assert p.smem <= 227 * 1024
     assert dict(plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, held=lambda c: 0).constants)["CLUSTER"] == 1
     with pytest.raises(ValueError, match="clusters of 8: 16"):
@@ -131,9 +132,11 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
                                                                      weights_smem=False))
         assert (smem.cpp, smem.tiles_per_cta, dict(smem.constants)["KV_SMEM"]) == (cpp, tiles, 1)
         assert smem.smem <= 227 * 1024
-    # with clusters a cluster's share: 7 tiles at B = 1, 14 at B = 2; at B = 4 its 28 do not fit
-    for entries, tiles, fits in ((1, 7, 1), (2, 14, 1), (4, 28, 0)):
-        smem = plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, CudaTiling(kv_smem=True), held=h200)
+    # with clusters a cluster's share: 7 tiles at B = 1, 14 at B = 2 and at B = 4 in two clusters a pair;
+    # one cluster's 28 at B = 4 do not fit
+    for entries, groups, tiles, fits in ((1, None, 7, 1), (2, None, 14, 1), (4, None, 14, 1), (4, 1, 28, 0)):
+        smem = plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, CudaTiling(kv_smem=True, cross_groups=groups),
+                       held=h200)
         assert (smem.tiles_per_cta, dict(smem.constants)["KV_SMEM"]) == (tiles, fits) and smem.smem <= 227 * 1024
     p8 = plan_of(MOLMOBOT_4B, entries=8, tokens=16, n_keys=892, programs=H200_SMS)
     assert p8.cpp * 8 * MOLMOBOT_4B.heads <= H200_SMS and p8.smem <= 227 * 1024
@@ -226,7 +229,7 @@ def hopper_compiles(request):
                                              (4, CudaTiling(l2_prefetch=3)),
                                              (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False)),
                                              (1, CudaTiling(v_late=True)), (4, CudaTiling(v_late=False)),
-                                             (4, CudaTiling(cluster=2, cross_groups=2))])
+                                             (4, CudaTiling(cross_groups=1)), (4, CudaTiling(cross_global=True))])
 def test_the_kernel_compiles_for_hopper(hopper_compiles, entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     constants = kernel_constants(entries, tiling)
@@ -399,9 +402,10 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     A fragments loaded a k-step at a time with the next row tile's residual values ahead, the
     self-attention computed in self_out's clusters (no self phase), the cross-attention's partials
     at an unpadded stride (also with the cross-attention merged through global memory by its last
-    program), the weights loaded after each wait with the key tiles alone pulled into L2 and the
-    barriers polled by warp 0, the key tiles pulled into L2 from qkv's arrival, every GEMV
-    phase's tiles on half the programs (some idle), and the first key tile's V loaded before the
+    program, without clusters and with them: cross_global), the weights loaded after each wait with
+    the key tiles alone pulled into L2 and the barriers polled by warp 0, the key tiles pulled into
+    L2 from qkv's arrival, every GEMV phase's tiles on half the programs (some idle), and the first
+    key tile's V loaded before the
     cross-attention's wait (v_late off; the default at B = 2) and after it without clusters. Without
     clusters fc2's K is not split (at B = 2 the default splits it over 2 programs of a cluster, another
     order of its sums), so those run against the default at fc2_split=1."""
@@ -411,7 +415,8 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
                  CudaTiling(stats_t=False, epi_split=4, l2_prefetch=True),
                  CudaTiling(x_ahead=True, a_chunk=1, self_cluster=True), CudaTiling(cross_pad=False),
                  CudaTiling(late_weights=True, l2_prefetch=2, poll_warp=0), CudaTiling(l2_prefetch=3),
-                 CudaTiling(qkv_tpc=32, so_tpc=16, co_tpc=8, fc1_tpc=16, fc2_tpc=16), CudaTiling(v_late=False))
+                 CudaTiling(qkv_tpc=32, so_tpc=16, co_tpc=8, fc1_tpc=16, fc2_tpc=16), CudaTiling(v_late=False),
+                 CudaTiling(cross_global=True))
     unclustered = (CudaTiling(cluster=1, cross_pad=False), CudaTiling(v_late=True, cluster=1, cross_pad=False))
     with torch.inference_mode():
         def out(tiling):
@@ -443,15 +448,18 @@ def test_fc2_split_keeps_the_loop_near_the_unsplit_on_the_cpu_build(entries):
     assert_near_truth(got, want, eager)
 
 
-@pytest.mark.parametrize("kv_smem", [False, True], ids=["", "kv_smem"])
-def test_cross_groups_merge_a_pairs_clusters_on_the_cpu_build(kv_smem):
+@pytest.mark.parametrize("kv_smem, cross_global", [(False, False), (True, False), (False, True)],
+                         ids=["", "kv_smem", "cross_global"])
+def test_cross_groups_merge_a_pairs_clusters_on_the_cpu_build(kv_smem, cross_global):
     """cross_groups: an (entry, head)'s 4 programs as 2 clusters of 2 (the CPU build's 8 programs, 2
     heads, 13 key tiles: 4, 4, 4 and 1 a program), each cluster's partials merged in distributed
-    shared memory, the two clusters' by the pair's last program through global memory. The same
-    programs' partials as one cluster of 4, merged in another order: near it, and near the truth."""
+    shared memory, the two clusters' by the pair's last program through global memory (cross_global:
+    all 4 programs' by the last). The same programs' partials as one cluster of 4, merged in another
+    order: near it, and near the truth."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=1, steps=3, device="cpu", context=200)
-    grouped = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(cluster=2, cross_groups=2, kv_smem=kv_smem))
+    grouped = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(cluster=2, cross_groups=2, kv_smem=kv_smem,
+                                                                    cross_global=cross_global))
     plan = plan_of(grouped, 1, 16, 201, 8, grouped.cuda.tiling, smem_limit=HOST_SMEM_LIMIT)
     assert (dict(plan.constants)["CLUSTER"], plan.cpp, plan.tiles_per_cta) == (2, 4, 4)
     got, want, eager = run(grouped)
@@ -463,12 +471,17 @@ def test_cross_groups_merge_a_pairs_clusters_on_the_cpu_build(kv_smem):
 def test_cross_groups_need_clusters_and_room():
     def plan(entries, tiling):   # the H200 holds 120 programs in clusters of 4 or 8 (probe_clusters.py)
         return plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, tiling, held={2: 132, 4: 120, 8: 120}.__getitem__)
-    p = plan(4, CudaTiling(cross_groups=2))   # 32 pairs x 2 clusters of 2: 128 programs of 14 key tiles
-    assert (dict(p.constants)["CLUSTER"], p.cpp, p.tiles_per_cta) == (2, 4, 14)
+    p = plan(4, CudaTiling())   # the default: 32 pairs x 2 clusters of 2, 128 programs of 14 key tiles
+    assert (dict(p.constants)["CLUSTER"], dict(p.constants)["CROSS_GROUPS"], p.cpp, p.tiles_per_cta) == (2, 2, 4, 14)
+    p = plan(4, CudaTiling(cross_groups=1))   # one cluster of 2 a pair: 64 programs of 28
+    assert (dict(p.constants)["CROSS_GROUPS"], p.cpp, p.tiles_per_cta) == (1, 2, 28)
+    for entries in (1, 2, 3, 8):   # the default groups only where a pair's two clusters of 2 fit
+        assert dict(plan(entries, CudaTiling()).constants)["CROSS_GROUPS"] == 1
     with pytest.raises(ValueError, match="cross_groups 2: 8 programs an"):
         plan(2, CudaTiling(cross_groups=2))   # 16 pairs x 2 clusters of 4 > 120
-    with pytest.raises(ValueError, match="runs without clusters"):
-        plan(1, CudaTiling(cluster=1, cross_groups=2))
+    for knobs in (dict(cross_groups=2), dict(cross_global=True)):
+        with pytest.raises(ValueError, match="runs without clusters"):
+            plan(1, CudaTiling(cluster=1, **knobs))
     with pytest.raises(ValueError, match="cross_groups"):
         CudaTiling(cross_groups=0)
 

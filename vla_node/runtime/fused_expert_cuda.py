@@ -98,8 +98,17 @@ class CudaTiling:
     # programs' partials in distributed shared memory, the pair's last program the clusters' through
     # global memory. Clusters of 4 and 8 hold 120 programs on an H100 or H200, so at B = 4 a pair
     # gets one cluster of 2 (64 of 132 programs at work, 28 key tiles each, up to 4 a warp one after
-    # the other; at B = 1 and 2 also 64): 2 groups give B = 4 128 programs of 14 tiles. Untimed
-    cross_groups: int = 1
+    # the other; at B = 1 and 2 also 64): 2 groups give B = 4 128 programs of 14 tiles. None: 2 where
+    # the cluster is 2 and a pair's two fit (molmobot-4b on 132 SMs: B = 4), where on the H100 the loop
+    # was 1.0-1.4 % faster in two runs (B = 4 14.81-14.83 against 15.00-15.01 ms: the key tiles 8.25 ->
+    # 5.50 us a block, the merge 1.75 -> 3.75; larger clusters in groups were slower at B = 1 and 2:
+    # BENCHMARKS.md, forty-second session), else 1
+    cross_groups: Optional[int] = None
+    # with clusters, every cross-attention program's partial merged by its pair's last program through
+    # global memory (as without clusters), none in distributed shared memory: one merge instead of a
+    # cluster's and then the groups' (at B = 4 with 2 groups the merge took 3.75 us a block against one
+    # cluster's 1.75); the clusters then serve fc2's split alone. Untimed
+    cross_global: bool = False
     # self_out computes its own warp's head of the self-attention (no self phase, one barrier less;
     # heads = 8 and head_dim = width / 8 only): every self_out program reads all of q, k, v
     fuse_self: bool = False
@@ -176,9 +185,11 @@ class CudaTiling:
     # slower at 3; BENCHMARKS.md, forty-first session): ptxas lays the whole loop out anew.
     # x_ahead: the LayerNorm phases' next row tile of residual values loaded before this one's dots:
     # on the H200 the loop 12.91 -> 12.78 ms at B = 2, 18.48 -> 18.37 at B = 4, 26.99 -> 26.35 at
-    # B = 8 (BENCHMARKS.md, tenth session); B = 1 has one row tile
+    # B = 8 (BENCHMARKS.md, tenth session); B = 1 has one row tile. None: off at B = 3, where on the H100
+    # the loop was 1.4-2.1 % faster off (13.74-13.78 against 13.98-14.04 ms), on elsewhere (off at B = 2
+    # 1.0 % slower, at B = 6 and 8 3 %: BENCHMARKS.md, forty-second session)
     a_chunk: Optional[int] = None
-    x_ahead: bool = True
+    x_ahead: Optional[bool] = None
     # fc2's K split over this many programs of a cross-attention cluster (1, 2, 4 or 8; at most the
     # cluster, and a warp's part of K whole 16-byte loads): each program reads 1 / fc2_split of the
     # MLP hidden (at B = 4 every fc2 program read all 393 KB of it), the partial sums meet in
@@ -194,7 +205,7 @@ class CudaTiling:
     cross_pad: bool = True
 
     def __post_init__(self):
-        if self.cross_groups < 1:
+        if self.cross_groups is not None and self.cross_groups < 1:
             raise ValueError(f"cross_groups: clusters an (entry, head) (at least 1), got {self.cross_groups}")
         if self.fc2_split not in (None, 1, 2, 4, 8):
             raise ValueError(f"fc2_split: 1, 2, 4 or 8 programs share fc2's K, got {self.fc2_split}")
@@ -347,12 +358,14 @@ def cross_split(t: CudaTiling, key_tiles: int, tile_bytes: int, most: int, clust
     if not t.kv_smem and t.cross_programs > most:
         raise ValueError(f"cross_programs {t.cross_programs}: the GPU's programs hold {most} for each (entry, head)")
     if cluster > 1:
-        cpp = cluster * t.cross_groups
-        if cpp > most:
-            raise ValueError(f"cross_groups {t.cross_groups}: {cpp} programs an (entry, head), the GPU's hold {most}")
-        return t.kv_smem and fits(cpp, kv_bytes(cpp)), cpp
-    if t.cross_groups > 1:
-        raise ValueError("cross_groups: groups of the cross-attention's clusters, and it runs without clusters")
+        groups = t.cross_groups or (2 if cluster == 2 and 4 <= most else 1)
+        if cluster * groups > most:
+            raise ValueError(f"cross_groups {groups}: {cluster * groups} programs an (entry, head), "
+                             f"the GPU's hold {most}")
+        return t.kv_smem and fits(cluster * groups, kv_bytes(cluster * groups)), cluster * groups
+    if (t.cross_groups or 1) > 1 or t.cross_global:
+        raise ValueError("cross_groups and cross_global: ways of the cross-attention's clusters, and it runs "
+                         "without clusters")
     for c in range(max(1, math.ceil(key_tiles / 32)), most + 1) if t.kv_smem else ():
         if (not t.cross_programs or c == t.cross_programs) and fits(c, kv_bytes(c)):
             return True, c
@@ -428,8 +441,9 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      LATE_W=int(t.late_weights), KV_AHEAD=int(t.kv_ahead),
                      V_LATE=int((entries >= 2 if t.v_late is None else t.v_late) and not kv_smem),
                      A_CHUNK=(3 if entries == 4 else 6) if t.a_chunk is None else t.a_chunk,
-                     X_AHEAD=int(t.x_ahead), FC2_SPLIT=split,
+                     X_AHEAD=int(entries != 3 if t.x_ahead is None else t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), CROSS_GROUPS=cpp // cluster if cluster > 1 else 1,
+                     CROSS_GLOBAL=int(t.cross_global),
                      W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,
                      W_FP8=int(fp8), FP8_HOLD=int(fp8 and t.fp8_hold))
     return Plan(tuple(sorted(constants.items())), programs, smem, key_tiles, cpp, tiles_per_cta)

@@ -42,6 +42,8 @@
 // FC2_TPC a group of FC2_SPLIT programs'), FOLD_CQ (the cross-attention's queries folded into qkv
 // and self_out: no cross_q phase; see Part2),
 // CROSS_GROUPS (with CLUSTER: an (entry, head)'s programs as that many clusters, merged by its last program),
+// CROSS_GLOBAL (with CLUSTER: every program's partial merged by the pair's last program through global memory,
+// none in distributed shared memory; the clusters then serve fc2's split alone),
 // KV_SMEM (the cross-attention's key tiles copied into shared memory at KV_OFF floats, ahead of
 // their use), FUSE_SELF and X_FRAGS (the LayerNorm phases read the residual stream's bf16 copy
 // in A-fragment order, xf),
@@ -1385,7 +1387,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             for (int w = 0; w < NWARPS; ++w) acc += sm[w * TOK16 + row] * so[(w * TOK16 + row) * SO_STRIDE + d];
             if (p.cpp == 1) {
                 p.y[afrag_offset(b * TOK16 + row, h * HDIM + d, KS_W)] = to_bf(acc / sl[row]);
-            } else if (CLUSTER > 1) {   // for the cluster's merge: a region no other phase writes
+            } else if (CLUSTER > 1 && !CROSS_GLOBAL) {   // for the cluster's merge: a region no other phase writes
                 float* cpart = smem + C_OFF;
                 cpart[e] = acc;
                 if (d == 0) {
@@ -1402,7 +1404,7 @@ __device__ void cross_phase(const Params& p, Sync& s, float* smem, int j, const 
             }
         }
         if (CROSS_MARKS != 2) trace_mark(p, s, 3);
-        if (CLUSTER > 1 && !CROSS_CUT) {
+        if (CLUSTER > 1 && !CROSS_CUT && !CROSS_GLOBAL) {
             // A cluster's programs (the pair's, or with groups one of its clusters): after its barrier
             // each merges its share of the outputs from every program's partial in distributed shared
             // memory (programs in order; merge_weights' arithmetic a row at a time, so a peer's maxima,
