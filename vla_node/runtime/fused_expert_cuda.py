@@ -100,7 +100,7 @@ class CudaTiling:
     # gets one cluster of 2 (64 of 132 programs at work, 28 key tiles each, up to 4 a warp one after
     # the other; at B = 1 and 2 also 64): 2 groups give B = 4 128 programs of 14 tiles. None: 2 where
     # the cluster is 2 and a pair's two fit (molmobot-4b on 132 SMs: B = 4), where on the H100 the loop
-    # was 1.0-1.4 % faster in two runs (B = 4 14.81-14.83 against 15.00-15.01 ms: the key tiles 8.25 ->
+    # was 1.2-1.4 % faster in two runs (B = 4 14.81-14.83 against 15.00-15.01 ms: the key tiles 8.25 ->
     # 5.50 us a block, the merge 1.75 -> 3.75; larger clusters in groups were slower at B = 1 and 2:
     # BENCHMARKS.md, forty-second session), else 1
     cross_groups: Optional[int] = None
@@ -186,8 +186,8 @@ class CudaTiling:
     # x_ahead: the LayerNorm phases' next row tile of residual values loaded before this one's dots:
     # on the H200 the loop 12.91 -> 12.78 ms at B = 2, 18.48 -> 18.37 at B = 4, 26.99 -> 26.35 at
     # B = 8 (BENCHMARKS.md, tenth session); B = 1 has one row tile. None: off at B = 3, where on the H100
-    # the loop was 1.4-2.1 % faster off (13.74-13.78 against 13.98-14.04 ms), on elsewhere (off at B = 2
-    # 1.0 % slower, at B = 6 and 8 3 %: BENCHMARKS.md, forty-second session)
+    # the loop was 1.4-2.1 % faster off in one call (13.74-13.78 against 13.98-14.04 ms; unconfirmed), on
+    # elsewhere (off at B = 2 1.0 % slower, at B = 6 and 8 3 %: BENCHMARKS.md, forty-second session)
     a_chunk: Optional[int] = None
     x_ahead: Optional[bool] = None
     # fc2's K split over this many programs of a cross-attention cluster (1, 2, 4 or 8; at most the
