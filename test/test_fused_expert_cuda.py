@@ -408,10 +408,9 @@ def test_layout_knobs_keep_the_result_bit_for_bit_on_the_cpu_build():
     program, without clusters and with them: cross_global), the weights loaded after each wait with
     the key tiles alone pulled into L2 and the barriers polled by warp 0, the key tiles pulled into
     L2 from qkv's arrival, every GEMV phase's tiles on half the programs (some idle), and the first
-    key tile's V loaded before the
-    cross-attention's wait (v_late off; the default at B = 2) and after it without clusters. Without
-    clusters fc2's K is not split (at B = 2 the default splits it over 2 programs of a cluster, another
-    order of its sums), so those run against the default at fc2_split=1."""
+    key tile's V loaded before the cross-attention's wait (v_late off; the default at B = 2) and after
+    it without clusters. Without clusters fc2's K is not split (at B = 2 the default splits it over 2
+    programs of a cluster, another order of its sums), so those run against the default at fc2_split=1."""
     cfg, e, truth = small_expert("cpu")
     run = flow_case(cfg, e, truth, entries=2, steps=3, device="cpu")
     clustered = (CudaTiling(stats_t=False, epi_split=1, x_ahead=False), CudaTiling(stats_t=True, epi_split=2),

@@ -358,7 +358,7 @@ def cross_split(t: CudaTiling, key_tiles: int, tile_bytes: int, most: int, clust
     if not t.kv_smem and t.cross_programs > most:
         raise ValueError(f"cross_programs {t.cross_programs}: the GPU's programs hold {most} for each (entry, head)")
     if cluster > 1:
-        groups = t.cross_groups or (2 if cluster == 2 and 4 <= most else 1)
+        groups = t.cross_groups or (2 if cluster == 2 and 2 * cluster <= most else 1)
         if cluster * groups > most:
             raise ValueError(f"cross_groups {groups}: {cluster * groups} programs an (entry, head), "
                              f"the GPU's hold {most}")
