@@ -26,6 +26,8 @@
 #   tuned     the CUDA tests of tuned_gemms (test/test_lt_gemm.py; the chosen algorithms print with -s)
 #   gemms     the query's GEMMs under cuBLAS settings $GEMM_SETTINGS (default,lt: cuBLASLt preferred;
 #             scripts/bench_gemm_gaps.py)
+#   h200      bench and bench8 where the card is an H200 (the issue's must-show card), else nothing: a call
+#             that may land on either kind of card ends with it
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
 #   first compile of molmobot-4b `fast` on a fresh machine takes ~130-240 s, soak then reuses it)
 set -uo pipefail
@@ -37,8 +39,8 @@ ANATOMY=${ANATOMY:-"default:,unfolded:fold_cross_q=0+x_frags=0"}
 VENTRIES=${VENTRIES:-1,2,4}; ANAT_ENTRIES=${ANAT_ENTRIES:-1}
 t0=$(date +%s)
 say() { echo "== $* ($(( $(date +%s) - t0 )) s)"; }
-for part in $PARTS; do
-  case $part in
+run_part() {
+  case $1 in
     variants) say "CUDA kernel variants B=$VENTRIES + anatomy B=$ANAT_ENTRIES"
       timeout "${VTIMEOUT:-360}" python3 scripts/check_cuda_expert.py --entries 1,4 --backends cuda --variants "$VARIANTS" \
         --variant-entries "$VENTRIES" --anatomy "$ANAT_ENTRIES" --anatomy-tilings "$ANATOMY" --out "$OUT" 2>&1 | grep -av Warn \
@@ -97,7 +99,11 @@ for part in $PARTS; do
     gemms) say "GEMMs under cuBLAS settings ${GEMM_SETTINGS:-default,lt}"
       timeout 300 python3 scripts/bench_gemm_gaps.py --settings "${GEMM_SETTINGS:-default,lt}" \
         --json "$OUT/gemms.json" 2>&1 | grep -av Warn > "$OUT/gemms.log"; tail -30 "$OUT/gemms.log" ;;
+    h200) if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then run_part bench; run_part bench8
+          else say "h200: not an H200 ($(nvidia-smi --query-gpu=name --format=csv,noheader)), bench and bench8 skipped"; fi ;;
+    *) say "unknown part $1" ;;
   esac
-done
+}
+for part in $PARTS; do run_part "$part"; done
 rm -f "$OUT"/*.png   # the device returns at most 8 files a call: the logs and JSON, not the benches' plots
 say "total"
