@@ -46,7 +46,12 @@
 // none in distributed shared memory; the clusters then serve fc2's split alone),
 // KV_SMEM (the cross-attention's key tiles copied into shared memory at KV_OFF floats, ahead of
 // their use), FUSE_SELF and X_FRAGS (the LayerNorm phases read the residual stream's bf16 copy
-// in A-fragment order, xf),
+// in A-fragment order, xf), X_SMEM (with X_FRAGS: a LayerNorm phase's residual values, every row
+// tile of xf, copied into shared memory at X_OFF floats by the copy engine right after the phase's
+// wait, one copy a row tile, instead of loaded by the warps one row tile after the other (a round
+// trip to L2 each, and every program reads all of xf: 96 KB at B = 4); 2: each program of a
+// cluster copies 1 / CLUSTER of every row tile into all of the cluster's programs (multicast), so
+// that L2 serves xf once a cluster),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
 // SELF_CLUSTER (the self-attention computed by self_out's clusters: FROM_CLUSTER), FC2_SPLIT (fc2's
@@ -210,10 +215,22 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 }
 // One bulk copy (the copy engine, no threads held) of `bytes` into shared memory, completing on
 // the mbarrier `bar` (KV_SMEM: a program's key tiles of a block, issued phases ahead of their use).
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
+// This program's arrival at the mbarrier `bar` (its only one), expecting `bytes` of copies.
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
+    mbar_expect(bar, bytes);
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+// One bulk copy into the shared memory of every program of the cluster in `mask` (bit: rank), at
+// dst's offset in each, completing on the mbarrier at bar's offset in each (which expects it).
+__device__ __forceinline__ void bulk_copy_multicast(void* dst, const void* src, u32 bytes, unsigned long long* bar,
+                                                    u16 mask) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+                 "[%0], [%1], %2, [%3], %4;"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "h"(mask) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
     asm volatile("{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; "
@@ -231,6 +248,9 @@ __device__ __forceinline__ void prefetch_line(const void* src) {
 }
 // Shared memory that generic loads read before, written next by the copy engine (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Global memory that other programs wrote with generic stores (acquired at a barrier), read next by
+// the copy engine.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 __device__ __forceinline__ void mbar_init(unsigned long long* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
@@ -369,6 +389,7 @@ struct Sync {
     u32 kv_parity;  // KV_SMEM: the phase of the K/V copy's mbarrier that the next wait waits for
     u32 w_phase;    // W_SMEM: GEMV phases so far (phase n reads weight buffer n & 1)
     u32 w_parity;   // W_SMEM: bit b, the phase of buffer b's mbarrier that its next wait waits for
+    u32 x_parity;   // X_SMEM: the phase of the row tiles' mbarriers that the next wait waits for
 };
 
 // TRACE: per program and segment, its start (0: its wait's end), end (1: its arrival) and two
@@ -753,6 +774,54 @@ __device__ __forceinline__ const wfrag* w_take(Sync& s, float* smem) {
     return w_buf(smem, b);
 }
 
+// X_SMEM: the row tiles of xf at X_OFF floats: MT x XR mbarriers (tile mt's from rank r: with
+// X_SMEM 2 each program of the cluster sends a part of every tile), padded to 16 bytes, then the
+// tiles in xf's order.
+#define XR (X_SMEM == 2 ? CLUSTER : 1)
+#define X_TILE_BYTES (KS_W * 32 * 16)
+#define X_BAR_FLOATS ((2 * MT * XR + 3) / 4 * 4)
+static_assert(!X_SMEM || (X_FRAGS && !X_AHEAD), "X_SMEM: xf's fragments, each row tile waited for where it is used");
+static_assert(X_TILE_BYTES % (16 * XR) == 0, "X_SMEM: a rank's part of a row tile in whole 16 bytes");
+__device__ __forceinline__ unsigned long long* x_bar(float* smem, int mt, int r) {
+    return (unsigned long long*)(smem + X_OFF) + mt * XR + r;
+}
+__device__ __forceinline__ uint4* x_tile(float* smem, int mt) {
+    return (uint4*)(smem + X_OFF + X_BAR_FLOATS) + mt * KS_W * 32;
+}
+
+// Thread 0 starts the copies of xf after a LayerNorm phase's wait (xf was written by the phase
+// before), over the buffer that this program's loads of the LayerNorm phase before read. Every
+// program copies, with tiles or not: with X_SMEM 2 its part is its cluster's too.
+__device__ __forceinline__ void x_issue(const Params& p, float* smem) {
+    if (!X_SMEM || threadIdx.x != 0) return;
+    fence_proxy_async_global();
+    fence_proxy_async();
+    const char* src = (const char*)p.xf;
+    if (X_SMEM == 1) {
+        for (int mt = 0; mt < MT; ++mt)
+            bulk_copy(x_tile(smem, mt), src + mt * X_TILE_BYTES, X_TILE_BYTES, x_bar(smem, mt, 0));
+        return;
+    }
+    constexpr u32 PART = X_TILE_BYTES / XR;
+    const int rank = blockIdx.x % CLUSTER;
+    for (int mt = 0; mt < MT; ++mt)
+        for (int r = 0; r < XR; ++r) mbar_expect(x_bar(smem, mt, r), PART);
+    for (int mt = 0; mt < MT; ++mt)
+        bulk_copy_multicast((char*)x_tile(smem, mt) + rank * PART, src + mt * X_TILE_BYTES + rank * PART, PART,
+                            x_bar(smem, mt, rank), (u16)((1u << CLUSTER) - 1));
+}
+// Row tile mt of xf has landed in this program's shared memory.
+__device__ __forceinline__ void x_wait(float* smem, int mt, u32 parity) {
+    for (int r = 0; r < XR; ++r) mbar_wait(x_bar(smem, mt, r), parity);
+}
+// Before the phase's arrival: every row tile landed (a program without tiles reads none, but its
+// mbarriers' next phase must start after this one), the next phase's parity.
+__device__ __forceinline__ void x_done(Sync& s, float* smem) {
+    if (!X_SMEM) return;
+    for (int mt = 0; mt < MT && threadIdx.x == 0; ++mt) x_wait(smem, mt, s.x_parity);
+    s.x_parity ^= 1u;
+}
+
 // FOLD_CQ: the cross-attention's queries folded into the phases before it. With x1 = x0 + g1
 // (y Wso^T + bso) and q = (LN(x1) (1 + c2) + s2) Wq^T + bq (c2, s2: the step's scale and shift),
 //   q = rstd1 (x1 (1 + c2) Wq^T - mean1 rho) + delta,   rho = (1 + c2) Wq^T, delta = s2 Wq^T + bq,
@@ -782,6 +851,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     static constexpr int NA8 = NA / 8;
     static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
     wfrag wr[S::TPC][S::KP];
+    u32 x_parity;   // X_SMEM: the phase of the row tiles' mbarriers this phase waits for
     uint4 held[FP8_HOLD ? S::TPC : 1][FP8_HOLD ? S::KP : 1];   // FP8_HOLD: wr made bf16
     u32 shift[S::KSW][2], scale[S::KSW][2];
     // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
@@ -870,6 +940,14 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     __device__ __forceinline__ void load_x(const Params& p, int mt, XRaw (&raw)[S::KSW]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #if X_FRAGS
+        if (X_SMEM) {
+            float* smem = dynamic_smem();
+            x_wait(smem, mt, x_parity);
+            const uint4* tile = x_tile(smem, mt);
+#pragma unroll
+            for (int ks = 0; ks < S::KSW; ++ks) raw[ks] = tile[(warp * S::KSW + ks) * 32 + lane];
+            return;
+        }
 #pragma unroll
         for (int ks = 0; ks < S::KSW; ++ks)
             raw[ks] = ld_cg16((const uint4*)p.xf + ((mt * KS_W + warp * S::KSW + ks) * 32 + lane));
@@ -921,7 +999,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
         constexpr int KC = whole_chunk(S::KSW, A_CHUNK);
         for (int mt = 0; mt < MT; ++mt) {
-            if (SRC == FROM_X_LN && mt > 0 && !X_AHEAD) load_x(p, mt, raw);
+            if (SRC == FROM_X_LN && (mt > 0 || X_SMEM) && !X_AHEAD) load_x(p, mt, raw);
             uint4 att[HK];
             if (SRC == FROM_SELF) self_attend(p, mt / (TOK16 / 16), warp, mt % (TOK16 / 16), att);
             float acc[S::TPC][4];
@@ -1075,6 +1153,8 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
+    if (SRC == FROM_X_LN) x_issue(p, smem);
+    gemv.x_parity = s.x_parity;
     if (LATE_W) gemv.load_w(wf, p2);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
         self_items(p, smem);
@@ -1097,8 +1177,8 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         if (active) gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
     } else if (WORK && active) {
         XRaw raw[S::KSW];
-        if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
-            gemv.load_x(p, 0, raw);
+        if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load (X_SMEM: copies)
+            if (!X_SMEM) gemv.load_x(p, 0, raw);
             row_stats(p, mean, rstd);
             __syncthreads();
         }
@@ -1110,6 +1190,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
     }
     cp_async_wait();
+    if (SRC == FROM_X_LN) x_done(s, smem);
     s.w_phase++;
     grid_arrive(p, s);
 }
@@ -1592,13 +1673,14 @@ __device__ __forceinline__ int step_after(const Params& p, int i, int& stop) {
 // -- the loop --------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Params p) {
     float* smem = dynamic_smem();
-    Sync s = {0u, 0, 0u, 0u, 0u};
+    Sync s = {0u, 0, 0u, 0u, 0u, 0u};
     trace_mark(p, s, 0);
     if (KV_SMEM && threadIdx.x == 0) mbar_init((unsigned long long*)(smem + KV_OFF));
     if (W_SMEM && threadIdx.x == 0) {
         mbar_init(w_bar(smem, 0));
         mbar_init(w_bar(smem, 1));
     }
+    for (int b = 0; X_SMEM && threadIdx.x == 0 && b < MT * XR; ++b) mbar_init(x_bar(smem, b / XR, b % XR));
     __syncthreads();
     // The weights of each GEMV phase of block j at step i (W_SMEM streams each in during the phase before it)
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
