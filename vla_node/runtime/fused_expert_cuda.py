@@ -140,6 +140,10 @@ class CudaTiling:
     # cluster's programs (multicast), so that L2 serves the residual values once a cluster (without
     # clusters as 1). The same numbers bit for bit. Untimed
     x_smem: int = 0
+    # with x_smem, the LayerNorm statistics of every row tile (48 KB at B = 4, which every program read
+    # before its first dot: 2.0 us a block at B = 4 against 1.0 at B = 1) copied first, the same way.
+    # Untimed
+    stats_smem: bool = False
     # the cross-attention's queries folded into the qkv and self_out phases (expert_flow.cu, Part2):
     # no cross_q phase and its barrier; per schedule the host makes an M = Wq diag((1 + c2) g1) Wso
     # for every step and block (steps x depth x width^2 bf16: 425 MB at 10 steps of molmobot-4b).
@@ -238,6 +242,8 @@ class CudaTiling:
                              f"multicast them), got {self.x_smem}")
         if self.x_smem and not self.x_frags:
             raise ValueError("x_smem copies the residual stream's bf16 fragments: it needs x_frags")
+        if self.stats_smem and not self.x_smem:
+            raise ValueError("stats_smem copies the statistics with the residual values: it needs x_smem")
         if self.epi_split not in (1, 2, 4):
             raise ValueError(f"epi_split: 1, 2 or 4 threads a GEMV epilogue's item of 8 columns, got {self.epi_split}")
 
@@ -428,9 +434,10 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     w_buf = (8 if fp8 else 16) * max([n * w for n in (qkv, so, cq, co, fc1)] + [fc2 * dims.mlp])
     w_bytes = 16 + 2 * w_buf if weights_smem_of(t, entries) else 0
     tile_bytes = 2 * 32 * dims.head_dim // 16 * 16
-    # x_smem: an mbarrier a row tile (and a cluster's rank with multicast), then the row tiles
-    x_ranks = cluster if t.x_smem == 2 else 1
-    x_bytes = (16 * math.ceil(8 * rows // 16 * x_ranks / 16) + rows * w * 2) if t.x_smem else 0
+    # x_smem: an mbarrier a row tile and (stats_smem) the statistics (each a cluster's rank with
+    # multicast), then the row tiles and the statistics ([rows][width / 8][2] fp32)
+    x_ranks, copies = cluster if t.x_smem == 2 else 1, rows // 16 + t.stats_smem
+    x_bytes = (16 * math.ceil(8 * copies * x_ranks / 16) + rows * w * (2 + t.stats_smem)) if t.x_smem else 0
     cluster_region = 4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
                              8 * dims.head_dim * 8 * t.self_cluster) if cluster > 1 else 0
     kv_smem, cpp = cross_split(t, key_tiles, tile_bytes, programs // pairs, cluster, lambda c, kv_bytes:
@@ -460,7 +467,8 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      V_LATE=int((entries >= 2 if t.v_late is None else t.v_late) and not kv_smem),
                      A_CHUNK=(3 if entries == 4 else 6) if t.a_chunk is None else t.a_chunk,
                      X_AHEAD=int(not t.x_smem and (entries != 3 if t.x_ahead is None else t.x_ahead)),
-                     X_SMEM=1 if x_ranks == 1 and t.x_smem else t.x_smem, X_OFF=x_off, FC2_SPLIT=split,
+                     X_SMEM=1 if x_ranks == 1 and t.x_smem else t.x_smem, X_OFF=x_off,
+                     STATS_SMEM=int(t.stats_smem), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), CROSS_GROUPS=cpp // cluster if cluster > 1 else 1,
                      CROSS_GLOBAL=int(t.cross_global),
                      W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,

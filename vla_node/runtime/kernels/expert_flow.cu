@@ -51,7 +51,7 @@
 // wait, one copy a row tile, instead of loaded by the warps one row tile after the other (a round
 // trip to L2 each, and every program reads all of xf: 96 KB at B = 4); 2: each program of a
 // cluster copies 1 / CLUSTER of every row tile into all of the cluster's programs (multicast), so
-// that L2 serves xf once a cluster),
+// that L2 serves xf once a cluster), STATS_SMEM (with X_SMEM: the statistics too, copied first),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
 // SELF_CLUSTER (the self-attention computed by self_out's clusters: FROM_CLUSTER), FC2_SPLIT (fc2's
@@ -454,6 +454,26 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
     trace_mark(p, s, 0);
 }
 
+// -- a LayerNorm phase's inputs in shared memory (X_SMEM) ---------------------------------------
+// At X_OFF floats: (MT + STATS_SMEM) x XR mbarriers (row tile mt's, then with STATS_SMEM the
+// statistics', from rank r: with X_SMEM 2 each program of the cluster sends a part of each),
+// padded to 16 bytes, then the row tiles of xf in its order, then the statistics in stats' order.
+#define XR (X_SMEM == 2 ? CLUSTER : 1)
+#define X_TILE_BYTES (KS_W * 32 * 16)
+#define STATS_BYTES (MP * NT_W * 2 * 4)
+#define X_BAR_FLOATS ((2 * (MT + STATS_SMEM) * XR + 3) / 4 * 4)
+static_assert(!X_SMEM || (X_FRAGS && !X_AHEAD), "X_SMEM: xf's fragments, each row tile waited for where it is used");
+static_assert(!STATS_SMEM || X_SMEM, "STATS_SMEM: with the residual values (X_SMEM)");
+static_assert(X_TILE_BYTES % (16 * XR) == 0 && STATS_BYTES % (16 * XR) == 0,
+              "X_SMEM: a rank's part of a row tile or of the statistics in whole 16 bytes");
+__device__ __forceinline__ unsigned long long* x_bar(float* smem, int mt, int r) {
+    return (unsigned long long*)(smem + X_OFF) + mt * XR + r;
+}
+__device__ __forceinline__ uint4* x_tile(float* smem, int mt) {
+    return (uint4*)(smem + X_OFF + X_BAR_FLOATS) + mt * KS_W * 32;
+}
+__device__ __forceinline__ float* x_stats(float* smem) { return (float*)x_tile(smem, MT); }
+
 // -- block reductions ------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -478,11 +498,13 @@ __device__ __forceinline__ int stats_at(int r, int t) { return (STATS_T ? t * MP
 
 // LayerNorm mean and 1/std of rows row0 .. row0 + rows - 1 from their 8-column tiles' (mean, M2)
 // (Chan's formula, equal counts): into mean[rows], rstd[rows] in shared memory. TPR threads a row.
+// FROM_SMEM (STATS_SMEM): from their copy in this program's shared memory.
+template <bool FROM_SMEM = false>
 __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP) {
     constexpr int PER = (NT_W + TPR - 1) / TPR;
     // a local base and each address taken outside the select below: with the loads' address folded into
     // it, ptxas spills 20 bytes instead of 12 at B = 4 on sm_90 (212 instead of 200 at B = 8)
-    const float* stats = p.stats;
+    const float* stats = FROM_SMEM ? x_stats(dynamic_smem()) : p.stats;
     const int lane_in_row = threadIdx.x % TPR;
     for (int base = 0; base < rows; base += NTHREADS / TPR) {
         const int rr = base + threadIdx.x / TPR, r = row0 + rr;
@@ -493,7 +515,7 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
             const int t = lane_in_row + u * TPR;
             const bool here = ok && t < NT_W;
             const float* at = stats + stats_at(r, t);
-            const float2 st = here ? ld_cg_f2(at) : make_float2(0.0f, 0.0f);
+            const float2 st = !here ? make_float2(0.0f, 0.0f) : FROM_SMEM ? *(const float2*)at : ld_cg_f2(at);
             tm[u] = st.x;
             t2[u] = st.y;
         }
@@ -774,21 +796,6 @@ __device__ __forceinline__ const wfrag* w_take(Sync& s, float* smem) {
     return w_buf(smem, b);
 }
 
-// X_SMEM: the row tiles of xf at X_OFF floats: MT x XR mbarriers (tile mt's from rank r: with
-// X_SMEM 2 each program of the cluster sends a part of every tile), padded to 16 bytes, then the
-// tiles in xf's order.
-#define XR (X_SMEM == 2 ? CLUSTER : 1)
-#define X_TILE_BYTES (KS_W * 32 * 16)
-#define X_BAR_FLOATS ((2 * MT * XR + 3) / 4 * 4)
-static_assert(!X_SMEM || (X_FRAGS && !X_AHEAD), "X_SMEM: xf's fragments, each row tile waited for where it is used");
-static_assert(X_TILE_BYTES % (16 * XR) == 0, "X_SMEM: a rank's part of a row tile in whole 16 bytes");
-__device__ __forceinline__ unsigned long long* x_bar(float* smem, int mt, int r) {
-    return (unsigned long long*)(smem + X_OFF) + mt * XR + r;
-}
-__device__ __forceinline__ uint4* x_tile(float* smem, int mt) {
-    return (uint4*)(smem + X_OFF + X_BAR_FLOATS) + mt * KS_W * 32;
-}
-
 // Thread 0 starts the copies of xf after a LayerNorm phase's wait (xf was written by the phase
 // before), over the buffer that this program's loads of the LayerNorm phase before read. Every
 // program copies, with tiles or not: with X_SMEM 2 its part is its cluster's too.
@@ -796,19 +803,22 @@ __device__ __forceinline__ void x_issue(const Params& p, float* smem) {
     if (!X_SMEM || threadIdx.x != 0) return;
     fence_proxy_async_global();
     fence_proxy_async();
-    const char* src = (const char*)p.xf;
+    // the statistics first (read first), then the row tiles: copy c of MT + STATS_SMEM
+    auto dst = [&](int c) { return c < STATS_SMEM ? (char*)x_stats(smem) : (char*)x_tile(smem, c - STATS_SMEM); };
+    auto src = [&](int c) { return c < STATS_SMEM ? (const char*)p.stats : (const char*)p.xf + (c - STATS_SMEM) * X_TILE_BYTES; };
+    auto bar = [&](int c, int r) { return x_bar(smem, c < STATS_SMEM ? MT : c - STATS_SMEM, r); };
+    auto bytes = [](int c) { return (u32)(c < STATS_SMEM ? STATS_BYTES : X_TILE_BYTES); };
     if (X_SMEM == 1) {
-        for (int mt = 0; mt < MT; ++mt)
-            bulk_copy(x_tile(smem, mt), src + mt * X_TILE_BYTES, X_TILE_BYTES, x_bar(smem, mt, 0));
+        for (int c = 0; c < MT + STATS_SMEM; ++c) bulk_copy(dst(c), src(c), bytes(c), bar(c, 0));
         return;
     }
-    constexpr u32 PART = X_TILE_BYTES / XR;
     const int rank = blockIdx.x % CLUSTER;
-    for (int mt = 0; mt < MT; ++mt)
-        for (int r = 0; r < XR; ++r) mbar_expect(x_bar(smem, mt, r), PART);
-    for (int mt = 0; mt < MT; ++mt)
-        bulk_copy_multicast((char*)x_tile(smem, mt) + rank * PART, src + mt * X_TILE_BYTES + rank * PART, PART,
-                            x_bar(smem, mt, rank), (u16)((1u << CLUSTER) - 1));
+    for (int c = 0; c < MT + STATS_SMEM; ++c)
+        for (int r = 0; r < XR; ++r) mbar_expect(bar(c, r), bytes(c) / XR);
+    for (int c = 0; c < MT + STATS_SMEM; ++c) {
+        const u32 part = bytes(c) / XR;
+        bulk_copy_multicast(dst(c) + rank * part, src(c) + rank * part, part, bar(c, rank), (u16)((1u << CLUSTER) - 1));
+    }
 }
 // Row tile mt of xf has landed in this program's shared memory.
 __device__ __forceinline__ void x_wait(float* smem, int mt, u32 parity) {
@@ -818,7 +828,7 @@ __device__ __forceinline__ void x_wait(float* smem, int mt, u32 parity) {
 // mbarriers' next phase must start after this one), the next phase's parity.
 __device__ __forceinline__ void x_done(Sync& s, float* smem) {
     if (!X_SMEM) return;
-    for (int mt = 0; mt < MT && threadIdx.x == 0; ++mt) x_wait(smem, mt, s.x_parity);
+    for (int mt = 0; mt < MT + STATS_SMEM && threadIdx.x == 0; ++mt) x_wait(smem, mt, s.x_parity);
     s.x_parity ^= 1u;
 }
 
@@ -1179,7 +1189,8 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load (X_SMEM: copies)
             if (!X_SMEM) gemv.load_x(p, 0, raw);
-            row_stats(p, mean, rstd);
+            if (STATS_SMEM) x_wait(smem, MT, s.x_parity);
+            row_stats<STATS_SMEM>(p, mean, rstd);
             __syncthreads();
         }
         trace_mark(p, s, 2);
@@ -1680,7 +1691,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
         mbar_init(w_bar(smem, 0));
         mbar_init(w_bar(smem, 1));
     }
-    for (int b = 0; X_SMEM && threadIdx.x == 0 && b < MT * XR; ++b) mbar_init(x_bar(smem, b / XR, b % XR));
+    for (int b = 0; X_SMEM && threadIdx.x == 0 && b < (MT + STATS_SMEM) * XR; ++b) mbar_init(x_bar(smem, b / XR, b % XR));
     __syncthreads();
     // The weights of each GEMV phase of block j at step i (W_SMEM streams each in during the phase before it)
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
