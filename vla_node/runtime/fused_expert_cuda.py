@@ -144,6 +144,10 @@ class CudaTiling:
     # before its first dot: 2.0 us a block at B = 4 against 1.0 at B = 1) copied first, the same way.
     # Untimed
     stats_smem: bool = False
+    # with x_smem, self_out's and cross_out's A operand (the attention output, laid out as the
+    # residual values' copy) copied the same way: at B = 4 on the H100 their dots took 1.25 us a
+    # block against 0.50 and 0.75 at B = 1 (BENCHMARKS.md, forty-first session). Untimed
+    y_smem: bool = False
     # the cross-attention's queries folded into the qkv and self_out phases (expert_flow.cu, Part2):
     # no cross_q phase and its barrier; per schedule the host makes an M = Wq diag((1 + c2) g1) Wso
     # for every step and block (steps x depth x width^2 bf16: 425 MB at 10 steps of molmobot-4b).
@@ -242,8 +246,8 @@ class CudaTiling:
                              f"multicast them), got {self.x_smem}")
         if self.x_smem and not self.x_frags:
             raise ValueError("x_smem copies the residual stream's bf16 fragments: it needs x_frags")
-        if self.stats_smem and not self.x_smem:
-            raise ValueError("stats_smem copies the statistics with the residual values: it needs x_smem")
+        if (self.stats_smem or self.y_smem) and not self.x_smem:
+            raise ValueError("stats_smem and y_smem copy through x_smem's buffer: they need x_smem")
         if self.epi_split not in (1, 2, 4):
             raise ValueError(f"epi_split: 1, 2 or 4 threads a GEMV epilogue's item of 8 columns, got {self.epi_split}")
 
@@ -468,7 +472,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      A_CHUNK=(3 if entries == 4 else 6) if t.a_chunk is None else t.a_chunk,
                      X_AHEAD=int(not t.x_smem and (entries != 3 if t.x_ahead is None else t.x_ahead)),
                      X_SMEM=1 if x_ranks == 1 and t.x_smem else t.x_smem, X_OFF=x_off,
-                     STATS_SMEM=int(t.stats_smem), FC2_SPLIT=split,
+                     STATS_SMEM=int(t.stats_smem), Y_SMEM=int(t.y_smem), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), CROSS_GROUPS=cpp // cluster if cluster > 1 else 1,
                      CROSS_GLOBAL=int(t.cross_global),
                      W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,

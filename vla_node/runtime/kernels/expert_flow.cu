@@ -52,6 +52,7 @@
 // trip to L2 each, and every program reads all of xf: 96 KB at B = 4); 2: each program of a
 // cluster copies 1 / CLUSTER of every row tile into all of the cluster's programs (multicast), so
 // that L2 serves xf once a cluster), STATS_SMEM (with X_SMEM: the statistics too, copied first),
+// Y_SMEM (with X_SMEM: self_out's and cross_out's A operand, the attention output y, the same way),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
 // SELF_CLUSTER (the self-attention computed by self_out's clusters: FROM_CLUSTER), FC2_SPLIT (fc2's
@@ -457,13 +458,14 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
 // -- a LayerNorm phase's inputs in shared memory (X_SMEM) ---------------------------------------
 // At X_OFF floats: (MT + STATS_SMEM) x XR mbarriers (row tile mt's, then with STATS_SMEM the
 // statistics', from rank r: with X_SMEM 2 each program of the cluster sends a part of each),
-// padded to 16 bytes, then the row tiles of xf in its order, then the statistics in stats' order.
+// padded to 16 bytes, then the row tiles of xf (or y: Y_SMEM) in its order, then the statistics in
+// stats' order.
 #define XR (X_SMEM == 2 ? CLUSTER : 1)
 #define X_TILE_BYTES (KS_W * 32 * 16)
 #define STATS_BYTES (MP * NT_W * 2 * 4)
 #define X_BAR_FLOATS ((2 * (MT + STATS_SMEM) * XR + 3) / 4 * 4)
 static_assert(!X_SMEM || (X_FRAGS && !X_AHEAD), "X_SMEM: xf's fragments, each row tile waited for where it is used");
-static_assert(!STATS_SMEM || X_SMEM, "STATS_SMEM: with the residual values (X_SMEM)");
+static_assert((!STATS_SMEM && !Y_SMEM) || X_SMEM, "STATS_SMEM, Y_SMEM: with the residual values (X_SMEM)");
 static_assert(X_TILE_BYTES % (16 * XR) == 0 && STATS_BYTES % (16 * XR) == 0,
               "X_SMEM: a rank's part of a row tile or of the statistics in whole 16 bytes");
 __device__ __forceinline__ unsigned long long* x_bar(float* smem, int mt, int r) {
@@ -796,40 +798,49 @@ __device__ __forceinline__ const wfrag* w_take(Sync& s, float* smem) {
     return w_buf(smem, b);
 }
 
-// Thread 0 starts the copies of xf after a LayerNorm phase's wait (xf was written by the phase
-// before), over the buffer that this program's loads of the LayerNorm phase before read. Every
-// program copies, with tiles or not: with X_SMEM 2 its part is its cluster's too.
-__device__ __forceinline__ void x_issue(const Params& p, float* smem) {
-    if (!X_SMEM || threadIdx.x != 0) return;
+// Whether a GEMV phase's A operand comes through the X_SMEM buffer: a LayerNorm phase's residual
+// values, and with Y_SMEM self_out's and cross_out's attention output (y: the same layout as xf).
+template <int SRC, int K, int SPLIT> constexpr bool a_copied() {
+    return SRC == FROM_X_LN ? X_SMEM != 0 : SRC == FROM_FRAGS && Y_SMEM && K == WIDTH && SPLIT == 1;
+}
+
+// Thread 0 starts the copies of a phase's A operand `tiles` (xf or y, which the phase before
+// wrote) after its wait, and with `stats` the LayerNorm statistics, over the buffer that this
+// program's loads of the copying phase before read. Every program copies, with output tiles or not:
+// with X_SMEM 2 its part is its cluster's too.
+__device__ __forceinline__ void x_issue(const Params& p, float* smem, const void* tiles, bool stats) {
+    if (threadIdx.x != 0) return;
     fence_proxy_async_global();
     fence_proxy_async();
-    // the statistics first (read first), then the row tiles: copy c of MT + STATS_SMEM
-    auto dst = [&](int c) { return c < STATS_SMEM ? (char*)x_stats(smem) : (char*)x_tile(smem, c - STATS_SMEM); };
-    auto src = [&](int c) { return c < STATS_SMEM ? (const char*)p.stats : (const char*)p.xf + (c - STATS_SMEM) * X_TILE_BYTES; };
-    auto bar = [&](int c, int r) { return x_bar(smem, c < STATS_SMEM ? MT : c - STATS_SMEM, r); };
-    auto bytes = [](int c) { return (u32)(c < STATS_SMEM ? STATS_BYTES : X_TILE_BYTES); };
+    // the statistics first (read first), then the row tiles: copy c of MT + 1
+    auto dst = [&](int c) { return c == 0 ? (char*)x_stats(smem) : (char*)x_tile(smem, c - 1); };
+    auto src = [&](int c) { return c == 0 ? (const char*)p.stats : (const char*)tiles + (c - 1) * X_TILE_BYTES; };
+    auto bar = [&](int c, int r) { return x_bar(smem, c == 0 ? MT : c - 1, r); };
+    auto bytes = [](int c) { return (u32)(c == 0 ? STATS_BYTES : X_TILE_BYTES); };
+    const int first = stats ? 0 : 1;
     if (X_SMEM == 1) {
-        for (int c = 0; c < MT + STATS_SMEM; ++c) bulk_copy(dst(c), src(c), bytes(c), bar(c, 0));
+        for (int c = first; c <= MT; ++c) bulk_copy(dst(c), src(c), bytes(c), bar(c, 0));
         return;
     }
     const int rank = blockIdx.x % CLUSTER;
-    for (int c = 0; c < MT + STATS_SMEM; ++c)
+    for (int c = first; c <= MT; ++c)
         for (int r = 0; r < XR; ++r) mbar_expect(bar(c, r), bytes(c) / XR);
-    for (int c = 0; c < MT + STATS_SMEM; ++c) {
+    for (int c = first; c <= MT; ++c) {
         const u32 part = bytes(c) / XR;
         bulk_copy_multicast(dst(c) + rank * part, src(c) + rank * part, part, bar(c, rank), (u16)((1u << CLUSTER) - 1));
     }
 }
-// Row tile mt of xf has landed in this program's shared memory.
+// Row tile mt (MT: the statistics) has landed in this program's shared memory.
 __device__ __forceinline__ void x_wait(float* smem, int mt, u32 parity) {
     for (int r = 0; r < XR; ++r) mbar_wait(x_bar(smem, mt, r), parity);
 }
-// Before the phase's arrival: every row tile landed (a program without tiles reads none, but its
-// mbarriers' next phase must start after this one), the next phase's parity.
-__device__ __forceinline__ void x_done(Sync& s, float* smem) {
-    if (!X_SMEM) return;
-    for (int mt = 0; mt < MT + STATS_SMEM && threadIdx.x == 0; ++mt) x_wait(smem, mt, s.x_parity);
-    s.x_parity ^= 1u;
+// Before the phase's arrival: every copy landed (a program without output tiles reads none, but its
+// mbarriers' next phase must start after this one), the next phase's parities: bit 0 the row
+// tiles', bit 1 the statistics'.
+__device__ __forceinline__ void x_done(Sync& s, float* smem, bool stats) {
+    for (int mt = 0; mt < MT && threadIdx.x == 0; ++mt) x_wait(smem, mt, s.x_parity & 1u);
+    if (stats && threadIdx.x == 0) x_wait(smem, MT, s.x_parity >> 1);
+    s.x_parity ^= stats ? 3u : 1u;
 }
 
 // FOLD_CQ: the cross-attention's queries folded into the phases before it. With x1 = x0 + g1
@@ -952,7 +963,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #if X_FRAGS
         if (X_SMEM) {
             float* smem = dynamic_smem();
-            x_wait(smem, mt, x_parity);
+            x_wait(smem, mt, x_parity & 1u);
             const uint4* tile = x_tile(smem, mt);
 #pragma unroll
             for (int ks = 0; ks < S::KSW; ++ks) raw[ks] = tile[(warp * S::KSW + ks) * 32 + lane];
@@ -985,6 +996,8 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
             const int item = (mt / qtiles * HEADS + h) * qtiles + mt % qtiles;
             return ld_peer16(self_slot(dynamic_smem(), item) + u * 32 + lane, item % CLUSTER);
         }
+        if (SRC == FROM_FRAGS && a_copied<SRC, K, SPLIT>())   // Y_SMEM: row tile mt waited for in partials
+            return x_tile(dynamic_smem(), mt)[(warp * S::KSW + ks) * 32 + lane];
         if (SRC != FROM_X_LN)
             return ld_cg16((const uint4*)frags +
                            ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane));
@@ -1010,6 +1023,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
         constexpr int KC = whole_chunk(S::KSW, A_CHUNK);
         for (int mt = 0; mt < MT; ++mt) {
             if (SRC == FROM_X_LN && (mt > 0 || X_SMEM) && !X_AHEAD) load_x(p, mt, raw);
+            if (SRC == FROM_FRAGS && a_copied<SRC, K, SPLIT>()) x_wait(dynamic_smem(), mt, x_parity & 1u);
             uint4 att[HK];
             if (SRC == FROM_SELF) self_attend(p, mt / (TOK16 / 16), warp, mt % (TOK16 / 16), att);
             float acc[S::TPC][4];
@@ -1163,7 +1177,8 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
-    if (SRC == FROM_X_LN) x_issue(p, smem);
+    constexpr bool COPIED = a_copied<SRC, K, SPLIT>(), STATS = STATS_SMEM && SRC == FROM_X_LN;
+    if (COPIED) x_issue(p, smem, SRC == FROM_X_LN ? (const void*)p.xf : (const void*)frags, STATS);
     gemv.x_parity = s.x_parity;
     if (LATE_W) gemv.load_w(wf, p2);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
@@ -1189,7 +1204,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load (X_SMEM: copies)
             if (!X_SMEM) gemv.load_x(p, 0, raw);
-            if (STATS_SMEM) x_wait(smem, MT, s.x_parity);
+            if (STATS) x_wait(smem, MT, s.x_parity >> 1);
             row_stats<STATS_SMEM>(p, mean, rstd);
             __syncthreads();
         }
@@ -1201,7 +1216,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
     }
     cp_async_wait();
-    if (SRC == FROM_X_LN) x_done(s, smem);
+    if (COPIED) x_done(s, smem, STATS);
     s.w_phase++;
     grid_arrive(p, s);
 }
