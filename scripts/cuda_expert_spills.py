@@ -18,6 +18,9 @@ from vla_node.runtime.fused_expert_cuda import plan_of
 from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
 
 H200_SMS, DROID_KEYS = 132, 892
+# the programs an H100 or H200 holds at once in clusters of c (scripts/probe_clusters.py): the plans
+# the GPU runs (at B = 4 clusters of 2 in two groups, not clusters of 4)
+HELD = {2: 132, 4: 120, 8: 120}
 
 
 def main():
@@ -35,7 +38,8 @@ def main():
     for entries in (int(e) for e in args.entries.split(",")):
         for name, tiling, fp8 in tilings(args.tilings):
             constants = dict(plan_of(types.SimpleNamespace(**vars(dims), fp8=fp8), entries, tokens=a.horizon,
-                                     n_keys=DROID_KEYS, programs=H200_SMS, tiling=tiling).constants)
+                                     n_keys=DROID_KEYS, programs=H200_SMS, tiling=tiling,
+                                     held=HELD.__getitem__).constants)
             for label, source in sources:
                 _, log = nvrtc_compile(constants, "sm_90", verbose=True, source=source)
                 regs = re.search(r"Used (\d+) registers", log).group(1)
