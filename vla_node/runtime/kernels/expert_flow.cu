@@ -214,12 +214,12 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
     return s;
 }
-// One bulk copy (the copy engine, no threads held) of `bytes` into shared memory, completing on
-// the mbarrier `bar` (KV_SMEM: a program's key tiles of a block, issued phases ahead of their use).
 // This program's arrival at the mbarrier `bar` (its only one), expecting `bytes` of copies.
 __device__ __forceinline__ void mbar_expect(unsigned long long* bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
+// One bulk copy (the copy engine, no threads held) of `bytes` into shared memory, completing on
+// the mbarrier `bar` (KV_SMEM: a program's key tiles of a block, issued phases ahead of their use).
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
     mbar_expect(bar, bytes);
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -390,7 +390,7 @@ struct Sync {
     u32 kv_parity;  // KV_SMEM: the phase of the K/V copy's mbarrier that the next wait waits for
     u32 w_phase;    // W_SMEM: GEMV phases so far (phase n reads weight buffer n & 1)
     u32 w_parity;   // W_SMEM: bit b, the phase of buffer b's mbarrier that its next wait waits for
-    u32 x_parity;   // X_SMEM: the phase of the row tiles' mbarriers that the next wait waits for
+    u32 x_parity;   // X_SMEM: the phase the next wait waits for: bit 0 the row tiles' mbarriers, bit 1 the statistics'
 };
 
 // TRACE: per program and segment, its start (0: its wait's end), end (1: its arrival) and two
@@ -455,7 +455,7 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
     trace_mark(p, s, 0);
 }
 
-// -- a LayerNorm phase's inputs in shared memory (X_SMEM) ---------------------------------------
+// -- a GEMV phase's operands in shared memory (X_SMEM) ------------------------------------------
 // At X_OFF floats: (MT + STATS_SMEM) x XR mbarriers (row tile mt's, then with STATS_SMEM the
 // statistics', from rank r: with X_SMEM 2 each program of the cluster sends a part of each),
 // padded to 16 bytes, then the row tiles of xf (or y: Y_SMEM) in its order, then the statistics in
@@ -872,7 +872,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     static constexpr int NA8 = NA / 8;
     static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
     wfrag wr[S::TPC][S::KP];
-    u32 x_parity;   // X_SMEM: the phase of the row tiles' mbarriers this phase waits for
+    u32 x_parity;   // X_SMEM: Sync::x_parity at this phase's wait
     uint4 held[FP8_HOLD ? S::TPC : 1][FP8_HOLD ? S::KP : 1];   // FP8_HOLD: wr made bf16
     u32 shift[S::KSW][2], scale[S::KSW][2];
     // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
@@ -1706,7 +1706,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
         mbar_init(w_bar(smem, 0));
         mbar_init(w_bar(smem, 1));
     }
-    for (int b = 0; X_SMEM && threadIdx.x == 0 && b < (MT + STATS_SMEM) * XR; ++b) mbar_init(x_bar(smem, b / XR, b % XR));
+    for (int b = 0; X_SMEM && threadIdx.x == 0 && b < (MT + STATS_SMEM) * XR; ++b)
+        mbar_init(x_bar(smem, b / XR, b % XR));
     __syncthreads();
     // The weights of each GEMV phase of block j at step i (W_SMEM streams each in during the phase before it)
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
