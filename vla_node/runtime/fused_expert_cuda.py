@@ -396,6 +396,17 @@ def cross_split(t: CudaTiling, key_tiles: int, tile_bytes: int, most: int, clust
     return False, (not t.kv_smem and t.cross_programs) or max(1, min(math.ceil(key_tiles / 8), most))
 
 
+def x_region(t: CudaTiling, rows: int, width: int, cluster: int) -> tuple[int, int]:
+    """x_smem's shared memory in bytes and the kernel's X_SMEM (multicast without clusters: 1): an
+    mbarrier a row tile and (stats_smem) one for the statistics, each a cluster's rank's with
+    multicast, padded to 16 bytes, then the row tiles (bf16) and the statistics ([rows][width / 8][2] fp32)."""
+    if not t.x_smem:
+        return 0, 0
+    ranks = cluster if t.x_smem == 2 else 1
+    bars = 8 * (rows // 16 + t.stats_smem) * ranks
+    return 16 * math.ceil(bars / 16) + rows * width * (2 + t.stats_smem), 2 if ranks > 1 else 1
+
+
 def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling(),
             smem_limit: int = SMEM_LIMIT, held: Optional[Callable[[int], int]] = None) -> Plan:
     """The kernel's constants and launch shape for `dims` (a FusedExpert's width, heads, head_dim,
@@ -438,10 +449,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     w_buf = (8 if fp8 else 16) * max([n * w for n in (qkv, so, cq, co, fc1)] + [fc2 * dims.mlp])
     w_bytes = 16 + 2 * w_buf if weights_smem_of(t, entries) else 0
     tile_bytes = 2 * 32 * dims.head_dim // 16 * 16
-    # x_smem: an mbarrier a row tile and (stats_smem) the statistics (each a cluster's rank with
-    # multicast), then the row tiles and the statistics ([rows][width / 8][2] fp32)
-    x_ranks, copies = cluster if t.x_smem == 2 else 1, rows // 16 + t.stats_smem
-    x_bytes = (16 * math.ceil(8 * copies * x_ranks / 16) + rows * w * (2 + t.stats_smem)) if t.x_smem else 0
+    x_bytes, x_smem = x_region(t, rows, w, cluster)
     cluster_region = 4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
                              8 * dims.head_dim * 8 * t.self_cluster) if cluster > 1 else 0
     kv_smem, cpp = cross_split(t, key_tiles, tile_bytes, programs // pairs, cluster, lambda c, kv_bytes:
@@ -471,7 +479,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      V_LATE=int((entries >= 2 if t.v_late is None else t.v_late) and not kv_smem),
                      A_CHUNK=(3 if entries == 4 else 6) if t.a_chunk is None else t.a_chunk,
                      X_AHEAD=int(not t.x_smem and (entries != 3 if t.x_ahead is None else t.x_ahead)),
-                     X_SMEM=1 if x_ranks == 1 and t.x_smem else t.x_smem, X_OFF=x_off,
+                     X_SMEM=x_smem, X_OFF=x_off,
                      STATS_SMEM=int(t.stats_smem), Y_SMEM=int(t.y_smem), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), CROSS_GROUPS=cpp // cluster if cluster > 1 else 1,
                      CROSS_GLOBAL=int(t.cross_global),
