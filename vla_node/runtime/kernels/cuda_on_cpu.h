@@ -329,6 +329,10 @@ inline void mbar_wait(unsigned long long* bar, u32 parity) {
         cpu::yield();
     }
 }
+inline bool mbar_try(unsigned long long* bar, u32 parity) {
+    cpu::yield();
+    return (*bar & 1u) != parity;
+}
 inline void mbar_init(unsigned long long* bar) { *bar = 0; }
 inline void mbar_expect(unsigned long long*, u32) {}   // each phase here is one copy's
 inline void fence_proxy_async() {}

@@ -237,6 +237,13 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
     asm volatile("{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; "
                  "@!done bra WAIT_%=; }" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
+// One bounded look: whether the phase of parity `parity` has completed.
+__device__ __forceinline__ bool mbar_try(unsigned long long* bar, u32 parity) {
+    u32 done;
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
 
 // L2_PREFETCH: `bytes` from src pulled into L2 by the copy engine (no registers, no shared memory,
 // nothing to wait for), so the loads that follow a phase later find them there.
@@ -830,16 +837,23 @@ __device__ __forceinline__ void x_issue(const Params& p, float* smem, const void
         bulk_copy_multicast(dst(c) + rank * part, src(c) + rank * part, part, bar(c, rank), (u16)((1u << CLUSTER) - 1));
     }
 }
-// Row tile mt (MT: the statistics) has landed in this program's shared memory.
-__device__ __forceinline__ void x_wait(float* smem, int mt, u32 parity) {
-    for (int r = 0; r < XR; ++r) mbar_wait(x_bar(smem, mt, r), parity);
+// Row tile mt (MT: the statistics) has landed in this program's shared memory. A copy that never
+// lands (a wrong mbarrier phase) gives up after SPIN_LIMIT looks and sets the error flag, as a grid
+// barrier does: a wrong result the host sees, not a hung launch.
+__device__ __forceinline__ void x_wait(const Params& p, float* smem, int mt, u32 parity) {
+    for (int r = 0; r < XR; ++r)
+        for (int looks = 0; !mbar_try(x_bar(smem, mt, r), parity);)
+            if (++looks > SPIN_LIMIT) {
+                atomicExch(p.err, 1);
+                break;
+            }
 }
 // Before the phase's arrival: every copy landed (a program without output tiles reads none, but its
 // mbarriers' next phase must start after this one), the next phase's parities: bit 0 the row
 // tiles', bit 1 the statistics'.
-__device__ __forceinline__ void x_done(Sync& s, float* smem, bool stats) {
-    for (int mt = 0; mt < MT && threadIdx.x == 0; ++mt) x_wait(smem, mt, s.x_parity & 1u);
-    if (stats && threadIdx.x == 0) x_wait(smem, MT, s.x_parity >> 1);
+__device__ __forceinline__ void x_done(const Params& p, Sync& s, float* smem, bool stats) {
+    for (int mt = 0; mt < MT && threadIdx.x == 0; ++mt) x_wait(p, smem, mt, s.x_parity & 1u);
+    if (stats && threadIdx.x == 0) x_wait(p, smem, MT, s.x_parity >> 1);
     s.x_parity ^= stats ? 3u : 1u;
 }
 
@@ -963,7 +977,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #if X_FRAGS
         if (X_SMEM) {
             float* smem = dynamic_smem();
-            x_wait(smem, mt, x_parity & 1u);
+            x_wait(p, smem, mt, x_parity & 1u);
             const uint4* tile = x_tile(smem, mt);
 #pragma unroll
             for (int ks = 0; ks < S::KSW; ++ks) raw[ks] = tile[(warp * S::KSW + ks) * 32 + lane];
@@ -1023,7 +1037,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
         constexpr int KC = whole_chunk(S::KSW, A_CHUNK);
         for (int mt = 0; mt < MT; ++mt) {
             if (SRC == FROM_X_LN && (mt > 0 || X_SMEM) && !X_AHEAD) load_x(p, mt, raw);
-            if (SRC == FROM_FRAGS && a_copied<SRC, K, SPLIT>()) x_wait(dynamic_smem(), mt, x_parity & 1u);
+            if (SRC == FROM_FRAGS && a_copied<SRC, K, SPLIT>()) x_wait(p, dynamic_smem(), mt, x_parity & 1u);
             uint4 att[HK];
             if (SRC == FROM_SELF) self_attend(p, mt / (TOK16 / 16), warp, mt % (TOK16 / 16), att);
             float acc[S::TPC][4];
@@ -1204,7 +1218,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load (X_SMEM: copies)
             if (!X_SMEM) gemv.load_x(p, 0, raw);
-            if (STATS) x_wait(smem, MT, s.x_parity >> 1);
+            if (STATS) x_wait(p, smem, MT, s.x_parity >> 1);
             row_stats<STATS_SMEM>(p, mean, rstd);
             __syncthreads();
         }
@@ -1216,7 +1230,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
     }
     cp_async_wait();
-    if (COPIED) x_done(s, smem, STATS);
+    if (COPIED) x_done(p, s, smem, STATS);
     s.w_phase++;
     grid_arrive(p, s);
 }
