@@ -27,6 +27,8 @@ from vla_node.runtime.kernels.pack_kv import block_stride, pack_kv
 
 MOLMOBOT_4B = types.SimpleNamespace(width=768, heads=8, head_dim=96, mlp=3072, action_dim=8, depth=36)
 H200_SMS = 132
+# the programs an H100 or H200 holds at once in clusters of c (scripts/probe_clusters.py)
+H200_HELD = {1: 132, 2: 132, 4: 120, 8: 120}.__getitem__
 
 
 def test_weights_are_laid_out_in_the_mma_b_fragment_order():
@@ -112,16 +114,14 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     assert p.smem <= 227 * 1024 and dict(p.constants)["CLUSTER"] == 1
     # clusters: the largest that holds every (entry, head), as many programs as the GPU holds in them
     # (B = 4: two clusters of 2 a pair, cross_groups)
-    def h200(c):
-        return {2: 132, 4: 120, 8: 120}[c]
     for entries, cluster, cpp, programs in ((1, 8, 8, 120), (2, 4, 4, 120), (4, 2, 4, 132), (8, 2, 2, 132)):
-        p = plan_of(MOLMOBOT_4B, entries, tokens=16, n_keys=892, programs=H200_SMS, held=h200)
+        p = plan_of(MOLMOBOT_4B, entries, tokens=16, n_keys=892, programs=H200_SMS, held=H200_HELD)
         assert (dict(p.constants)["CLUSTER"], p.cpp, p.programs, dict(p.constants)["NPROG"]) == \
             (cluster, cpp, programs, programs)
         assert p.smem <= 227 * 1024
     assert dict(plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, held=lambda c: 0).constants)["CLUSTER"] == 1
     with pytest.raises(ValueError, match="clusters of 8: 16"):
-        plan_of(MOLMOBOT_4B, 2, 16, 892, H200_SMS, CudaTiling(cluster=8), held=h200)
+        plan_of(MOLMOBOT_4B, 2, 16, 892, H200_SMS, CudaTiling(cluster=8), held=H200_HELD)
     # more programs a pair than the GPU has would leave pairs with none (wrong actions on the H100)
     with pytest.raises(ValueError, match="cross_programs 8: the GPU's programs hold 4"):
         plan_of(MOLMOBOT_4B, 4, 16, 892, H200_SMS, CudaTiling(cluster=1, cross_programs=8))
@@ -136,7 +136,7 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     # one cluster's 28 at B = 4 do not fit
     for entries, groups, tiles, fits in ((1, None, 7, 1), (2, None, 14, 1), (4, None, 14, 1), (4, 1, 28, 0)):
         smem = plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, CudaTiling(kv_smem=True, cross_groups=groups),
-                       held=h200)
+                       held=H200_HELD)
         assert (smem.tiles_per_cta, dict(smem.constants)["KV_SMEM"]) == (tiles, fits) and smem.smem <= 227 * 1024
     p8 = plan_of(MOLMOBOT_4B, entries=8, tokens=16, n_keys=892, programs=H200_SMS)
     assert p8.cpp * 8 * MOLMOBOT_4B.heads <= H200_SMS and p8.smem <= 227 * 1024
@@ -147,16 +147,16 @@ def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
     assert [dict(w.constants)["W_SMEM"] for w in (w1, w8, w8_fc1_3)] == [1, 0, 1]
     assert max(w.smem for w in (w1, w8, w8_fc1_3)) <= 227 * 1024
     # the default: the buffers at one observation (fc2's K unsplit), none at two (fc2 split)
-    d1, d2 = (dict(plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, held=h200).constants) for e in (1, 2))
+    d1, d2 = (dict(plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, held=H200_HELD).constants) for e in (1, 2))
     assert (d1["W_SMEM"], d1["FC2_SPLIT"], d2["W_SMEM"], d2["FC2_SPLIT"]) == (1, 1, 0, 2)
     # cross_out: 2 tiles a program (48 programs) up to two observations, as few as cover it (1) from four
-    d4 = dict(plan_of(MOLMOBOT_4B, 4, 16, 892, H200_SMS, held=h200).constants)
+    d4 = dict(plan_of(MOLMOBOT_4B, 4, 16, 892, H200_SMS, held=H200_HELD).constants)
     assert (d1["CO_TPC"], d2["CO_TPC"], d4["CO_TPC"]) == (2, 2, 1)
     # the first key tile's V after the cross-attention's wait from two observations on
     assert (d1["V_LATE"], d2["V_LATE"], d4["V_LATE"]) == (0, 1, 1)
     # fc1: 4 tiles a program (96 programs) up to three observations, as few as cover it (3) from four;
     # A fragments loaded 3 k-steps at a time at four observations, 6 elsewhere
-    d3, d8 = (dict(plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, held=h200).constants) for e in (3, 8))
+    d3, d8 = (dict(plan_of(MOLMOBOT_4B, e, 16, 892, H200_SMS, held=H200_HELD).constants) for e in (3, 8))
     assert [d["FC1_TPC"] for d in (d1, d3, d4, d8)] == [4, 4, 3, 3]
     assert [d["A_CHUNK"] for d in (d1, d3, d4, d8)] == [6, 6, 3, 6]
     with pytest.raises(ValueError, match="at most 128 padded rows"):
@@ -498,12 +498,11 @@ def test_gemv_operands_copied_to_shared_memory_keep_the_result_bit_for_bit_on_th
 
 
 def test_x_smem_needs_x_frags_and_room():
-    held = {2: 132, 4: 120, 8: 120}.__getitem__   # the H200's clusters (probe_clusters.py)
     for entries in (1, 2, 4):   # 96 KB of residual values and 48 KB of statistics at B = 4 beside the rest
         tiling = CudaTiling(x_smem=2, stats_smem=True)
-        assert dict(plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, tiling, held=held).constants)["X_SMEM"] == 2
+        assert dict(plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, tiling, held=H200_HELD).constants)["X_SMEM"] == 2
     with pytest.raises(ValueError, match="shared memory"):   # 192 KB at B = 8
-        plan_of(MOLMOBOT_4B, 8, 16, 892, H200_SMS, CudaTiling(x_smem=1), held=held)
+        plan_of(MOLMOBOT_4B, 8, 16, 892, H200_SMS, CudaTiling(x_smem=1), held=H200_HELD)
     with pytest.raises(ValueError, match="x_frags"):
         CudaTiling(x_smem=1, x_frags=False)
     with pytest.raises(ValueError, match="x_smem"):
@@ -514,8 +513,8 @@ def test_x_smem_needs_x_frags_and_room():
 
 
 def test_cross_groups_need_clusters_and_room():
-    def plan(entries, tiling):   # the H200 holds 120 programs in clusters of 4 or 8 (probe_clusters.py)
-        return plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, tiling, held={2: 132, 4: 120, 8: 120}.__getitem__)
+    def plan(entries, tiling):   # the H200 holds 120 programs in clusters of 4 or 8
+        return plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, tiling, held=H200_HELD)
     p = plan(4, CudaTiling())   # the default: 32 pairs x 2 clusters of 2, 128 programs of 14 key tiles
     assert (dict(p.constants)["CLUSTER"], dict(p.constants)["CROSS_GROUPS"], p.cpp, p.tiles_per_cta) == (2, 2, 4, 14)
     p = plan(4, CudaTiling(cross_groups=1))   # one cluster of 2 a pair: 64 programs of 28
@@ -532,9 +531,8 @@ def test_cross_groups_need_clusters_and_room():
 
 
 def test_fc2_split_is_at_most_the_cluster_and_whole_loads():
-    def split(entries, tiling):   # the H200 holds 120 programs in clusters of 4 or 8 (probe_clusters.py)
-        held = {1: 132, 2: 132, 4: 120, 8: 120}.__getitem__
-        return dict(plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, tiling, held=held).constants)["FC2_SPLIT"]
+    def split(entries, tiling):   # the H200 holds 120 programs in clusters of 4 or 8
+        return dict(plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, tiling, held=H200_HELD).constants)["FC2_SPLIT"]
     assert split(1, CudaTiling(fc2_split=8)) == 4    # clusters of 8, but 3072 / 16 / 8 / 8 k-steps a warp is odd
     assert split(4, CudaTiling(fc2_split=4)) == 2    # clusters of 2 at B = 4
     assert split(1, CudaTiling(fc2_split=4, cluster=1)) == 1
