@@ -15,12 +15,9 @@ from check_cuda_expert import tilings  # scripts/: the variant syntax of the GPU
 
 from vla_node.model import get_preset
 from vla_node.runtime.fused_expert_cuda import plan_of
-from vla_node.runtime.kernels.expert_flow_cuda import nvrtc_compile
+from vla_node.runtime.kernels.expert_flow_cuda import HOPPER_HELD, nvrtc_compile
 
 H200_SMS, DROID_KEYS = 132, 892
-# the programs an H100 or H200 holds at once in clusters of c (scripts/probe_clusters.py): the plans
-# the GPU runs (at B = 4 clusters of 2 in two groups, not clusters of 4)
-HELD = {2: 132, 4: 120, 8: 120}
 
 
 def main():
@@ -39,7 +36,7 @@ def main():
         for name, tiling, fp8 in tilings(args.tilings):
             constants = dict(plan_of(types.SimpleNamespace(**vars(dims), fp8=fp8), entries, tokens=a.horizon,
                                      n_keys=DROID_KEYS, programs=H200_SMS, tiling=tiling,
-                                     held=HELD.__getitem__).constants)
+                                     held=HOPPER_HELD.__getitem__).constants)   # the plans the GPU runs
             for label, source in sources:
                 _, log = nvrtc_compile(constants, "sm_90", verbose=True, source=source)
                 regs = re.search(r"Used (\d+) registers", log).group(1)

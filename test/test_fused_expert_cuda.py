@@ -23,12 +23,12 @@ from vla_node.runtime.fp8 import E4M3, E4M3_MAX
 from vla_node.runtime.fused_expert import FusedExpert
 from vla_node.runtime.fused_expert_cuda import HOST_SMEM_LIMIT, CudaTiling, fragments_b, plan_of
 from vla_node.runtime.fusion import fuse_projections
+from vla_node.runtime.kernels.expert_flow_cuda import HOPPER_HELD
 from vla_node.runtime.kernels.pack_kv import block_stride, pack_kv
 
 MOLMOBOT_4B = types.SimpleNamespace(width=768, heads=8, head_dim=96, mlp=3072, action_dim=8, depth=36)
 H200_SMS = 132
-# the programs an H100 or H200 holds at once in clusters of c (scripts/probe_clusters.py)
-H200_HELD = {1: 132, 2: 132, 4: 120, 8: 120}.__getitem__
+H200_HELD = HOPPER_HELD.__getitem__   # the programs an H100 or H200 holds at once in clusters of c
 
 
 def test_weights_are_laid_out_in_the_mma_b_fragment_order():
