@@ -102,12 +102,15 @@ class CudaTiling:
     # the cluster is 2 and a pair's two fit (molmobot-4b on 132 SMs: B = 4), where on the H100 the loop
     # was 1.2-1.4 % faster in two runs (B = 4 14.81-14.83 against 15.00-15.01 ms: the key tiles 8.25 ->
     # 5.50 us a block, the merge 1.75 -> 3.75; larger clusters in groups were slower at B = 1 and 2:
-    # BENCHMARKS.md, forty-second session), else 1
+    # BENCHMARKS.md, forty-second session; on the H200 14.41-14.45 against 14.85 with one group:
+    # forty-fifth session), else 1
     cross_groups: Optional[int] = None
     # with clusters, every cross-attention program's partial merged by its pair's last program through
     # global memory (as without clusters), none in distributed shared memory: one merge instead of a
     # cluster's and then the groups' (at B = 4 with 2 groups the merge took 3.75 us a block against one
-    # cluster's 1.75); the clusters then serve fc2's split alone. Untimed
+    # cluster's 1.75); the clusters then serve fc2's split alone. On the H200 slower at every B: the loop
+    # 8.21 -> 9.23 ms at B = 1, 10.89 -> 11.64 at B = 2, 14.45 -> 14.91 at B = 4 (BENCHMARKS.md,
+    # forty-fifth session)
     cross_global: bool = False
     # self_out computes its own warp's head of the self-attention (no self phase, one barrier less;
     # heads = 8 and head_dim = width / 8 only): every self_out program reads all of q, k, v
@@ -138,15 +141,20 @@ class CudaTiling:
     # round trip each, and every program reads all 96 KB (BENCHMARKS.md, forty-first session). 2: each
     # program of a cross-attention cluster copies 1 / cluster of every row tile into all of the
     # cluster's programs (multicast), so that L2 serves the residual values once a cluster (without
-    # clusters as 1). The same numbers bit for bit. Untimed
+    # clusters as 1). The same numbers bit for bit. On the H200 slower at every B: the loop 8.21 / 10.89 /
+    # 14.45 ms at B = 1 / 2 / 4 against 9.25 / 11.83 / 15.24 at 1 and 8.92 / 11.49 / 15.24 at 2; at B = 4 the
+    # copies' wait held even the dots of qkv, 2.25 -> 3.50 us (with stats_smem and y_smem: BENCHMARKS.md,
+    # forty-fifth session)
     x_smem: int = 0
     # with x_smem, the LayerNorm statistics of every row tile (48 KB at B = 4, which every program read
     # before its first dot: 2.0 us a block at B = 4 against 1.0 at B = 1) copied first, the same way.
-    # Untimed
+    # On the H200 slower: with x_smem 2 the loop 8.92 -> 9.76 ms at B = 1, 15.24 -> 15.87 at B = 4
+    # (BENCHMARKS.md, forty-fifth session)
     stats_smem: bool = False
     # with x_smem, self_out's and cross_out's A operand (the attention output, laid out as the
     # residual values' copy) copied the same way: at B = 4 on the H100 their dots took 1.25 us a
-    # block against 0.50 and 0.75 at B = 1 (BENCHMARKS.md, forty-first session). Untimed
+    # block against 0.50 and 0.75 at B = 1 (BENCHMARKS.md, forty-first session). On the H200 slower:
+    # with x_smem 2 the loop 8.92 -> 9.62 ms at B = 1, 15.24 -> 16.00 at B = 4 (forty-fifth session)
     y_smem: bool = False
     # the cross-attention's queries folded into the qkv and self_out phases (expert_flow.cu, Part2):
     # no cross_q phase and its barrier; per schedule the host makes an M = Wq diag((1 + c2) g1) Wso
