@@ -229,8 +229,7 @@ def hopper_compiles(request):
                                              (4, CudaTiling(l2_prefetch=3)),
                                              (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False)),
                                              (1, CudaTiling(v_late=True)), (4, CudaTiling(v_late=False)),
-                                             (4, CudaTiling(cross_groups=1)), (4, CudaTiling(cross_global=True)),
-                                             (4, CudaTiling(x_smem=2, stats_smem=True, y_smem=True))])
+                                             (4, CudaTiling(cross_groups=1)), (4, CudaTiling(cross_global=True))])
 def test_the_kernel_compiles_for_hopper(hopper_compiles, entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     constants = kernel_constants(entries, tiling)
@@ -349,9 +348,7 @@ def assert_near_truth(got, want, eager):
                               pytest.param("cuda", 3, CudaTiling(cluster=2, cross_groups=2), marks=pytest.mark.cuda,
                                            id="3-cross_groups-cuda"),
                               pytest.param("cuda", 3, CudaTiling(cluster=2, cross_groups=2, cross_global=True),
-                                           marks=pytest.mark.cuda, id="3-cross_global-cuda"),
-                              pytest.param("cuda", 3, CudaTiling(x_smem=2, stats_smem=True, y_smem=True),
-                                           marks=pytest.mark.cuda, id="3-x_smem_multicast-cuda")])
+                                           marks=pytest.mark.cuda, id="3-cross_global-cuda")])
 def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device, entries, tiling):
     cfg, e, truth = small_expert(device)
     fused = FusedExpert(e, backend="cuda", cuda_tiling=tiling)
@@ -471,45 +468,6 @@ def test_cross_groups_merge_a_pairs_clusters_on_the_cpu_build(kv_smem, cross_glo
     one, _, _ = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(cluster=4, kv_smem=kv_smem)))
     assert float((got - one).norm()) < 0.5 * float((eager - want).norm())
     assert_near_truth(got, want, eager)
-
-
-@pytest.mark.parametrize("entries, x_smem, stats_smem, y_smem", [(1, 2, True, True), (2, 2, False, True),
-                                                                  (3, 1, True, False), (4, 2, True, True)])
-def test_gemv_operands_copied_to_shared_memory_keep_the_result_bit_for_bit_on_the_cpu_build(entries, x_smem,
-                                                                                              stats_smem, y_smem):
-    """x_smem: the LayerNorm phases' residual values (every row tile of xf), with stats_smem their
-    statistics, with y_smem self_out's and cross_out's attention output, copied into shared memory
-    after each wait, by each program (1), or a part of each by each program of a cluster into all of
-    the cluster's (2: multicast; the CPU build's 8 programs in clusters of 4 at B = 1, 2 at B = 2, none
-    at B = 3 and 4; the statistics tile-major at B = 4). Only where the values are read from changes:
-    the default's numbers bit for bit (a rank's part of the residual values or of the statistics sent
-    to the wrong place, or a lane reading another's fragment of y, fails it)."""
-    cfg, e, truth = small_expert("cpu")
-    run = flow_case(cfg, e, truth, entries=entries, steps=3, device="cpu")
-    tiling = CudaTiling(x_smem=x_smem, stats_smem=stats_smem, y_smem=y_smem)
-    copied = FusedExpert(e, backend="cuda", cuda_tiling=tiling)
-    constants = dict(plan_of(copied, entries, 16, 38, 8, copied.cuda.tiling, smem_limit=HOST_SMEM_LIMIT).constants)
-    knobs = [constants[name] for name in ("X_SMEM", "STATS_SMEM", "Y_SMEM", "CLUSTER", "X_AHEAD")]
-    assert knobs == [x_smem if entries <= 2 else 1, stats_smem, y_smem, {1: 4, 2: 2}.get(entries, 1), 0]
-    with torch.inference_mode():
-        got = run.launcher(copied)().clone()
-        want = run.launcher(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling()))().clone()
-    assert torch.equal(got, want)
-
-
-def test_x_smem_needs_x_frags_and_room():
-    for entries in (1, 2, 4):   # 96 KB of residual values and 48 KB of statistics at B = 4 beside the rest
-        tiling = CudaTiling(x_smem=2, stats_smem=True)
-        assert dict(plan_of(MOLMOBOT_4B, entries, 16, 892, H200_SMS, tiling, held=H200_HELD).constants)["X_SMEM"] == 2
-    with pytest.raises(ValueError, match="shared memory"):   # 192 KB at B = 8
-        plan_of(MOLMOBOT_4B, 8, 16, 892, H200_SMS, CudaTiling(x_smem=1), held=H200_HELD)
-    with pytest.raises(ValueError, match="x_frags"):
-        CudaTiling(x_smem=1, x_frags=False)
-    with pytest.raises(ValueError, match="x_smem"):
-        CudaTiling(x_smem=3)
-    for knob in ("stats_smem", "y_smem"):
-        with pytest.raises(ValueError, match="need x_smem"):
-            CudaTiling(**{knob: True})
 
 
 def test_cross_groups_need_clusters_and_room():

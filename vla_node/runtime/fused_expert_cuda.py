@@ -132,30 +132,12 @@ class CudaTiling:
     cross_programs: int = 0
     # the LayerNorm phases read the residual stream's bf16 copy in A-fragment order (one 16-byte
     # load a k-step) instead of its fp32 values: half the bytes every program of those phases reads.
-    # On the H200 the LayerNorm phases 1.75-2 us shorter each (BENCHMARKS.md, eighth session)
+    # On the H200 the LayerNorm phases 1.75-2 us shorter each (BENCHMARKS.md, eighth session). Its row
+    # tiles (and the statistics, and self_out's and cross_out's A operand) copied into shared memory by
+    # the copy engine after each wait, a bulk copy or a cluster's multicast a row tile, were slower at
+    # every B on the H200: the loop 8.21 -> 8.92-11.48 ms at B = 1, 14.45 -> 15.24-17.14 at B = 4, the
+    # copies' wait holding even the dots (removed: BENCHMARKS.md, forty-fifth session)
     x_frags: bool = True
-    # with x_frags, a LayerNorm phase's residual values (every row tile of the bf16 copy) copied into
-    # shared memory by the copy engine right after the phase's wait, one bulk copy a row tile, instead
-    # of loaded by the warps a row tile at a time (x_ahead then has nothing to do). At B = 4 on the
-    # H100 the dots of qkv and fc1 took 2.25 us a block against 0.75 at B = 1: four row tiles, an L2
-    # round trip each, and every program reads all 96 KB (BENCHMARKS.md, forty-first session). 2: each
-    # program of a cross-attention cluster copies 1 / cluster of every row tile into all of the
-    # cluster's programs (multicast), so that L2 serves the residual values once a cluster (without
-    # clusters as 1). The same numbers bit for bit. On the H200 slower at every B: the loop 8.21 / 10.89 /
-    # 14.45 ms at B = 1 / 2 / 4 against 9.25 / 11.83 / 15.24 at 1 and 8.92 / 11.49 / 15.24 at 2; at B = 4 the
-    # copies' wait held even the dots of qkv, 2.25 -> 3.50 us (with stats_smem and y_smem: BENCHMARKS.md,
-    # forty-fifth session)
-    x_smem: int = 0
-    # with x_smem, the LayerNorm statistics of every row tile (48 KB at B = 4, which every program read
-    # before its first dot: 2.0 us a block at B = 4 against 1.0 at B = 1) copied first, the same way.
-    # On the H200 slower: with x_smem 2 the loop 8.92 -> 9.76 ms at B = 1, 15.24 -> 15.87 at B = 4
-    # (BENCHMARKS.md, forty-fifth session)
-    stats_smem: bool = False
-    # with x_smem, self_out's and cross_out's A operand (the attention output, laid out as the
-    # residual values' copy) copied the same way: at B = 4 on the H100 their dots took 1.25 us a
-    # block against 0.50 and 0.75 at B = 1 (BENCHMARKS.md, forty-first session). On the H200 slower:
-    # with x_smem 2 the loop 8.92 -> 9.62 ms at B = 1, 15.24 -> 16.00 at B = 4 (forty-fifth session)
-    y_smem: bool = False
     # the cross-attention's queries folded into the qkv and self_out phases (expert_flow.cu, Part2):
     # no cross_q phase and its barrier; per schedule the host makes an M = Wq diag((1 + c2) g1) Wso
     # for every step and block (steps x depth x width^2 bf16: 425 MB at 10 steps of molmobot-4b).
@@ -249,13 +231,6 @@ class CudaTiling:
             raise ValueError(f"cross_marks: 0, 1 or 2, got {self.cross_marks}")
         if not 0 <= self.poll_warp < THREADS // 32:
             raise ValueError(f"poll_warp: a warp of the program's {THREADS // 32}, got {self.poll_warp}")
-        if self.x_smem not in (0, 1, 2):
-            raise ValueError(f"x_smem: 0, 1 (each program copies the residual values) or 2 (a cluster's programs "
-                             f"multicast them), got {self.x_smem}")
-        if self.x_smem and not self.x_frags:
-            raise ValueError("x_smem copies the residual stream's bf16 fragments: it needs x_frags")
-        if (self.stats_smem or self.y_smem) and not self.x_smem:
-            raise ValueError("stats_smem and y_smem copy through x_smem's buffer: they need x_smem")
         if self.epi_split not in (1, 2, 4):
             raise ValueError(f"epi_split: 1, 2 or 4 threads a GEMV epilogue's item of 8 columns, got {self.epi_split}")
 
@@ -404,17 +379,6 @@ def cross_split(t: CudaTiling, key_tiles: int, tile_bytes: int, most: int, clust
     return False, (not t.kv_smem and t.cross_programs) or max(1, min(math.ceil(key_tiles / 8), most))
 
 
-def x_region(t: CudaTiling, rows: int, width: int, cluster: int) -> tuple[int, int]:
-    """x_smem's shared memory in bytes and the kernel's X_SMEM (multicast without clusters: 1): an
-    mbarrier a row tile and (stats_smem) one for the statistics, each a cluster's rank's with
-    multicast, padded to 16 bytes, then the row tiles (bf16) and the statistics ([rows][width / 8][2] fp32)."""
-    if not t.x_smem:
-        return 0, 0
-    ranks = cluster if t.x_smem == 2 else 1
-    bars = 8 * (rows // 16 + t.stats_smem) * ranks
-    return 16 * math.ceil(bars / 16) + rows * width * (2 + t.stats_smem), 2 if ranks > 1 else 1
-
-
 def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling: CudaTiling = CudaTiling(),
             smem_limit: int = SMEM_LIMIT, held: Optional[Callable[[int], int]] = None) -> Plan:
     """The kernel's constants and launch shape for `dims` (a FusedExpert's width, heads, head_dim,
@@ -457,21 +421,19 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     w_buf = (8 if fp8 else 16) * max([n * w for n in (qkv, so, cq, co, fc1)] + [fc2 * dims.mlp])
     w_bytes = 16 + 2 * w_buf if weights_smem_of(t, entries) else 0
     tile_bytes = 2 * 32 * dims.head_dim // 16 * 16
-    x_bytes, x_smem = x_region(t, rows, w, cluster)
     cluster_region = 4 * max(tok16 * dims.head_dim + 2 * tok16, fc2 * rows * 8 if split > 1 else 0,
                              8 * dims.head_dim * 8 * t.self_cluster) if cluster > 1 else 0
     kv_smem, cpp = cross_split(t, key_tiles, tile_bytes, programs // pairs, cluster, lambda c, kv_bytes:
-                               4 * general(c) + w_bytes + kv_bytes + cluster_region + x_bytes <= smem_limit)
+                               4 * general(c) + w_bytes + kv_bytes + cluster_region <= smem_limit)
     tiles_per_cta = math.ceil(key_tiles / cpp)
     gen = general(cpp)
     kv_bytes = 16 + tiles_per_cta * tile_bytes if kv_smem else 0
-    if 4 * gen + w_bytes + kv_bytes + x_bytes > smem_limit:
+    if 4 * gen + w_bytes + kv_bytes > smem_limit:
         w_bytes = 0
     c_off = gen + (w_bytes + kv_bytes) // 4   # clusters: each program's merged partial
     # clusters: the cross-attention's merged partial, fc2's split sums [tiles][rows][8], the
     # self-attention items' fragments [8][head_dim / 16][32][4]
-    x_off = 4 * math.ceil((c_off + cluster_region // 4) / 4)   # x_smem's mbarriers and row tiles: 16-byte aligned
-    smem = 4 * x_off + x_bytes
+    smem = 4 * c_off + cluster_region
     if smem > smem_limit:
         raise ValueError(f"the CUDA expert kernel's plan needs {smem} bytes of shared memory, {smem_limit} a program")
     constants = dict(WIDTH=dims.width, HEADS=dims.heads, HDIM=dims.head_dim, MLPD=dims.mlp, ADIM=dims.action_dim,
@@ -486,9 +448,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      LATE_W=int(t.late_weights), KV_AHEAD=int(t.kv_ahead),
                      V_LATE=int((entries >= 2 if t.v_late is None else t.v_late) and not kv_smem),
                      A_CHUNK=(3 if entries == 4 else 6) if t.a_chunk is None else t.a_chunk,
-                     X_AHEAD=int(not t.x_smem and (entries != 3 if t.x_ahead is None else t.x_ahead)),
-                     X_SMEM=x_smem, X_OFF=x_off,
-                     STATS_SMEM=int(t.stats_smem), Y_SMEM=int(t.y_smem), FC2_SPLIT=split,
+                     X_AHEAD=int(entries != 3 if t.x_ahead is None else t.x_ahead), FC2_SPLIT=split,
                      SELF_CLUSTER=int(t.self_cluster), CROSS_GROUPS=cpp // cluster if cluster > 1 else 1,
                      CROSS_GLOBAL=int(t.cross_global),
                      W_OFF=gen, W_BUF=w_buf, SO_STRIDE=so_stride,

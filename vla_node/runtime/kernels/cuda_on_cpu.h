@@ -329,14 +329,8 @@ inline void mbar_wait(unsigned long long* bar, u32 parity) {
         cpu::yield();
     }
 }
-inline bool mbar_try(unsigned long long* bar, u32 parity) {
-    cpu::yield();
-    return (*bar & 1u) != parity;
-}
 inline void mbar_init(unsigned long long* bar) { *bar = 0; }
-inline void mbar_expect(unsigned long long*, u32) {}   // each phase here is one copy's
 inline void fence_proxy_async() {}
-inline void fence_proxy_async_global() {}
 inline void prefetch_l2(const void*, u32) {}   // a hint: nothing to do on the host
 inline void prefetch_line(const void*) {}
 
@@ -411,13 +405,6 @@ inline const char* peer_addr(const void* p, u32 rank) {
     return (const char*)cluster_program(rank).smem.data() + offset;
 }
 inline float ld_peer(const float* p, u32 rank) { return *(const float*)peer_addr(p, rank); }
-inline void bulk_copy_multicast(void* dst, const void* src, u32 bytes, unsigned long long* bar, u16 mask) {
-    for (u32 rank = 0; rank < cpu::launch_now->cluster; ++rank)
-        if (mask >> rank & 1u) {
-            std::memcpy((void*)peer_addr(dst, rank), src, bytes);
-            ++*(unsigned long long*)peer_addr(bar, rank);
-        }
-}
 inline uint4 ld_peer16(const void* p, u32 rank) {
     uint4 v;
     std::memcpy(&v, peer_addr(p, rank), 16);

@@ -46,13 +46,7 @@
 // none in distributed shared memory; the clusters then serve fc2's split alone),
 // KV_SMEM (the cross-attention's key tiles copied into shared memory at KV_OFF floats, ahead of
 // their use), FUSE_SELF and X_FRAGS (the LayerNorm phases read the residual stream's bf16 copy
-// in A-fragment order, xf), X_SMEM (with X_FRAGS: a LayerNorm phase's residual values, every row
-// tile of xf, copied into shared memory at X_OFF floats by the copy engine right after the phase's
-// wait, one copy a row tile, instead of loaded by the warps one row tile after the other (a round
-// trip to L2 each, and every program reads all of xf: 96 KB at B = 4); 2: each program of a
-// cluster copies 1 / CLUSTER of every row tile into all of the cluster's programs (multicast), so
-// that L2 serves xf once a cluster), STATS_SMEM (with X_SMEM: the statistics too, copied first),
-// Y_SMEM (with X_SMEM: self_out's and cross_out's A operand, the attention output y, the same way),
+// in A-fragment order, xf),
 // W_SMEM (each GEMV phase's weights copied into one of two W_BUF-byte buffers at W_OFF floats by the
 // copy engine while the phase before it runs, instead of loaded into registers before its wait),
 // SELF_CLUSTER (the self-attention computed by self_out's clusters: FROM_CLUSTER), FC2_SPLIT (fc2's
@@ -214,35 +208,16 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
     return s;
 }
-// This program's arrival at the mbarrier `bar` (its only one), expecting `bytes` of copies.
-__device__ __forceinline__ void mbar_expect(unsigned long long* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
 // One bulk copy (the copy engine, no threads held) of `bytes` into shared memory, completing on
 // the mbarrier `bar` (KV_SMEM: a program's key tiles of a block, issued phases ahead of their use).
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
-    mbar_expect(bar, bytes);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-// One bulk copy into the shared memory of every program of the cluster in `mask` (bit: rank), at
-// dst's offset in each, completing on the mbarrier at bar's offset in each (which expects it).
-__device__ __forceinline__ void bulk_copy_multicast(void* dst, const void* src, u32 bytes, unsigned long long* bar,
-                                                    u16 mask) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
-                 "[%0], [%1], %2, [%3], %4;"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "h"(mask) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
     asm volatile("{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; "
                  "@!done bra WAIT_%=; }" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-// One bounded look: whether the phase of parity `parity` has completed.
-__device__ __forceinline__ bool mbar_try(unsigned long long* bar, u32 parity) {
-    u32 done;
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-    return done != 0;
 }
 
 // L2_PREFETCH: `bytes` from src pulled into L2 by the copy engine (no registers, no shared memory,
@@ -256,9 +231,6 @@ __device__ __forceinline__ void prefetch_line(const void* src) {
 }
 // Shared memory that generic loads read before, written next by the copy engine (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-// Global memory that other programs wrote with generic stores (acquired at a barrier), read next by
-// the copy engine.
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 __device__ __forceinline__ void mbar_init(unsigned long long* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
@@ -397,7 +369,6 @@ struct Sync {
     u32 kv_parity;  // KV_SMEM: the phase of the K/V copy's mbarrier that the next wait waits for
     u32 w_phase;    // W_SMEM: GEMV phases so far (phase n reads weight buffer n & 1)
     u32 w_parity;   // W_SMEM: bit b, the phase of buffer b's mbarrier that its next wait waits for
-    u32 x_parity;   // X_SMEM: the phase the next wait waits for: bit 0 the row tiles' mbarriers, bit 1 the statistics'
 };
 
 // TRACE: per program and segment, its start (0: its wait's end), end (1: its arrival) and two
@@ -462,27 +433,6 @@ __device__ __forceinline__ void grid_wait(const Params& p, Sync& s) {
     trace_mark(p, s, 0);
 }
 
-// -- a GEMV phase's operands in shared memory (X_SMEM) ------------------------------------------
-// At X_OFF floats: (MT + STATS_SMEM) x XR mbarriers (row tile mt's, then with STATS_SMEM the
-// statistics', from rank r: with X_SMEM 2 each program of the cluster sends a part of each),
-// padded to 16 bytes, then the row tiles of xf (or y: Y_SMEM) in its order, then the statistics in
-// stats' order.
-#define XR (X_SMEM == 2 ? CLUSTER : 1)
-#define X_TILE_BYTES (KS_W * 32 * 16)
-#define STATS_BYTES (MP * NT_W * 2 * 4)
-#define X_BAR_FLOATS ((2 * (MT + STATS_SMEM) * XR + 3) / 4 * 4)
-static_assert(!X_SMEM || (X_FRAGS && !X_AHEAD), "X_SMEM: xf's fragments, each row tile waited for where it is used");
-static_assert((!STATS_SMEM && !Y_SMEM) || X_SMEM, "STATS_SMEM, Y_SMEM: with the residual values (X_SMEM)");
-static_assert(X_TILE_BYTES % (16 * XR) == 0 && STATS_BYTES % (16 * XR) == 0,
-              "X_SMEM: a rank's part of a row tile or of the statistics in whole 16 bytes");
-__device__ __forceinline__ unsigned long long* x_bar(float* smem, int mt, int r) {
-    return (unsigned long long*)(smem + X_OFF) + mt * XR + r;
-}
-__device__ __forceinline__ uint4* x_tile(float* smem, int mt) {
-    return (uint4*)(smem + X_OFF + X_BAR_FLOATS) + mt * KS_W * 32;
-}
-__device__ __forceinline__ float* x_stats(float* smem) { return (float*)x_tile(smem, MT); }
-
 // -- block reductions ------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -507,13 +457,11 @@ __device__ __forceinline__ int stats_at(int r, int t) { return (STATS_T ? t * MP
 
 // LayerNorm mean and 1/std of rows row0 .. row0 + rows - 1 from their 8-column tiles' (mean, M2)
 // (Chan's formula, equal counts): into mean[rows], rstd[rows] in shared memory. TPR threads a row.
-// FROM_SMEM (STATS_SMEM): from their copy in this program's shared memory.
-template <bool FROM_SMEM = false>
 __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 0, int rows = MP) {
     constexpr int PER = (NT_W + TPR - 1) / TPR;
     // a local base and each address taken outside the select below: with the loads' address folded into
     // it, ptxas spills 20 bytes instead of 12 at B = 4 on sm_90 (212 instead of 200 at B = 8)
-    const float* stats = FROM_SMEM ? x_stats(dynamic_smem()) : p.stats;
+    const float* stats = p.stats;
     const int lane_in_row = threadIdx.x % TPR;
     for (int base = 0; base < rows; base += NTHREADS / TPR) {
         const int rr = base + threadIdx.x / TPR, r = row0 + rr;
@@ -524,7 +472,7 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
             const int t = lane_in_row + u * TPR;
             const bool here = ok && t < NT_W;
             const float* at = stats + stats_at(r, t);
-            const float2 st = !here ? make_float2(0.0f, 0.0f) : FROM_SMEM ? *(const float2*)at : ld_cg_f2(at);
+            const float2 st = here ? ld_cg_f2(at) : make_float2(0.0f, 0.0f);
             tm[u] = st.x;
             t2[u] = st.y;
         }
@@ -805,58 +753,6 @@ __device__ __forceinline__ const wfrag* w_take(Sync& s, float* smem) {
     return w_buf(smem, b);
 }
 
-// Whether a GEMV phase's A operand comes through the X_SMEM buffer: a LayerNorm phase's residual
-// values, and with Y_SMEM self_out's and cross_out's attention output (y: the same layout as xf).
-template <int SRC, int K, int SPLIT> constexpr bool a_copied() {
-    return SRC == FROM_X_LN ? X_SMEM != 0 : SRC == FROM_FRAGS && Y_SMEM && K == WIDTH && SPLIT == 1;
-}
-
-// Thread 0 starts the copies of a phase's A operand `tiles` (xf or y, which the phase before
-// wrote) after its wait, and with `stats` the LayerNorm statistics, over the buffer that this
-// program's loads of the copying phase before read. Every program copies, with output tiles or not:
-// with X_SMEM 2 its part is its cluster's too.
-__device__ __forceinline__ void x_issue(const Params& p, float* smem, const void* tiles, bool stats) {
-    if (threadIdx.x != 0) return;
-    fence_proxy_async_global();
-    fence_proxy_async();
-    // the statistics first (read first), then the row tiles: copy c of MT + 1
-    auto dst = [&](int c) { return c == 0 ? (char*)x_stats(smem) : (char*)x_tile(smem, c - 1); };
-    auto src = [&](int c) { return c == 0 ? (const char*)p.stats : (const char*)tiles + (c - 1) * X_TILE_BYTES; };
-    auto bar = [&](int c, int r) { return x_bar(smem, c == 0 ? MT : c - 1, r); };
-    auto bytes = [](int c) { return (u32)(c == 0 ? STATS_BYTES : X_TILE_BYTES); };
-    const int first = stats ? 0 : 1;
-    if (X_SMEM == 1) {
-        for (int c = first; c <= MT; ++c) bulk_copy(dst(c), src(c), bytes(c), bar(c, 0));
-        return;
-    }
-    const int rank = blockIdx.x % CLUSTER;
-    for (int c = first; c <= MT; ++c)
-        for (int r = 0; r < XR; ++r) mbar_expect(bar(c, r), bytes(c) / XR);
-    for (int c = first; c <= MT; ++c) {
-        const u32 part = bytes(c) / XR;
-        bulk_copy_multicast(dst(c) + rank * part, src(c) + rank * part, part, bar(c, rank), (u16)((1u << CLUSTER) - 1));
-    }
-}
-// Row tile mt (MT: the statistics) has landed in this program's shared memory. A copy that never
-// lands (a wrong mbarrier phase) gives up after SPIN_LIMIT looks and sets the error flag, as a grid
-// barrier does: a wrong result the host sees, not a hung launch.
-__device__ __forceinline__ void x_wait(const Params& p, float* smem, int mt, u32 parity) {
-    for (int r = 0; r < XR; ++r)
-        for (int looks = 0; !mbar_try(x_bar(smem, mt, r), parity);)
-            if (++looks > SPIN_LIMIT) {
-                atomicExch(p.err, 1);
-                break;
-            }
-}
-// Before the phase's arrival: every copy landed (a program without output tiles reads none, but its
-// mbarriers' next phase must start after this one), the next phase's parities: bit 0 the row
-// tiles', bit 1 the statistics'.
-__device__ __forceinline__ void x_done(const Params& p, Sync& s, float* smem, bool stats) {
-    for (int mt = 0; mt < MT && threadIdx.x == 0; ++mt) x_wait(p, smem, mt, s.x_parity & 1u);
-    if (stats && threadIdx.x == 0) x_wait(p, smem, MT, s.x_parity >> 1);
-    s.x_parity ^= stats ? 3u : 1u;
-}
-
 // FOLD_CQ: the cross-attention's queries folded into the phases before it. With x1 = x0 + g1
 // (y Wso^T + bso) and q = (LN(x1) (1 + c2) + s2) Wq^T + bq (c2, s2: the step's scale and shift),
 //   q = rstd1 (x1 (1 + c2) Wq^T - mean1 rho) + delta,   rho = (1 + c2) Wq^T, delta = s2 Wq^T + bq,
@@ -886,7 +782,6 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     static constexpr int NA8 = NA / 8;
     static_assert(NA == N || NA8 % S::TPC == 0, "a program's tiles are all in one part");
     wfrag wr[S::TPC][S::KP];
-    u32 x_parity;   // X_SMEM: Sync::x_parity at this phase's wait
     uint4 held[FP8_HOLD ? S::TPC : 1][FP8_HOLD ? S::KP : 1];   // FP8_HOLD: wr made bf16
     u32 shift[S::KSW][2], scale[S::KSW][2];
     // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
@@ -975,14 +870,6 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     __device__ __forceinline__ void load_x(const Params& p, int mt, XRaw (&raw)[S::KSW]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #if X_FRAGS
-        if (X_SMEM) {
-            float* smem = dynamic_smem();
-            x_wait(p, smem, mt, x_parity & 1u);
-            const uint4* tile = x_tile(smem, mt);
-#pragma unroll
-            for (int ks = 0; ks < S::KSW; ++ks) raw[ks] = tile[(warp * S::KSW + ks) * 32 + lane];
-            return;
-        }
 #pragma unroll
         for (int ks = 0; ks < S::KSW; ++ks)
             raw[ks] = ld_cg16((const uint4*)p.xf + ((mt * KS_W + warp * S::KSW + ks) * 32 + lane));
@@ -1010,8 +897,6 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
             const int item = (mt / qtiles * HEADS + h) * qtiles + mt % qtiles;
             return ld_peer16(self_slot(dynamic_smem(), item) + u * 32 + lane, item % CLUSTER);
         }
-        if (SRC == FROM_FRAGS && a_copied<SRC, K, SPLIT>())   // Y_SMEM: row tile mt waited for in partials
-            return x_tile(dynamic_smem(), mt)[(warp * S::KSW + ks) * 32 + lane];
         if (SRC != FROM_X_LN)
             return ld_cg16((const uint4*)frags +
                            ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane));
@@ -1036,8 +921,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
         constexpr int KC = whole_chunk(S::KSW, A_CHUNK);
         for (int mt = 0; mt < MT; ++mt) {
-            if (SRC == FROM_X_LN && (mt > 0 || X_SMEM) && !X_AHEAD) load_x(p, mt, raw);
-            if (SRC == FROM_FRAGS && a_copied<SRC, K, SPLIT>()) x_wait(p, dynamic_smem(), mt, x_parity & 1u);
+            if (SRC == FROM_X_LN && mt > 0 && !X_AHEAD) load_x(p, mt, raw);
             uint4 att[HK];
             if (SRC == FROM_SELF) self_attend(p, mt / (TOK16 / 16), warp, mt % (TOK16 / 16), att);
             float acc[S::TPC][4];
@@ -1191,9 +1075,6 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
     gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
     grid_wait(p, s);
-    constexpr bool COPIED = a_copied<SRC, K, SPLIT>(), STATS = STATS_SMEM && SRC == FROM_X_LN;
-    if (COPIED) x_issue(p, smem, SRC == FROM_X_LN ? (const void*)p.xf : (const void*)frags, STATS);
-    gemv.x_parity = s.x_parity;
     if (LATE_W) gemv.load_w(wf, p2);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
         self_items(p, smem);
@@ -1216,10 +1097,9 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         if (active) gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
     } else if (WORK && active) {
         XRaw raw[S::KSW];
-        if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load (X_SMEM: copies)
-            if (!X_SMEM) gemv.load_x(p, 0, raw);
-            if (STATS) x_wait(p, smem, MT, s.x_parity >> 1);
-            row_stats<STATS_SMEM>(p, mean, rstd);
+        if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
+            gemv.load_x(p, 0, raw);
+            row_stats(p, mean, rstd);
             __syncthreads();
         }
         trace_mark(p, s, 2);
@@ -1230,7 +1110,6 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
     }
     cp_async_wait();
-    if (COPIED) x_done(p, s, smem, STATS);
     s.w_phase++;
     grid_arrive(p, s);
 }
@@ -1713,15 +1592,13 @@ __device__ __forceinline__ int step_after(const Params& p, int i, int& stop) {
 // -- the loop --------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Params p) {
     float* smem = dynamic_smem();
-    Sync s = {0u, 0, 0u, 0u, 0u, 0u};
+    Sync s = {0u, 0, 0u, 0u, 0u};
     trace_mark(p, s, 0);
     if (KV_SMEM && threadIdx.x == 0) mbar_init((unsigned long long*)(smem + KV_OFF));
     if (W_SMEM && threadIdx.x == 0) {
         mbar_init(w_bar(smem, 0));
         mbar_init(w_bar(smem, 1));
     }
-    for (int b = 0; X_SMEM && threadIdx.x == 0 && b < (MT + STATS_SMEM) * XR; ++b)
-        mbar_init(x_bar(smem, b / XR, b % XR));
     __syncthreads();
     // The weights of each GEMV phase of block j at step i (W_SMEM streams each in during the phase before it)
     constexpr int QKV_N = (3 + FOLD_CQ) * WIDTH, SO_N = (1 + FOLD_CQ) * WIDTH;
