@@ -160,6 +160,24 @@ def test_vision_cache_reuses_frames_exactly_once():
     assert store.hits == 8
 
 
+@pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 12), (torch.float32, 6), (torch.bfloat16, 7)])
+def test_frame_store_moves_rows_bit_for_bit(dtype, dim):
+    """The store's rows move as 8-byte words where a row's bytes allow (dim 7 of bf16: as elements)."""
+    from vla_node.runtime.frame_store import FrameStore
+    store = FrameStore(6, 5, dim, dtype, torch.device("cpu"))
+    tokens = torch.randn(3, 5, dim).to(dtype)
+    tokens.view(-1)[0] = float("nan")   # a NaN's bits kept too
+    rows = torch.tensor([4, 0, 2])
+    store.write(rows, tokens)
+    want = torch.zeros(7, 5, dim, dtype=dtype)
+    want.index_copy_(0, rows, tokens)
+    assert torch.equal(store.tokens.view(torch.uint8 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.uint8 if dtype == torch.bfloat16 else torch.int32))
+    read = store.read(torch.tensor([2, 4]))
+    assert read.dtype == dtype and read.shape == (2, 5, dim)
+    assert torch.equal(read.view(-1).view(torch.uint8), tokens[[2, 0]].reshape(-1).view(torch.uint8))
+
+
 def test_no_recompilation_after_warmup_whatever_the_known_prefix_and_keys_unchanged(tmp_path):
     """Every instruction length and every known-prefix length (none, 1 ... 16 actions: data in
     the bucket's buffers, never a shape) runs the graphs compiled during warm-up."""

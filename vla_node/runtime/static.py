@@ -159,11 +159,11 @@ class StaticRunner:
             pixels = resize_normalize(self.staging.dev[:batch], self.size).to(e.dtype)
         else:
             pixels = self.pixels[:batch]
-        self.store.tokens.index_copy_(0, self.write_rows[batch], e.model.vision(pixels))
+        self.store.write(self.write_rows[batch], e.model.vision(pixels))
 
     def _prefill_stage(self, b: Bucket) -> None:
         m = self.engine.model
-        image_tokens = self.store.tokens.index_select(0, b.frame_rows).reshape(b.batch, -1, m.cfg.llm.dim)
+        image_tokens = self.store.read(b.frame_rows).reshape(b.batch, -1, m.cfg.llm.dim)
         embeds = m.embed(b.ids, image_tokens, b.patch_positions)
         # Only a streaming bucket (batch 1: streaming is one robot's) writes the KV cache its steps read.
         # The fused context K/V reads every layer's output at once: the layers write them into one buffer.
@@ -179,7 +179,7 @@ class StaticRunner:
 
     def _stream_stage(self, b: Bucket) -> None:
         new_rows = b.frame_rows[-b.stream.cameras:]
-        tokens = self.store.tokens.index_select(0, new_rows).reshape(1, -1, self.engine.model.cfg.llm.dim)
+        tokens = self.store.read(new_rows).reshape(1, -1, self.engine.model.cfg.llm.dim)
         b.stream.step(self.engine, b, tokens)
 
     def _velocity(self, b: Bucket, x: torch.Tensor, i: int) -> torch.Tensor:
