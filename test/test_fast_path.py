@@ -114,6 +114,31 @@ def test_gelu_epilogue_keeps_the_vit_mlp():
         assert np.array_equal(x, y)  # the CPU runs the same two ops
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_aligned_patch_embedding_is_the_patch_embedding(compiled):
+    """The patch embedding's GEMM at K padded to a multiple of 8 (zeros in the weights and the
+    patches) against the model's, at the ViT's 14-pixel patches (K = 588), compiled and not; and an
+    engine with it against one without."""
+    from vla_node.model.vision import embed_patches
+    from vla_node.runtime.fusion import AlignedPatchEmbedding
+
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(588, 40)
+    pixels = torch.randn(3, 3, 42, 42, generator=g)
+    aligned = AlignedPatchEmbedding(linear, compiled=compiled)
+    assert aligned.weight.shape == (40, 592) and not aligned.weight[:, 588:].any()
+    want = embed_patches(pixels, linear, 14)
+    assert (aligned(pixels, linear, 14) - want).abs().max().item() < 1e-5
+    if compiled:
+        return
+    plain = PolicyEngine(EngineConfig.for_mode("fused"))
+    padded = PolicyEngine(EngineConfig.for_mode("fused", aligned_patch_embedding=True))
+    assert isinstance(padded.model.vision.encoder.embed_patches, AlignedPatchEmbedding)
+    inputs = same_inputs(plain, 2)
+    for x, y in zip(outputs(plain, inputs), outputs(padded, inputs)):
+        assert np.abs(x - y).max() < 1e-5
+
+
 def test_window_attention_as_plain_ops_is_sdpa():
     """The vision pool's one-query window attention as plain fp32 ops (runtime/fusion) against SDPA,
     padding patches masked, and an engine with it against one without."""
@@ -158,6 +183,41 @@ def test_vision_cache_reuses_frames_exactly_once():
         b = fresh.predict(obs, noise=noise).normalized
         assert np.abs(a - b).max() < 1e-5
     assert store.hits == 8
+
+
+def test_context_kv_overlapped_with_the_llm_is_the_batched_one():
+    """The expert's context K/V in groups of blocks as the LLM's layers are written (on the GPU on a
+    side stream; here in the same order on the CPU) against all blocks after the LLM: bit for bit."""
+    from vla_node.runtime import fusion
+
+    plain = PolicyEngine(EngineConfig.for_mode("fused"))
+    overlapped = PolicyEngine(EngineConfig.for_mode("fused", context_overlap=True))
+    assert EngineConfig.for_mode("graphs", device="cuda").context_overlap
+    assert not EngineConfig.for_mode("graphs").context_overlap   # a CPU engine's ladder skips it
+    with pytest.raises(ValueError, match="context_overlap needs fused and ctx_kv_once"):
+        EngineConfig.for_mode("ctxkv", context_overlap=True)
+    layers = overlapped.model.cfg.llm.layers
+    overlap, seen, runs = overlapped.static.context_overlap, [None], []
+    overlap.group = 1   # a group a layer: every launch of the pipeline (the tiny LLM has few layers)
+    original_ready, original_project = overlap.ready, fusion.BatchedContextKV.project
+
+    def ready(rows):
+        seen[0] = rows
+        original_ready(rows)
+
+    def project(self, stacked, lo, hi, kv):   # each group's blocks, and the rows written when it was issued
+        runs.append((lo, hi, seen[0]))
+        return original_project(self, stacked, lo, hi, kv)
+
+    overlap.ready, fusion.BatchedContextKV.project = ready, project
+    try:
+        inputs = same_inputs(plain, 2)
+        for x, y in zip(outputs(plain, inputs), outputs(overlapped, inputs), strict=True):
+            assert np.array_equal(x, y)
+    finally:
+        overlap.ready, fusion.BatchedContextKV.project = original_ready, original_project
+    issued = [(lo, lo + 1, lo + 1) for lo in range(layers)]
+    assert [r for r in runs if r[2] is not None] == issued * 2   # each group as soon as its layers are written
 
 
 @pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 12), (torch.float32, 6), (torch.bfloat16, 7)])

@@ -65,6 +65,11 @@ def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
     return pixels.view(b, c, g, patch, g, patch).permute(0, 2, 4, 3, 5, 1).reshape(b, g * g, patch * patch * c)
 
 
+def embed_patches(pixels: torch.Tensor, linear: nn.Linear, patch: int) -> torch.Tensor:
+    """[B, 3, S, S] -> [B, (S/patch)^2, width]: each patch through the patch embedding."""
+    return linear(patchify(pixels, patch))
+
+
 class VisionEncoder(nn.Module):
     """Patch embedding + learned positions + the first `layers_run` blocks; returns the
     configured layers' outputs concatenated on the channel axis: [B, grid*grid, feature_dim]."""
@@ -74,6 +79,8 @@ class VisionEncoder(nn.Module):
         self.cfg = cfg
         self.patch_embed = nn.Linear(3 * cfg.patch_size ** 2, cfg.width)
         self.pos_embed = nn.Parameter(torch.zeros(cfg.grid * cfg.grid, cfg.width))
+        # embed_patches(pixels, patch_embed, patch) with embed_patches' meaning; the runtime may align its GEMM here.
+        self.embed_patches = embed_patches
         # Layers past the deepest feature layer are never run, so they are not built either.
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.layers_run))
 
@@ -84,7 +91,7 @@ class VisionEncoder(nn.Module):
         if pixels.dim() != 4 or pixels.shape[1] != 3 or pixels.shape[-2:] != (size, size):
             raise ValueError(f"vision encoder expects images [B, 3, {size}, {size}], got {tuple(pixels.shape)}")
         layers = range(len(self.blocks)) if layers is None else layers
-        x, mlp_out = self.patch_embed(patchify(pixels, self.cfg.patch_size)) + self.pos_embed, None
+        x, mlp_out = self.embed_patches(pixels, self.patch_embed, self.cfg.patch_size) + self.pos_embed, None
         outs = {}
         for i, block in enumerate(self.blocks):
             x, mlp_out = block(x, mlp_out)

@@ -33,7 +33,7 @@ from ..model.layers import rope_tables
 from ..model.policy import denormalize
 from .action_cache import FlowSchedule, is_adaptive
 from .fp8 import quantize_llm_
-from .fusion import fuse_projections, use_gelu_epilogues, use_window_attention_ops
+from .fusion import fuse_projections, use_aligned_patch_embedding, use_gelu_epilogues, use_window_attention_ops
 from .images import check_frames
 from .parts import EngineParts, Progress, require_finite
 from .preprocess import preprocess_reference
@@ -98,6 +98,8 @@ class PolicyEngine:
             use_gelu_epilogues(self.model)
         if config.window_attention_ops:
             use_window_attention_ops(self.model)
+        if config.aligned_patch_embedding:
+            use_aligned_patch_embedding(self.model, compiled=config.compile)
         if config.fp8 != "off":
             self.stats.fp8_weight_bytes = quantize_llm_(self.model, config.fp8)
         if config.tuned_gemms:   # after fusion and fp8: it takes over the fused GEMMs, leaves e4m3 ones

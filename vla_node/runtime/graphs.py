@@ -13,17 +13,24 @@ import torch
 T = TypeVar("T")
 
 
-def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(fn: Callable[[], T], memset_kernels: bool = False) -> tuple[torch.cuda.CUDAGraph, T]:
     """`fn` captured in a CUDA graph after one warm run, and what the captured call returned:
-    replay() runs it again on the same tensors, so that result holds each replay's output."""
+    replay() runs it again on the same tensors, so that result holds each replay's output.
+    memset_kernels: the graph's memset nodes made kernel nodes (runtime/graph_memsets; the graph's
+    memsets_replaced says how many) before it is instantiated."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=memset_kernels)
     with torch.cuda.graph(graph):
         out = fn()
+    graph.memsets_replaced = 0
+    if memset_kernels:
+        from .graph_memsets import memsets_as_kernels  # cuda-python: imported where it is used
+        graph.memsets_replaced = memsets_as_kernels(graph, torch.cuda.current_device())
+        graph.instantiate()
     return graph, out
 
 

@@ -102,17 +102,20 @@ BATCH_SIZES = (1, 2, 4, 8)
 # Engine features, cumulative in this order for the benchmark's ladder of modes. Each one is
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
-                     "unpadded_gemms", "flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms",
-                     "tile_tiers", "tuned_gemms", "triton_attention", "triton_layer_norm", "add_norm_kernel",
-                     "pattern_kernel", "rotary_kernel", "fused_expert", "vision_cache")
+                     "unpadded_gemms", "aligned_patch_embedding", "flex_attention", "window_attention_ops",
+                     "cuda_graphs", "workspace_free_gemms", "memset_kernels", "context_overlap", "tile_tiers",
+                     "tuned_gemms", "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel",
+                     "rotary_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
 _LADDER = {
     "eager": (),
     "static": ("static_shapes",),
     "ctxkv": ("ctx_kv_once",),
     "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
-    "compile": ("compile", "unpadded_gemms", "flex_attention", "pattern_kernel", "window_attention_ops"),
-    "graphs": ("cuda_graphs", "workspace_free_gemms", "tile_tiers", "tuned_gemms"),
+    "compile": ("compile", "unpadded_gemms", "aligned_patch_embedding", "flex_attention", "pattern_kernel",
+                "window_attention_ops"),
+    "graphs": ("cuda_graphs", "workspace_free_gemms", "memset_kernels", "context_overlap", "tile_tiers",
+               "tuned_gemms"),
     "triton": ("triton_attention", "triton_layer_norm", "add_norm_kernel", "rotary_kernel"),
     "fast": ("fused_expert", "vision_cache"),
 }
@@ -120,9 +123,10 @@ MODES: dict[str, tuple[str, ...]] = {}
 for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
-GPU_FEATURES = ("unpadded_gemms", "flex_attention", "window_attention_ops", "cuda_graphs", "workspace_free_gemms",
-                "tile_tiers", "tuned_gemms", "triton_attention", "triton_layer_norm", "add_norm_kernel",
-                "pattern_kernel", "rotary_kernel", "fused_expert")
+GPU_FEATURES = ("unpadded_gemms", "aligned_patch_embedding", "flex_attention", "window_attention_ops", "cuda_graphs",
+                "workspace_free_gemms", "memset_kernels", "context_overlap", "tile_tiers", "tuned_gemms",
+                "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel", "rotary_kernel",
+                "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
 # action stage from 19.7 to 17.4 ms in one vla-bench run (BENCHMARKS.md); `triton` keeps the compiled
 # blocks with the few-query attention kernel.
@@ -169,10 +173,20 @@ class EngineConfig:
     # of a block's four GEMMs (19 us a block at DROID on the H200): the DROID vision stage 6.06-6.13 ->
     # 5.60 ms on an H100 (BENCHMARKS.md, thirty-fifth session).
     unpadded_gemms: bool = False
+    # The ViT's patch embedding with its K (588) zero-padded to a multiple of 8, the padding made in the
+    # compiled copy that lays the patches out (runtime/fusion.AlignedPatchEmbedding): an aligned GEMM.
+    aligned_patch_embedding: bool = False
     cuda_graphs: bool = False
     # cuBLAS's GEMMs without a workspace: no memset nodes in the captured graphs, each of which left
     # the GPU idle ~6 us (runtime/graphs.use_gemms_without_workspace; the process's first GEMM fixes it).
     workspace_free_gemms: bool = False
+    # The captured graphs' memset nodes (cuDNN's ViT attention resets its workspace before each call)
+    # as kernel nodes writing the same bytes (runtime/graph_memsets): in a graph the kernel after a
+    # memset node starts ~6 us late.
+    memset_kernels: bool = False
+    # The expert's context projection and K/V (BatchedContextKV) on a side stream, each group of
+    # blocks as soon as the LLM has written its layers (runtime/fusion.OverlappedContextKV), not after it.
+    context_overlap: bool = False
     # Each instruction tier below the longest trimmed by up to a few tokens so that its bucket is a
     # multiple of runtime/static.ROW_TILE tokens, where cuBLAS runs faster GEMMs for the LLM.
     tile_tiers: bool = False
@@ -240,6 +254,10 @@ class EngineConfig:
         if is_adaptive(self.action_cache) and not self.static_shapes:
             raise ValueError(f"the adaptive action cache needs static_shapes (its per-step buffers): engine_mode "
                              f"{_modes_with('static_shapes')}")
+        if self.context_overlap and not (self.fused and self.ctx_kv_once):
+            raise ValueError("context_overlap needs fused and ctx_kv_once (the batched context K/V once per query)")
+        if self.memset_kernels and not self.cuda_graphs:
+            raise ValueError("memset_kernels needs cuda_graphs (it edits the captured graphs)")
         if self.unpadded_gemms and not self.compile:
             raise ValueError("unpadded_gemms needs compile (it sets how the blocks are compiled)")
         if self.flex_attention and not self.compile:
@@ -250,7 +268,7 @@ class EngineConfig:
         cams = {l.cameras for l in self.layouts}
         if len(cams) > 1:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
-        for feature in ("cuda_graphs", "workspace_free_gemms"):
+        for feature in ("cuda_graphs", "workspace_free_gemms", "memset_kernels"):
             if getattr(self, feature) and not self.device.startswith("cuda"):
                 raise ValueError(f"{feature} needs a CUDA device")
         for feature in ("triton_attention", "rotary_kernel", "fused_expert", "pattern_kernel"):
