@@ -185,41 +185,6 @@ def test_vision_cache_reuses_frames_exactly_once():
     assert store.hits == 8
 
 
-def test_context_kv_overlapped_with_the_llm_is_the_batched_one():
-    """The expert's context K/V in groups of blocks as the LLM's layers are written (on the GPU on a
-    side stream; here in the same order on the CPU) against all blocks after the LLM: bit for bit."""
-    from vla_node.runtime import fusion
-
-    plain = PolicyEngine(EngineConfig.for_mode("fused"))
-    overlapped = PolicyEngine(EngineConfig.for_mode("fused", context_overlap=True))
-    assert EngineConfig.for_mode("graphs", device="cuda").context_overlap
-    assert not EngineConfig.for_mode("graphs").context_overlap   # a CPU engine's ladder skips it
-    with pytest.raises(ValueError, match="context_overlap needs fused and ctx_kv_once"):
-        EngineConfig.for_mode("ctxkv", context_overlap=True)
-    layers = overlapped.model.cfg.llm.layers
-    overlap, seen, runs = overlapped.static.context_overlap, [None], []
-    overlap.group = 1   # a group a layer: every launch of the pipeline (the tiny LLM has few layers)
-    original_ready, original_project = overlap.ready, fusion.BatchedContextKV.project
-
-    def ready(rows):
-        seen[0] = rows
-        original_ready(rows)
-
-    def project(self, stacked, lo, hi, kv):   # each group's blocks, and the rows written when it was issued
-        runs.append((lo, hi, seen[0]))
-        return original_project(self, stacked, lo, hi, kv)
-
-    overlap.ready, fusion.BatchedContextKV.project = ready, project
-    try:
-        inputs = same_inputs(plain, 2)
-        for x, y in zip(outputs(plain, inputs), outputs(overlapped, inputs), strict=True):
-            assert np.array_equal(x, y)
-    finally:
-        overlap.ready, fusion.BatchedContextKV.project = original_ready, original_project
-    issued = [(lo, lo + 1, lo + 1) for lo in range(layers)]
-    assert [r for r in runs if r[2] is not None] == issued * 2   # each group as soon as its layers are written
-
-
 @pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 12), (torch.float32, 6), (torch.bfloat16, 7)])
 def test_frame_store_moves_rows_bit_for_bit(dtype, dim):
     """The store's rows move as 8-byte words where a row's bytes allow (dim 7 of bf16: as elements)."""

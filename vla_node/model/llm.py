@@ -5,7 +5,7 @@ forward returns the output of each layer rather than logits; there is no LM head
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -125,14 +125,12 @@ class LLM(nn.Module):
 
     def forward(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 slots: Optional[torch.Tensor] = None, attend_cache: bool = False,
-                hidden_out: Optional[torch.Tensor] = None,
-                after_layer: Optional[Callable[[int], None]] = None) -> list[torch.Tensor]:
+                hidden_out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """embeds [B, T, dim]; cos/sin [T, head_dim] for the tokens' positions; mask and cache
         use as in Attention.forward. Returns the output hidden state of every layer, each
         [B, T, dim] (before any final norm: the action expert reads these). `hidden_out` [layers,
         B, T, dim]: the layers write their outputs there as they make them, and the returned
-        states are its rows (a consumer of all of them at once then needs no stack of its own);
-        after_layer(n), after each layer, says that its first n rows are written."""
+        states are its rows (a consumer of all of them at once then needs no stack of its own)."""
         hidden = []
         x, mlp_out = embeds, None
         for i, layer in enumerate(self.layers):
@@ -140,9 +138,5 @@ class LLM(nn.Module):
             x_in, x, mlp_out = layer(x, cos, sin, mask, slots, attend_cache, mlp_out=mlp_out, keep=keep)
             if i:   # the layer before's output, which this one added
                 hidden.append(x_in)
-            if after_layer is not None and hidden_out is not None:
-                after_layer(i)
         hidden.append(x + mlp_out if hidden_out is None else torch.add(x, mlp_out, out=hidden_out[-1]))
-        if after_layer is not None and hidden_out is not None:
-            after_layer(len(self.layers))
         return hidden

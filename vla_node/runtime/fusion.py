@@ -8,9 +8,6 @@ batched context K/V and the GELU epilogue equal the per-block and two-pass ops u
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,77 +82,13 @@ class BatchedContextKV:
         """llm_hidden: the layers' outputs, [layers, B, T, dim] (LLM.forward's hidden_out, which the
         layers wrote as they went) or a list of [B, T, dim] (stacked here: 85 us at DROID on the H200)."""
         stacked = llm_hidden if isinstance(llm_hidden, torch.Tensor) else torch.stack(llm_hidden)
-        kv = self.start(stacked.shape, state)
-        self.project(stacked, 0, stacked.shape[0], kv)
-        return self.views(kv)
-
-    def start(self, shape: torch.Size, state: torch.Tensor) -> torch.Tensor:
-        """For hidden states of `shape` [layers, B, T, dim]: the state token's rows written, and the
-        K/V buffer [layers, B, T + 1, 2 width] that project fills."""
-        blocks, b, t, _ = shape
-        w, tokens = self.expert.cfg.width, self._tokens(blocks, b, t)
-        tokens[:, :, t, :w] = self.expert.state_token(state)[:, 0]
-        return tokens.new_empty((blocks, b, t + 1, 2 * w))
-
-    def project(self, stacked: torch.Tensor, lo: int, hi: int, kv: torch.Tensor) -> None:
-        """Blocks lo .. hi - 1: the context projection and its norm of their layers' states, then
-        their K/V into kv (after start)."""
         blocks, b, t, _ = stacked.shape
         w, e = self.expert.cfg.width, self.expert
-        tokens = self._tokens(blocks, b, t)[lo:hi]
-        norm_into(e.ctx_norm, e.ctx_proj(stacked[lo:hi]), tokens[:, :, :t, :w])
-        torch.bmm(tokens.view(hi - lo, b * (t + 1), -1), self.weight[lo:hi].transpose(1, 2),
-                  out=kv[lo:hi].view(hi - lo, b * (t + 1), 2 * w))
-
-    def views(self, kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each block's (K, V) [B, heads, T + 1, head_dim] of the buffer."""
-        w = self.expert.cfg.width
+        tokens = self._tokens(blocks, b, t)
+        norm_into(e.ctx_norm, e.ctx_proj(stacked), tokens[:, :, :t, :w])
+        tokens[:, :, t, :w] = e.state_token(state)[:, 0]
+        kv = torch.bmm(tokens.view(blocks, b * (t + 1), -1), self.weight.transpose(1, 2)).view(blocks, b, t + 1, 2 * w)
         return [(blk._heads(kv[i, ..., :w]), blk._heads(kv[i, ..., w:])) for i, blk in enumerate(self.expert.blocks)]
-
-
-# Blocks a side-stream launch of OverlappedContextKV takes: 6 launches at 36 layers, each GEMM of
-# 6 layers' rows (5.7k at DROID) still a full one. Not tuned.
-CONTEXT_GROUP = 6
-
-
-class OverlappedContextKV:
-    """BatchedContextKV run on a side stream while the LLM still runs: each group of `group` blocks
-    as soon as its layers' outputs are written (LLM.forward calls `ready` after each layer), so
-    that its GEMMs fill the SMs that the LLM's attention, norms and SwiGLU leave idle, instead of
-    running after the LLM (~0.3 ms at DROID). Captured in a CUDA graph, the stream's work forks
-    from and joins the prefill's. The same GEMMs on fewer rows each: equal up to the GEMM's own
-    summation order."""
-
-    def __init__(self, context_kv: BatchedContextKV, group: int):
-        self.context_kv, self.group = context_kv, group
-        self.stream: Optional[torch.cuda.Stream] = None   # made at the first GPU query (none on the CPU)
-
-    def begin(self, stacked: torch.Tensor, state: torch.Tensor) -> Callable[[int], None]:
-        """Before the LLM writes `stacked`: the callback for LLM.forward's after_layer."""
-        if stacked.is_cuda and self.stream is None:
-            self.stream = torch.cuda.Stream(stacked.device)
-        self.stacked, self.done = stacked, 0
-        self.kv = self.context_kv.start(stacked.shape, state)
-        return self.ready
-
-    def ready(self, rows: int) -> None:
-        """The first `rows` layers' outputs are written (on the current stream)."""
-        total = self.stacked.shape[0]
-        while self.done < total and (self.done + self.group <= rows or rows == total):
-            hi = min(self.done + self.group, total)
-            side = self.stream if self.stacked.is_cuda else None
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                self.context_kv.project(self.stacked, self.done, hi, self.kv)
-            self.done = hi
-
-    def end(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """After the LLM: the current stream waits for the side stream; each block's (K, V)."""
-        if self.stacked.is_cuda:
-            torch.cuda.current_stream().wait_stream(self.stream)
-        kv, self.stacked, self.kv = self.kv, None, None
-        return self.context_kv.views(kv)
 
 
 def addmm_gelu(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from .action_cache import MAX_ADAPTIVE_REUSE, FlowSchedule
 from .bucket import Bucket
 from .compile import compile_count, compile_regions
 from .frame_store import FrameStore
-from .fusion import CONTEXT_GROUP, BatchedContextKV, OverlappedContextKV
+from .fusion import BatchedContextKV
 from .graphs import capture
 from .parts import EngineParts, require_finite
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
@@ -98,7 +98,6 @@ class StaticRunner:
         if cfg.ctx_kv_once:
             self._make_modulation_table()
         self.context_kv = BatchedContextKV(m.expert) if cfg.fused else m.expert.context_kv
-        self.context_overlap = OverlappedContextKV(self.context_kv, CONTEXT_GROUP) if cfg.context_overlap else None
         self.regions = compile_regions(m, pad_gemms=not cfg.unpadded_gemms) if cfg.compile else []
         self.graphs_on = cfg.cuda_graphs
         self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
@@ -169,12 +168,11 @@ class StaticRunner:
         # Only a streaming bucket (batch 1: streaming is one robot's) writes the KV cache its steps read.
         # The fused context K/V reads every layer's output at once: the layers write them into one buffer.
         stacked = embeds.new_empty(m.cfg.llm.layers, *embeds.shape) if self.engine.config.fused else None
-        b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
-        overlap = self.context_overlap if self.mod_table is not None else None
         b.hidden = m.llm(embeds, b.cos, b.sin, b.attn_mask, b.slots if b.stream is not None else None,
-                         hidden_out=stacked, after_layer=overlap.begin(stacked, b.state_norm) if overlap else None)
+                         hidden_out=stacked)
+        b.state_norm = m.normalize_state(b.state).to(self.engine.dtype)
         if self.mod_table is not None:
-            b.kv = overlap.end() if overlap else self.context_kv(b.hidden if stacked is None else stacked, b.state_norm)
+            b.kv = self.context_kv(b.hidden if stacked is None else stacked, b.state_norm)
             if b.stream is not None:  # the streaming step updates these in place
                 b.stream.store_full(b.kv)
                 b.kv = b.stream.kv

@@ -103,7 +103,7 @@ BATCH_SIZES = (1, 2, 4, 8)
 # lossless by construction or proven equivalent by a test (see runtime/README in DESIGN.md).
 LOSSLESS_FEATURES = ("static_shapes", "ctx_kv_once", "fused", "gelu_epilogue", "gpu_preprocess", "compile",
                      "unpadded_gemms", "aligned_patch_embedding", "flex_attention", "window_attention_ops",
-                     "cuda_graphs", "workspace_free_gemms", "memset_kernels", "context_overlap", "tile_tiers",
+                     "cuda_graphs", "workspace_free_gemms", "memset_kernels", "tile_tiers",
                      "tuned_gemms", "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel",
                      "rotary_kernel", "fused_expert", "vision_cache")
 # Each mode of the ladder: the features the one before it has, plus these.
@@ -114,8 +114,7 @@ _LADDER = {
     "fused": ("fused", "gelu_epilogue", "gpu_preprocess"),
     "compile": ("compile", "unpadded_gemms", "aligned_patch_embedding", "flex_attention", "pattern_kernel",
                 "window_attention_ops"),
-    "graphs": ("cuda_graphs", "workspace_free_gemms", "memset_kernels", "context_overlap", "tile_tiers",
-               "tuned_gemms"),
+    "graphs": ("cuda_graphs", "workspace_free_gemms", "memset_kernels", "tile_tiers", "tuned_gemms"),
     "triton": ("triton_attention", "triton_layer_norm", "add_norm_kernel", "rotary_kernel"),
     "fast": ("fused_expert", "vision_cache"),
 }
@@ -124,7 +123,7 @@ for _mode, _adds in _LADDER.items():
     MODES[_mode] = (*(MODES[list(MODES)[-1]] if MODES else ()), *_adds)
 # Rungs a CPU engine skips.
 GPU_FEATURES = ("unpadded_gemms", "aligned_patch_embedding", "flex_attention", "window_attention_ops", "cuda_graphs",
-                "workspace_free_gemms", "memset_kernels", "context_overlap", "tile_tiers", "tuned_gemms",
+                "workspace_free_gemms", "memset_kernels", "tile_tiers", "tuned_gemms",
                 "triton_attention", "triton_layer_norm", "add_norm_kernel", "pattern_kernel", "rotary_kernel",
                 "fused_expert")
 # fused_expert joins the ladder at `fast`: on the H200 its persistent flow-loop kernel took the DROID
@@ -184,9 +183,6 @@ class EngineConfig:
     # as kernel nodes writing the same bytes (runtime/graph_memsets): in a graph the kernel after a
     # memset node starts ~6 us late.
     memset_kernels: bool = False
-    # The expert's context projection and K/V (BatchedContextKV) on a side stream, each group of
-    # blocks as soon as the LLM has written its layers (runtime/fusion.OverlappedContextKV), not after it.
-    context_overlap: bool = False
     # Each instruction tier below the longest trimmed by up to a few tokens so that its bucket is a
     # multiple of runtime/static.ROW_TILE tokens, where cuBLAS runs faster GEMMs for the LLM.
     tile_tiers: bool = False
@@ -254,8 +250,6 @@ class EngineConfig:
         if is_adaptive(self.action_cache) and not self.static_shapes:
             raise ValueError(f"the adaptive action cache needs static_shapes (its per-step buffers): engine_mode "
                              f"{_modes_with('static_shapes')}")
-        if self.context_overlap and not (self.fused and self.ctx_kv_once):
-            raise ValueError("context_overlap needs fused and ctx_kv_once (the batched context K/V once per query)")
         if self.memset_kernels and not self.cuda_graphs:
             raise ValueError("memset_kernels needs cuda_graphs (it edits the captured graphs)")
         if self.unpadded_gemms and not self.compile:
