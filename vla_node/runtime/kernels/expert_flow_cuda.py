@@ -256,6 +256,7 @@ def programs_held(device_index: int, cluster: int) -> int:
         finally:
             driver.cuModuleUnload(module)
 
+
 # programs_held's answers on an H100 SXM or an H200 (132 SMs; scripts/probe_clusters.py): plans made
 # without the GPU (the tests, scripts/cuda_expert_spills.py) as it makes them.
 HOPPER_HELD = {1: 132, 2: 132, 4: 120, 8: 120}
