@@ -127,9 +127,10 @@ def use_gelu_epilogues(model: nn.Module) -> int:
 class AlignedPatchEmbedding:
     """model.vision.embed_patches with the GEMM's K zero-padded to a multiple of 8: 3 * 14 * 14 = 588
     makes rows of 1176 bytes, which only cuBLAS's 2-byte-aligned kernels take (a cutlass sm80 kernel of
-    30 us at DROID on an H100 against a 5 us floor, BENCHMARKS.md). The weight is padded once; the
-    patches are padded in the copy that lays them out (compiled: one kernel). Zeros add nothing: the
-    same sums, in whatever order the aligned GEMM takes them."""
+    30.3 us at DROID on an H100 against a 5 us floor; at K = 592 an sm90 kernel of 10.9, BENCHMARKS.md,
+    forty-sixth session). The weight is padded once; the patches are padded in the copy that lays them
+    out (compiled: one kernel). Zeros add nothing: the same sums, in whatever order the aligned GEMM
+    takes them."""
 
     def __init__(self, linear: nn.Linear, compiled: bool = True):
         self.pad = -linear.in_features % 8

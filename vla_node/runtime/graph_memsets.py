@@ -1,12 +1,14 @@
 """A captured CUDA graph's memset nodes made kernel nodes that write the same bytes.
 
 Libraries reset small scratch buffers with cudaMemsetAsync (cuDNN's ViT attention: one 4-byte
-reset of its workspace before each call); captured, each is a memset node, and in a graph the
-kernel after a memset node starts ~6 us after the kernel before it (25 such calls a DROID query:
-0.15 ms of idle device on an H100, BENCHMARKS.md, thirty-eighth session's trace). A kernel node in
-its place keeps the graph's kernels back to back. The same bytes are written in the same order of
-the graph's dependencies: the graph's results are bit for bit the same (test_fast_path checks a
-query's). Needs cuda-python (the CUDA expert kernel's dependency, kernels/expert_flow_cuda.py).
+reset of its workspace before each call); captured, each is a memset node, and under the profiler
+the kernel after a memset node started ~6 us after the kernel before it (25 such calls a DROID
+query: 151 us of idle device on an H100, the thirty-eighth session's trace; 11 us with kernel nodes).
+Timed without the profiler: the ViT attention's 25 layers at DROID 2.524 -> 2.490 ms, 1.4 us a layer
+(scripts/bench_graph_memsets.py, BENCHMARKS.md, forty-sixth session). The same bytes are written in
+the same order of the graph's dependencies: the graph's results are bit for bit the same
+(test/test_graph_memsets.py). Needs cuda-python (the CUDA expert kernel's dependency,
+kernels/expert_flow_cuda.py).
 """
 from __future__ import annotations
 

@@ -173,15 +173,16 @@ class EngineConfig:
     # 5.60 ms on an H100 (BENCHMARKS.md, thirty-fifth session).
     unpadded_gemms: bool = False
     # The ViT's patch embedding with its K (588) zero-padded to a multiple of 8, the padding made in the
-    # compiled copy that lays the patches out (runtime/fusion.AlignedPatchEmbedding): an aligned GEMM.
+    # compiled copy that lays the patches out (runtime/fusion.AlignedPatchEmbedding): on an H100 the GEMM
+    # 30.3 -> 10.9 us and the layout copy 11.8 -> 4.5 at DROID; a query within its runs' spread.
     aligned_patch_embedding: bool = False
     cuda_graphs: bool = False
     # cuBLAS's GEMMs without a workspace: no memset nodes in the captured graphs, each of which left
     # the GPU idle ~6 us (runtime/graphs.use_gemms_without_workspace; the process's first GEMM fixes it).
     workspace_free_gemms: bool = False
     # The captured graphs' memset nodes (cuDNN's ViT attention resets its workspace before each call)
-    # as kernel nodes writing the same bytes (runtime/graph_memsets): in a graph the kernel after a
-    # memset node starts ~6 us late.
+    # as kernel nodes writing the same bytes (runtime/graph_memsets): the ViT's attention layers 1.4 us
+    # faster each at DROID on an H100; a DROID query within its runs' spread (BENCHMARKS.md, 46th session).
     memset_kernels: bool = False
     # Each instruction tier below the longest trimmed by up to a few tokens so that its bucket is a
     # multiple of runtime/static.ROW_TILE tokens, where cuBLAS runs faster GEMMs for the LLM.
