@@ -182,7 +182,8 @@ class EngineConfig:
     workspace_free_gemms: bool = False
     # The captured graphs' memset nodes (cuDNN's ViT attention resets its workspace before each call)
     # as kernel nodes writing the same bytes (runtime/graph_memsets): the ViT's attention layers 1.4 us
-    # faster each at DROID on an H100; a DROID query within its runs' spread (BENCHMARKS.md, 46th session).
+    # faster each at DROID on an H100, a DROID query within its runs' spread (BENCHMARKS.md, forty-sixth
+    # session).
     memset_kernels: bool = False
     # Each instruction tier below the longest trimmed by up to a few tokens so that its bucket is a
     # multiple of runtime/static.ROW_TILE tokens, where cuBLAS runs faster GEMMs for the LLM.
