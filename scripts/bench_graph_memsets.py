@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from vla_node.model import get_preset
-from vla_node.runtime.graphs import capture
+from vla_node.runtime.graphs import capture, replay_ms
 
 
 def vit_attention_layers(images: int, layers: int = 25):
@@ -38,18 +38,6 @@ def vit_attention_layers(images: int, layers: int = 25):
     return fn
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", default="4,8")
@@ -61,12 +49,12 @@ def main():
             fn = vit_attention_layers(images)
             plain, out_plain = capture(fn)
             kernels, out_kernels = capture(fn, memset_kernels=True)
-            for g in (plain, kernels):
+            for g in (plain, kernels):   # warm
                 replay_ms(g, 3)
             ms = {}
             for _ in range(3):   # interleaved: A-B-A-B-A-B
                 for name, g in (("memset nodes", plain), ("kernel nodes", kernels)):
-                    ms.setdefault(name, []).append(replay_ms(g))
+                    ms.setdefault(name, []).append(statistics.median(replay_ms(g, 20)))
             same = torch.equal(out_plain, out_kernels)
             rows[images] = {"replaced": kernels.memsets_replaced, "bit_identical": same,
                             **{name: statistics.median(v) for name, v in ms.items()}}

@@ -38,6 +38,11 @@ def graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 7) -> flo
     """us a call of `fn` as a captured graph runs it: `calls` calls in one CUDA graph, the median of
     `replays` replays (runtime/lt_gemm's choices at warm-up, the GPU benchmarks)."""
     graph, _ = capture(lambda: [fn() for _ in range(calls)])
+    return statistics.median(ms * 1e3 / calls for ms in replay_ms(graph, replays))
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
+    """ms each of `replays` replays of a captured graph, one after another."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -45,8 +50,8 @@ def graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 7) -> flo
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+        times.append(start.elapsed_time(end))
+    return times
 
 
 # cuBLAS's split-K / stream-K GEMMs reset a semaphore in their workspace before each call: in a
