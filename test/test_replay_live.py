@@ -4,6 +4,8 @@ The demo runs once for the module: it starts the node with config/tiny.yaml, rep
 bag into it live and compares two engine configurations offline; the tests check what it did.
 Every ROS participant of this module lives in a ROS domain of its own (conftest.py).
 """
+import time
+
 import numpy as np
 import pytest
 
@@ -191,3 +193,45 @@ def test_player_converts_to_the_node_input_types():
             out = TYPESTORE.deserialize_cdr(convert(Route("/c", bag_type, "/n", node_type), data, 500), node_type)
             assert (out.header.stamp.nanosec, out.header.frame_id) == (1_500, "cam")   # restamped
             assert np.abs(decode_image(out, "/n").astype(int) - rgb).mean() < 12
+
+
+def test_a_read_request_whose_answer_is_lost_is_sent_again(monkeypatch):
+    """The first GetState request goes out before its service exists, so nothing answers it (as
+    when a service drops a response to a client it has not matched yet: CI saw the replay wait out
+    its 120 s for that one answer); the replay asks again and takes the answer to the second."""
+    import rclpy
+    from lifecycle_msgs.srv import GetState
+    from rclpy.executors import SingleThreadedExecutor
+
+    from vla_node.tools import live
+
+    monkeypatch.setattr(live, "RESEND_S", 0.5)
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        client_node = rclpy.create_node("reader", context=context, start_parameter_services=False)
+        server_node = rclpy.create_node("server", context=context, start_parameter_services=False)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(client_node)
+        executor.add_node(server_node)
+        client = client_node.create_client(GetState, "late/get_state")
+        requests = []
+
+        def answer(request, response):
+            response.current_state.label = "active"
+            return response
+
+        def send():
+            future = client.call_async(GetState.Request())
+            if not requests:   # the service appears only after the first request has gone out
+                server_node.create_service(GetState, "late/get_state", answer)
+            requests.append(future)
+            return future
+
+        wait = live.Waiter(executor, time.monotonic() + 60.0, None)
+        result = live._read_service(wait, send)
+        assert result is not None and result.current_state.label == "active"
+        assert len(requests) >= 2 and not requests[0].done()
+    finally:
+        executor.shutdown()
+        context.try_shutdown()

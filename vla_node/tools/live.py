@@ -72,6 +72,10 @@ NODE_PARAMETERS = ("camera_names", "camera_topics", "joint_names", "joint_states
 LOG = "rcl_interfaces/msg/Log"
 PARAMETER_EVENT = "rcl_interfaces/msg/ParameterEvent"
 START_LEAD_S = 0.2     # playback starts this long after the go: both processes agree on t0
+# A service sends its response only to a client whose response reader it has matched, after waiting
+# 100 ms for it (rmw_fastrtps): on a loaded machine discovery can take longer and the response is
+# lost, even after service_is_ready. Read-only requests are sent again after this long.
+RESEND_S = 5.0
 
 
 def ros_type(msgtype: str):
@@ -473,15 +477,27 @@ def _wait_for_active(node, wait: Waiter, fqn: str, progress: Progress) -> None:
         raise LiveError(f"node {fqn} not found: no {fqn}/get_state service (is vla-node running?)")
     label = "unknown"
     while time.monotonic() < wait.deadline:
-        future = client.call_async(GetState.Request())
-        wait.until(future.done)
-        if future.done() and future.result() is not None:
-            label = future.result().current_state.label
+        answer = _read_service(wait, lambda: client.call_async(GetState.Request()))
+        if answer is not None:
+            label = answer.current_state.label
             if label == "active":
                 node.destroy_client(client)
                 return
         wait.until(lambda: False, time.monotonic() + 0.2)   # not active yet: ask again shortly
     raise LiveError(f"node {fqn} is {label}, not active (start it with -p autostart:=true or activate it)")
+
+
+def _read_service(wait: Waiter, send: Callable[[], object]):
+    """The first answer to the read-only request that send() sends (and returns the future of),
+    sent again every RESEND_S until one comes; None at the waiter's deadline."""
+    futures = []
+    while time.monotonic() < wait.deadline:
+        futures.append(send())
+        wait.until(lambda: any(f.done() for f in futures), min(wait.deadline, time.monotonic() + RESEND_S))
+        answers = [f.result() for f in futures if f.done() and f.result() is not None]
+        if answers:
+            return answers[0]
+    return None
 
 
 def _node_parameters(node, wait: Waiter, fqn: str) -> dict:
@@ -490,10 +506,10 @@ def _node_parameters(node, wait: Waiter, fqn: str) -> dict:
     client = AsyncParameterClient(node, fqn)
     if not wait.until(client.services_are_ready):
         raise LiveError(f"node {fqn} does not answer parameter requests")
-    future = client.get_parameters(list(NODE_PARAMETERS))
-    if not wait.until(future.done) or future.result() is None:
+    answer = _read_service(wait, lambda: client.get_parameters(list(NODE_PARAMETERS)))
+    if answer is None:
         raise LiveError(f"node {fqn} did not return its parameters {list(NODE_PARAMETERS)}")
-    values = [parameter_value_to_python(v) for v in future.result().values]
+    values = [parameter_value_to_python(v) for v in answer.values]
     missing = [n for n, v in zip(NODE_PARAMETERS, values) if v is None]
     if missing:
         raise LiveError(f"node {fqn} has no parameters {missing}: is it a vla_node?")
