@@ -203,6 +203,55 @@ def test_frame_store_moves_rows_bit_for_bit(dtype, dim):
     assert torch.equal(read.view(-1).view(torch.uint8), tokens[[2, 0]].reshape(-1).view(torch.uint8))
 
 
+def embedding_case(dtype, device="cpu", batch=2, images=3, per_image=5, length=40, dim=24, rows=9):
+    """Token ids, a frame store's tokens, each entry's rows in it and the prompt's patch positions
+    (distinct, in order, some text between them) -> the embedding weight and both calls' inputs."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, dim, generator=g).to(device, dtype)
+    ids = torch.randint(0, 50, (batch, length), generator=g).to(device)
+    store = torch.randn(rows, per_image, dim, generator=g).to(device, dtype)
+    frame_rows = torch.randperm(rows, generator=g)[:batch * images].to(device)
+    positions = torch.randperm(length, generator=g)[:images * per_image].sort().values
+    slot_image = torch.full((length,), -1, dtype=torch.long)
+    slot_image[positions] = torch.arange(len(positions))
+    return weight, ids, store, frame_rows, positions.to(device), slot_image.to(device)
+
+
+def embed_as_the_model(weight, ids, store, frame_rows, positions):
+    """VLAPolicy.embed after FrameStore.read, as the static runner's prefill calls them."""
+    image = store[frame_rows].reshape(ids.shape[0], -1, store.shape[-1])
+    return torch.nn.functional.embedding(ids, weight).index_add(1, positions, image)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_pass_embedding_is_the_models(dtype, compiled):
+    """fusion.embed_from_store against the model's embedding + the store's read + index_add, bit for
+    bit (each image slot is one add of the same two values), compiled and not."""
+    from vla_node.runtime.fusion import embed_from_store
+
+    weight, ids, store, frame_rows, positions, slot_image = embedding_case(dtype)
+    run = torch.compile(embed_from_store, fullgraph=True, dynamic=False) if compiled else embed_from_store
+    got = run(weight, ids, store, frame_rows, slot_image)
+    assert torch.equal(got, embed_as_the_model(weight, ids, store, frame_rows, positions))
+
+
+def test_an_engine_with_the_one_pass_embedding_is_the_same_engine():
+    """A static engine's prefill with embed_from_store against one without, at batch 1 and 2 (the
+    slot map is the bucket's: Bucket.slot_image), and the switch needs the static buckets."""
+    plain = PolicyEngine(EngineConfig.for_mode("fused", max_batch=2))
+    one_pass = PolicyEngine(EngineConfig.for_mode("fused", max_batch=2, one_pass_embedding=True))
+    inputs = same_inputs(plain, 2)
+    for x, y in zip(outputs(plain, inputs), outputs(one_pass, inputs)):
+        assert np.array_equal(x, y)
+    observations = [obs for obs, _ in inputs]
+    noise = torch.cat([n for _, n in inputs])
+    a, b = (e.predict_batch(observations, noise=noise) for e in (plain, one_pass))
+    assert all(np.array_equal(x.normalized, y.normalized) for x, y in zip(a, b))
+    with pytest.raises(ValueError, match="one_pass_embedding needs static_shapes"):
+        EngineConfig(one_pass_embedding=True)
+
+
 def test_no_recompilation_after_warmup_whatever_the_known_prefix_and_keys_unchanged(tmp_path):
     """Every instruction length and every known-prefix length (none, 1 ... 16 actions: data in
     the bucket's buffers, never a shape) runs the graphs compiled during warm-up."""
@@ -334,6 +383,18 @@ def test_chunks_denormalised_on_the_host_are_the_devices_bit_for_bit():
     with torch.no_grad():
         on_device = engine.model.denormalize_actions(torch.from_numpy(chunk.normalized).cuda()).cpu().numpy()
     assert np.array_equal(chunk.actions, on_device)
+
+
+@pytest.mark.cuda
+def test_one_pass_embedding_is_the_models_on_the_gpu():
+    """Compiled on the GPU at DROID's sizes (4 images of 196 tokens in a prompt of 945, width 2560),
+    bit for bit against the four kernels it replaces (index_add's atomic bf16 adds included)."""
+    from vla_node.runtime.fusion import embed_from_store
+
+    weight, ids, store, frame_rows, positions, slot_image = embedding_case(
+        torch.bfloat16, "cuda", batch=2, images=4, per_image=196, length=945, dim=2560, rows=17)
+    got = torch.compile(embed_from_store, fullgraph=True, dynamic=False)(weight, ids, store, frame_rows, slot_image)
+    assert torch.equal(got, embed_as_the_model(weight, ids, store, frame_rows, positions))
 
 
 @pytest.mark.cuda

@@ -45,6 +45,9 @@ class Bucket:
             self.attn_mask = pattern_for(self.image_token_dev, 0, self.length, self.length,
                                          engine.config.pattern_kernel)
         self.patch_positions = torch.tensor(prompt.patch_positions, device=dev)
+        # Each slot's index among an entry's image tokens, or -1 (fusion.embed_from_store reads it).
+        self.slot_image = torch.full((self.length,), -1, dtype=torch.long, device=dev)
+        self.slot_image[self.patch_positions] = torch.arange(len(self.patch_positions), device=dev)
         self.slots = torch.arange(self.length, device=dev)
         llm = m.cfg.llm
         self.cos, self.sin = rope_tables(llm.head_dim, self.slots, llm.rope_theta)

@@ -151,6 +151,23 @@ def use_aligned_patch_embedding(model: nn.Module, compiled: bool = True) -> None
     encoder.embed_patches = AlignedPatchEmbedding(encoder.patch_embed, compiled)
 
 
+def embed_from_store(weight: torch.Tensor, ids: torch.Tensor, store: torch.Tensor, frame_rows: torch.Tensor,
+                     slot_image: torch.Tensor) -> torch.Tensor:
+    """VLAPolicy.embed of the frame store's rows in one pass (compiled: one kernel): each slot's token
+    embedding plus, where the prompt has a patch, that image token read from the store. ids [B, T];
+    store [rows, tokens_per_image, dim]; frame_rows [B * images], entry-major; slot_image [T]: the
+    index of each slot's token among an entry's image tokens, or -1. As four kernels (the embedding,
+    the store's read and its copy, index_add) 28.6 us at DROID on an H100 (BENCHMARKS.md, forty-sixth
+    session's profile). Exact: an image slot is one add of the same two values, as index_add's
+    (patch positions are distinct)."""
+    batch, per_image = ids.shape[0], store.shape[1]
+    token = slot_image.clamp_min(0)
+    rows = frame_rows.view(batch, -1)[:, token // per_image]         # [B, T]
+    image = store[rows, token % per_image]                           # [B, T, dim]
+    text = F.embedding(ids, weight)
+    return torch.where((slot_image >= 0)[:, None], text + image.to(text.dtype), text)
+
+
 def window_attention_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """model.vision.window_sdpa as plain ops in fp32 (a product and a sum over the head dim, a
     softmax over the window's few keys, a weighted sum), which a compiled region fuses into a few

@@ -26,7 +26,7 @@ from .action_cache import MAX_ADAPTIVE_REUSE, FlowSchedule
 from .bucket import Bucket
 from .compile import compile_count, compile_regions
 from .frame_store import FrameStore
-from .fusion import BatchedContextKV
+from .fusion import BatchedContextKV, embed_from_store
 from .graphs import capture
 from .parts import EngineParts, require_finite
 from .preprocess import DeviceStaging, preprocess_reference, resize_normalize
@@ -99,6 +99,10 @@ class StaticRunner:
             self._make_modulation_table()
         self.context_kv = BatchedContextKV(m.expert) if cfg.fused else m.expert.context_kv
         self.regions = compile_regions(m, pad_gemms=not cfg.unpadded_gemms) if cfg.compile else []
+        self.embed_from_store = None
+        if cfg.one_pass_embedding:
+            self.embed_from_store = (torch.compile(embed_from_store, fullgraph=True, dynamic=False) if cfg.compile
+                                     else embed_from_store)
         self.graphs_on = cfg.cuda_graphs
         self.vision_graphs: dict[str, torch.cuda.CUDAGraph] = {}  # shared by all buckets
         self.stream_bucket: Bucket | None = None  # whose KV the LLM caches hold
@@ -163,8 +167,11 @@ class StaticRunner:
 
     def _prefill_stage(self, b: Bucket) -> None:
         m = self.engine.model
-        image_tokens = self.store.read(b.frame_rows).reshape(b.batch, -1, m.cfg.llm.dim)
-        embeds = m.embed(b.ids, image_tokens, b.patch_positions)
+        if self.embed_from_store is not None:
+            embeds = self.embed_from_store(m.llm.embed.weight, b.ids, self.store.tokens, b.frame_rows, b.slot_image)
+        else:
+            image_tokens = self.store.read(b.frame_rows).reshape(b.batch, -1, m.cfg.llm.dim)
+            embeds = m.embed(b.ids, image_tokens, b.patch_positions)
         # Only a streaming bucket (batch 1: streaming is one robot's) writes the KV cache its steps read.
         # The fused context K/V reads every layer's output at once: the layers write them into one buffer.
         stacked = embeds.new_empty(m.cfg.llm.layers, *embeds.shape) if self.engine.config.fused else None

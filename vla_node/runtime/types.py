@@ -176,6 +176,10 @@ class EngineConfig:
     # compiled copy that lays the patches out (runtime/fusion.AlignedPatchEmbedding): on an H100 the GEMM
     # 30.3 -> 10.9 us and the layout copy 11.8 -> 4.5 at DROID; a query within its runs' spread.
     aligned_patch_embedding: bool = False
+    # The prefill's embeddings in one pass that reads the image tokens from the frame store
+    # (runtime/fusion.embed_from_store; compiled with `compile`), not the model's embedding, the store's
+    # read and index_add (28.6 us at DROID on an H100). Not yet timed on the GPU: off the ladder.
+    one_pass_embedding: bool = False
     cuda_graphs: bool = False
     # cuBLAS's GEMMs without a workspace: no memset nodes in the captured graphs, each of which left
     # the GPU idle ~6 us (runtime/graphs.use_gemms_without_workspace; the process's first GEMM fixes it).
@@ -252,6 +256,8 @@ class EngineConfig:
         if is_adaptive(self.action_cache) and not self.static_shapes:
             raise ValueError(f"the adaptive action cache needs static_shapes (its per-step buffers): engine_mode "
                              f"{_modes_with('static_shapes')}")
+        if self.one_pass_embedding and not self.static_shapes:
+            raise ValueError("one_pass_embedding needs static_shapes (it reads the frame store of the static buckets)")
         if self.memset_kernels and not self.cuda_graphs:
             raise ValueError("memset_kernels needs cuda_graphs (it edits the captured graphs)")
         if self.unpadded_gemms and not self.compile:
