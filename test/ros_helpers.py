@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from vla_node.ros.messages import stamp_ns
+from vla_node.tools.live import read_service
 from vla_node.tools.node_process import interrupt, node_argv, ros_domain, ros_environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,6 +198,15 @@ def rgb_frame(height: int, width: int, seed: int) -> np.ndarray:
     g = (y + seed * 3) % 256
     b = (x * 0.5 + y * 0.5 + seed * 11) % 256
     return np.stack([np.broadcast_to(c, (height, width)) for c in (r, g, b)], axis=-1).astype(np.uint8)
+
+
+def poll_until(condition: Callable[[], bool], deadline: float) -> bool:
+    """Whether `condition` came true by `deadline` (another thread spins what makes it so)."""
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 class Harness:
@@ -382,12 +392,19 @@ class Harness:
                                self.messages("command", since), timeout, f"{count} commands")
 
     # -- services ---------------------------------------------------------------------------------
-    def call(self, client, request, timeout: float = 60.0):
+    def call(self, client, request, timeout: float = 60.0, read_only: bool = False):
+        """The node's answer. A read-only request is sent again while its answer does not come
+        (live.read_service: a response to a client the service has not matched yet is lost)."""
         # Discovery normally takes a few seconds; a loaded 2-core machine can take much longer.
         if not client.wait_for_service(timeout_sec=60.0):
             raise AssertionError(f"service {client.srv_name} not available after 60 s (node exit code "
                                  f"{self.process.proc.poll()}); node output:\n"
                                  + "\n".join(self.process.output().splitlines()[-30:]))
+        if read_only:
+            answer = read_service(lambda: client.call_async(request), poll_until, time.monotonic() + timeout)
+            if answer is None:
+                raise AssertionError(f"no answer from {client.srv_name} within {timeout:.0f} s")
+            return answer
         future = client.call_async(request)
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
@@ -403,7 +420,7 @@ class Harness:
 
     def state(self) -> str:
         from lifecycle_msgs.srv import GetState
-        return self.call(self.get_state, GetState.Request()).current_state.label
+        return self.call(self.get_state, GetState.Request(), read_only=True).current_state.label
 
     def set_parameter(self, name: str, value):
         """-> rcl_interfaces SetParametersResult (successful, reason)."""
@@ -415,7 +432,7 @@ class Harness:
     def get_parameter(self, name: str):
         from rcl_interfaces.srv import GetParameters
         from rclpy.parameter import parameter_value_to_python
-        value = self.call(self.get_params, GetParameters.Request(names=[name])).values[0]
+        value = self.call(self.get_params, GetParameters.Request(names=[name]), read_only=True).values[0]
         return parameter_value_to_python(value)
 
     def close(self) -> None:

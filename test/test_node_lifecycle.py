@@ -187,7 +187,8 @@ def test_while_configure_waits_for_the_engine_the_node_answers_and_says_which_st
         # Answered at all: configure waits at the gate until the test opens it.
         assert h.state() == "configuring"
         assert h.get_parameter("control_rate_hz") == 50.0                       # parameter services too
-        described = h.call(h.describe_params, DescribeParameters.Request(names=["control_rate_hz"])).descriptors
+        request = DescribeParameters.Request(names=["control_rate_hz"])
+        described = h.call(h.describe_params, request, read_only=True).descriptors
         assert described[0].floating_point_range[0].to_value == 1000.0
         gate.touch()
         h.wait_diagnostics(lambda d: d.get(Key.STATE) == "active", 120, "the node to be active")

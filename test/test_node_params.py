@@ -36,7 +36,8 @@ def assert_ticks_at_since(h, since: float, count: int, period_s: float) -> None:
 def test_parameters_are_described_with_ranges_and_read_only_flags(node):
     _, h = node
     names = ["control_rate_hz", "replan_threshold", "model_preset", "camera_topics", "joint_lower_limits"]
-    descriptors = {d.name: d for d in h.call(h.describe_params, DescribeParameters.Request(names=names)).descriptors}
+    described = h.call(h.describe_params, DescribeParameters.Request(names=names), read_only=True).descriptors
+    descriptors = {d.name: d for d in described}
     rate = descriptors["control_rate_hz"]
     assert rate.floating_point_range[0].from_value == 1.0 and rate.floating_point_range[0].to_value == 1000.0
     assert not rate.read_only and rate.description

@@ -229,7 +229,7 @@ def test_a_read_request_whose_answer_is_lost_is_sent_again(monkeypatch):
             return future
 
         wait = live.Waiter(executor, time.monotonic() + 60.0, None)
-        result = live._read_service(wait, send)
+        result = live.read_service(send, wait.until, wait.deadline)
         assert result is not None and result.current_state.label == "active"
         assert len(requests) >= 2 and not requests[0].done()
     finally:

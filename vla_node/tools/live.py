@@ -477,7 +477,7 @@ def _wait_for_active(node, wait: Waiter, fqn: str, progress: Progress) -> None:
         raise LiveError(f"node {fqn} not found: no {fqn}/get_state service (is vla-node running?)")
     label = "unknown"
     while time.monotonic() < wait.deadline:
-        answer = _read_service(wait, lambda: client.call_async(GetState.Request()))
+        answer = read_service(lambda: client.call_async(GetState.Request()), wait.until, wait.deadline)
         if answer is not None:
             label = answer.current_state.label
             if label == "active":
@@ -487,13 +487,14 @@ def _wait_for_active(node, wait: Waiter, fqn: str, progress: Progress) -> None:
     raise LiveError(f"node {fqn} is {label}, not active (start it with -p autostart:=true or activate it)")
 
 
-def _read_service(wait: Waiter, send: Callable[[], object]):
+def read_service(send: Callable[[], object], until: Callable[[Callable[[], bool], float], bool], deadline: float):
     """The first answer to the read-only request that send() sends (and returns the future of),
-    sent again every RESEND_S until one comes; None at the waiter's deadline."""
+    sent again every RESEND_S until one comes; None at `deadline`. until(condition, deadline) waits
+    for the condition (spinning the client's executor, or while another thread spins it)."""
     futures = []
-    while time.monotonic() < wait.deadline:
+    while time.monotonic() < deadline:
         futures.append(send())
-        wait.until(lambda: any(f.done() for f in futures), min(wait.deadline, time.monotonic() + RESEND_S))
+        until(lambda: any(f.done() for f in futures), min(deadline, time.monotonic() + RESEND_S))
         answers = [f.result() for f in futures if f.done() and f.result() is not None]
         if answers:
             return answers[0]
@@ -506,7 +507,7 @@ def _node_parameters(node, wait: Waiter, fqn: str) -> dict:
     client = AsyncParameterClient(node, fqn)
     if not wait.until(client.services_are_ready):
         raise LiveError(f"node {fqn} does not answer parameter requests")
-    answer = _read_service(wait, lambda: client.get_parameters(list(NODE_PARAMETERS)))
+    answer = read_service(lambda: client.get_parameters(list(NODE_PARAMETERS)), wait.until, wait.deadline)
     if answer is None:
         raise LiveError(f"node {fqn} did not return its parameters {list(NODE_PARAMETERS)}")
     values = [parameter_value_to_python(v) for v in answer.values]
