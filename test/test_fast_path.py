@@ -252,6 +252,13 @@ def test_an_engine_with_the_one_pass_embedding_is_the_same_engine():
         EngineConfig(one_pass_embedding=True)
 
 
+def test_the_input_stream_needs_the_static_buckets_on_a_gpu():
+    with pytest.raises(ValueError, match="input_stream needs static_shapes"):
+        EngineConfig(device="cuda", input_stream=True)
+    with pytest.raises(ValueError, match="input_stream needs a CUDA device"):
+        EngineConfig.for_mode("static", input_stream=True)
+
+
 def test_no_recompilation_after_warmup_whatever_the_known_prefix_and_keys_unchanged(tmp_path):
     """Every instruction length and every known-prefix length (none, 1 ... 16 actions: data in
     the bucket's buffers, never a shape) runs the graphs compiled during warm-up."""
@@ -343,14 +350,16 @@ def gpu_config(mode: str, **kw) -> EngineConfig:
 
 
 @pytest.mark.cuda
-def test_a_warm_query_never_waits_for_the_device_while_it_queues_its_stages():
+@pytest.mark.parametrize("input_stream", [False, True])
+def test_a_warm_query_never_waits_for_the_device_while_it_queues_its_stages(input_stream):
     """The host queues a query's stages while the device runs the one before: a wait in between (a
     device tensor indexed with a list uploads the index and waits; so does a blocking copy) left the
     GPU idle from the end of the vision stage until the host had launched the prefill (5.1 ms of
     cudaStreamSynchronize in the H100 trace of a DROID query). Sync debug mode raises on each such
     wait; the timer's one wait at the end (torch.cuda.synchronize) is not one. Three entries in the
-    4-row bucket (a padding row), their noise on the device and a known prefix, as PolicyEngine gives."""
-    engine = PolicyEngine(gpu_config("graphs", max_batch=4))
+    4-row bucket (a padding row), their noise on the device and a known prefix, as PolicyEngine gives;
+    the inputs in stream order and on the input stream."""
+    engine = PolicyEngine(gpu_config("graphs", max_batch=4, input_stream=input_stream))
     engine.warmup()
     observations = [engine.dummy_observation(seed=i) for i in range(3)]
     observations[0].known_actions = np.zeros((4, engine.model_cfg.action.action_dim), np.float32)
@@ -363,6 +372,28 @@ def test_a_warm_query_never_waits_for_the_device_while_it_queues_its_stages():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == (3, 16, 8) and torch.isfinite(out).all()
+
+
+@pytest.mark.cuda
+def test_the_input_stream_changes_no_bit():
+    """A query's input copies on their own stream against in stream order: the same actions bit for
+    bit over queries of 1 to 3 entries whose instructions, states, noise and known prefixes all change
+    (each copy lands after the last query's graphs read the buffer and before this one's prefill)."""
+    engines = [PolicyEngine(gpu_config("graphs", max_batch=4, tuned_gemms=False, input_stream=beside))
+               for beside in (False, True)]
+    for engine in engines:
+        engine.warmup()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for i in range(6):
+        observations = [engines[0].dummy_observation(seed=10 * i + j) for j in range(1 + i % 3)]
+        for j, obs in enumerate(observations):
+            obs.instruction = INSTRUCTIONS[(i + j) % len(INSTRUCTIONS)]
+        if i % 2:
+            observations[0].known_actions = np.full((2 + i, 8), 0.1 * i, np.float32)
+        noise = torch.randn(len(observations), 16, 8, device="cuda", generator=g)
+        plain, beside = (e.static.predict(observations, noise, e.layout, e.known_actions(observations))[0]
+                         for e in engines)
+        assert torch.equal(plain, beside), i
 
 
 @pytest.mark.cuda

@@ -99,6 +99,8 @@ class StaticRunner:
             self._make_modulation_table()
         self.context_kv = BatchedContextKV(m.expert) if cfg.fused else m.expert.context_kv
         self.regions = compile_regions(m, pad_gemms=not cfg.unpadded_gemms) if cfg.compile else []
+        # The query's small input copies on a stream of their own (EngineConfig.input_stream).
+        self.input_stream = torch.cuda.Stream(dev) if cfg.input_stream else None
         self.embed_from_store = None
         if cfg.one_pass_embedding:
             self.embed_from_store = (torch.compile(embed_from_store, fullgraph=True, dynamic=False) if cfg.compile
@@ -260,6 +262,7 @@ class StaticRunner:
             raise ValueError(f"a query holds 1 to {self.batch_sizes[-1]} observations here, got {n}")
         b = self.bucket(layout, size, budget or self.budget_for(layout, [obs.instruction for obs in observations]))
         timer = StageTimer(e.device)
+        queued = self._queued()
         windows = [list(obs.frame_ids) if (e.config.vision_cache and obs.frame_ids is not None)
                    else [None] * layout.images for obs in observations]
         # One plan for the batch's frames (entry after entry): no entry's rows are recycled for another's.
@@ -275,17 +278,7 @@ class StaticRunner:
             timer.mark("preprocess")
             self._run(b, f"vision{batch}", lambda: self._vision_stage(batch))
             timer.mark("vision")
-        # The rest of the query's inputs while the device encodes (the prefill reads them, after it).
-        rows += rows[-layout.images:] * (size - n)
-        b.frame_rows.copy_(torch.tensor(rows), non_blocking=True)
-        entries = list(range(n)) + [n - 1] * (size - n)   # each row's observation
-        for row, j in enumerate(entries):
-            b.set_instruction(e, observations[j].instruction, row)
-        b.state.copy_(torch.cat([e.state_tensor(observations[j]) for j in entries]))
-        copy_rows(b.noise, noise)
-        if known is not None:
-            copy_rows(b.known.values, known.values)
-            copy_rows(b.known.known, known.known)
+        self._stage_inputs(b, observations, rows + rows[-layout.images:] * (size - n), noise, known, queued)
         if b.stream is not None and self.stream_bucket is b and b.stream.slides_from(windows[0]):
             self._run(b, "stream", lambda: self._stream_stage(b))
             self.stream_steps += 1
@@ -304,6 +297,45 @@ class StaticRunner:
             self.expert_calls += self.schedule.expert_calls
         timer.mark("action")
         return b.out[:n].clone(), timer.total()
+
+    def _queued(self) -> Optional[torch.cuda.Event]:
+        """With the input stream: an event after the work queued so far (the last query's stages,
+        which read the bucket's input buffers), which the input copies wait for."""
+        if self.input_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _stage_inputs(self, b: Bucket, observations: Sequence[Observation], rows: list[int], noise: torch.Tensor,
+                      known: Optional[KnownActions], queued: Optional[torch.cuda.Event]) -> None:
+        """The rest of the query's inputs into the bucket while the device encodes. With the input
+        stream their copies run beside the vision stage, after `queued`, not between it and the
+        prefill, which waits for them."""
+        if self.input_stream is None:
+            self._copy_inputs(b, observations, rows, noise, known)
+            return
+        main = torch.cuda.current_stream()
+        self.input_stream.wait_event(queued)
+        for made_on_main in (noise, *((known.values, known.known) if known is not None else ())):
+            made_on_main.record_stream(self.input_stream)   # its memory is not reused before the copy
+        with torch.cuda.stream(self.input_stream):
+            self._copy_inputs(b, observations, rows, noise, known)
+        main.wait_stream(self.input_stream)
+
+    def _copy_inputs(self, b: Bucket, observations: Sequence[Observation], rows: list[int], noise: torch.Tensor,
+                     known: Optional[KnownActions]) -> None:
+        """Frame rows (each row's, padding included), instructions, states, noise, the known prefix."""
+        e, n = self.engine, len(observations)
+        b.frame_rows.copy_(torch.tensor(rows), non_blocking=True)
+        entries = list(range(n)) + [n - 1] * (b.batch - n)   # each row's observation
+        for row, j in enumerate(entries):
+            b.set_instruction(e, observations[j].instruction, row)
+        b.state.copy_(torch.cat([e.state_tensor(observations[j]) for j in entries]))
+        copy_rows(b.noise, noise)
+        if known is not None:
+            copy_rows(b.known.values, known.values)
+            copy_rows(b.known.known, known.known)
 
     def _stage_frames(self, images: list[np.ndarray], batch: int) -> None:
         """Frames of one vision batch into its input buffer (padding rows keep stale pixels and

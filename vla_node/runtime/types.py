@@ -180,6 +180,11 @@ class EngineConfig:
     # (runtime/fusion.embed_from_store; compiled with `compile`), not the model's embedding, the store's
     # read and index_add (28.6 us at DROID on an H100). Not yet timed on the GPU: off the ladder.
     one_pass_embedding: bool = False
+    # A query's small input copies (frame rows, states, noise, instructions) on a CUDA stream of their
+    # own, beside the vision stage: in stream order they were five copies between the vision and the
+    # prefill graphs, 19 us of device time at DROID on an H100 (BENCHMARKS.md, forty-sixth session's
+    # profile). Not yet timed on the GPU: off the ladder.
+    input_stream: bool = False
     cuda_graphs: bool = False
     # cuBLAS's GEMMs without a workspace: no memset nodes in the captured graphs, each of which left
     # the GPU idle ~6 us (runtime/graphs.use_gemms_without_workspace; the process's first GEMM fixes it).
@@ -258,6 +263,8 @@ class EngineConfig:
                              f"{_modes_with('static_shapes')}")
         if self.one_pass_embedding and not self.static_shapes:
             raise ValueError("one_pass_embedding needs static_shapes (it reads the frame store of the static buckets)")
+        if self.input_stream and not self.static_shapes:
+            raise ValueError("input_stream needs static_shapes (it stages the static buckets' inputs)")
         if self.memset_kernels and not self.cuda_graphs:
             raise ValueError("memset_kernels needs cuda_graphs (it edits the captured graphs)")
         if self.unpadded_gemms and not self.compile:
@@ -270,7 +277,7 @@ class EngineConfig:
         cams = {l.cameras for l in self.layouts}
         if len(cams) > 1:
             raise ValueError(f"all layouts must use the same cameras, got {sorted(cams)}")
-        for feature in ("cuda_graphs", "workspace_free_gemms", "memset_kernels"):
+        for feature in ("cuda_graphs", "workspace_free_gemms", "memset_kernels", "input_stream"):
             if getattr(self, feature) and not self.device.startswith("cuda"):
                 raise ValueError(f"{feature} needs a CUDA device")
         for feature in ("triton_attention", "rotary_kernel", "fused_expert", "pattern_kernel"):

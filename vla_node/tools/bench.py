@@ -74,6 +74,7 @@ OPTIONS = {
     "memsetnodes": {"memset_kernels": False},  # the captured graphs' memset nodes left as they are
     "patch588": {"aligned_patch_embedding": False},  # the patch embedding's GEMM at K = 588, unaligned
     "embedpass": {"one_pass_embedding": True},  # the prefill's embeddings in one pass over the frame store
+    "inputstream": {"input_stream": True},  # a query's small input copies beside the vision stage
     "fulltiers": {"tile_tiers": False},  # every instruction tier at its own length, none trimmed to a GEMM tile
     # one instruction budget (96 tokens), as before instruction_tiers: what the tiers' shorter padding saves
     "onebudget": {"instruction_tiers": ()},
