@@ -16,7 +16,7 @@
 #   soak      vla-soak engine, fast, 1000 queries (recompiles, memory)
 #   bench8    vla-bench 8 images: $BENCH8_MODES (fast)
 #             (both benches take $BENCH_ARGS too, e.g. "--frames pageable")
-#   profile   one warm DROID `fast` query's kernels under the CUDA profiler (scripts/profile_query.py)
+#   profile   one warm DROID $PROFILE_MODE (fast) query's kernels under the CUDA profiler (scripts/profile_query.py)
 #   attention the prefill's pattern kernel at every tiling of scripts/bench_prefill_attention.py, DROID and 8 images
 #   ncu       Nsight Compute (clocks left alone): the pattern kernel at DROID at $NCU_TILES ("64x64 w4 s3 tma", its
 #             default; speed of light, memory, warp stalls, occupancy, stall sampling by instruction), within $NTIMEOUT s
@@ -78,8 +78,8 @@ run_part() {
         --dev-windows 1 --modes "${BENCH8_MODES:-fast}" ${BENCH_ARGS:-} --json "$OUT/bench_8img.json" 2>&1 \
         | grep -av Warning > "$OUT/bench_8img.log"; grep -a "tuned_gemms:" "$OUT/bench_8img.log"
       tail -6 "$OUT/bench_8img.log" ;;
-    profile) say "one DROID fast query's kernels"
-      timeout 200 python3 scripts/profile_query.py --mode fast --layout droid --out "$OUT" 2>&1 \
+    profile) say "one DROID ${PROFILE_MODE:-fast} query's kernels"
+      timeout 200 python3 scripts/profile_query.py --mode "${PROFILE_MODE:-fast}" --layout droid --out "$OUT" 2>&1 \
         | grep -av Warning > "$OUT/profile_droid.log"; grep -a "stages ms" "$OUT/profile_droid.log" | tail -1
       tail -42 "$OUT/profile_droid.log" ;;
     attention) say "the pattern kernel's tilings"

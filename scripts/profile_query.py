@@ -5,6 +5,7 @@ idle between them, by the kernel that waited (the eighteenth session's trace: a 
 the LLM's gate/up GEMM, the ViT's fc1 and each cuDNN attention, ~5 us of idle device each).
 
     python3 scripts/profile_query.py [--mode fast] [--layout droid] [--rows 40] [--out DIR]
+    (--mode: a vla-bench mode with its options, e.g. fast+embedpass+inputstream)
     python3 scripts/profile_query.py --idle TRACE.json[.gz]    (the idle table of a saved trace)
 """
 import argparse
@@ -16,6 +17,7 @@ import os
 import torch
 
 from vla_node.runtime import LAYOUTS, EngineConfig, PolicyEngine
+from vla_node.tools.bench import mode_config
 
 
 def idle_table(trace_path: str, rows: int = 12) -> None:
@@ -58,8 +60,8 @@ def main() -> None:
     if args.idle:
         idle_table(args.idle)
         return
-    engine = PolicyEngine(EngineConfig.for_mode(args.mode, preset="molmobot-4b", device="cuda", dtype="bfloat16",
-                                                layout=LAYOUTS[args.layout]), progress=print)
+    base = EngineConfig(preset="molmobot-4b", device="cuda", dtype="bfloat16", layout=LAYOUTS[args.layout])
+    engine = PolicyEngine(mode_config(args.mode, base), progress=print)
     engine.warmup()
     obs = engine.dummy_observation()
     for _ in range(3):
