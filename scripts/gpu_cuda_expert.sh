@@ -17,6 +17,8 @@
 #   bench8    vla-bench 8 images: $BENCH8_MODES (fast)
 #             (both benches take $BENCH_ARGS too, e.g. "--frames pageable")
 #   profile   one warm DROID $PROFILE_MODE (fast) query's kernels under the CUDA profiler (scripts/profile_query.py)
+#   embedding the prefill's embeddings as the engine makes them by default against one_pass_embedding's one pass
+#             (scripts/bench_prefill_embedding.py), DROID and 8 images, each in a CUDA graph
 #   attention the prefill's pattern kernel at every tiling of scripts/bench_prefill_attention.py, DROID and 8 images
 #   ncu       Nsight Compute (clocks left alone): the pattern kernel at DROID at $NCU_TILES ("64x64 w4 s3 tma", its
 #             default; speed of light, memory, warp stalls, occupancy, stall sampling by instruction), within $NTIMEOUT s
@@ -82,6 +84,9 @@ run_part() {
       timeout 200 python3 scripts/profile_query.py --mode "${PROFILE_MODE:-fast}" --layout droid --out "$OUT" 2>&1 \
         | grep -av Warning > "$OUT/profile_droid.log"; grep -a "stages ms" "$OUT/profile_droid.log" | tail -1
       tail -42 "$OUT/profile_droid.log" ;;
+    embedding) say "the prefill's embeddings: as by default against one pass over the frame store"
+      timeout 150 python3 scripts/bench_prefill_embedding.py --layouts droid,8img --json "$OUT/embedding.json" 2>&1 \
+        | grep -av Warn > "$OUT/embedding.log"; tail -4 "$OUT/embedding.log" ;;
     attention) say "the pattern kernel's tilings"
       timeout 240 python3 scripts/bench_prefill_attention.py --parts attention --layouts droid,8img \
         --ways "pattern kernel" --json "$OUT/attention.json" 2>&1 | grep -av Warn > "$OUT/attention.log"
