@@ -280,6 +280,69 @@ def test_rotary_heads_kernel_is_the_model_s(dtype, heads, kv_heads, head_dim):
     assert torch.equal(got[2], ref[2])   # v: copied
 
 
+@pytest.mark.parametrize("device, dtype", PATTERN_DEVICES)
+@pytest.mark.parametrize("tma", [True, False])
+def test_pattern_kernel_norms_and_rotates_q_as_the_rotary_pass_does(device, dtype, tma):
+    """q_rope_in_attention's kernels against the rotary pass + the pattern kernel: k alone through the
+    rotary pass (bit for bit its k), q normed and rotated as the pattern kernel loads it and v read
+    where the projection wrote it (strided views of one fused output, 4 heads over 2, image runs)."""
+    import dataclasses
+
+    from vla_node.model import get_preset
+    from vla_node.model.layers import rope_tables
+    from vla_node.model.llm import Attention
+    from vla_node.runtime.kernels.pattern_attention import PatternAttention
+    from vla_node.runtime.kernels.rotary_heads import attend_rotating_q, rotary_keys_heads
+
+    heads, kv_heads, head_dim, tokens = 4, 2, 16, 70
+    cfg = dataclasses.replace(get_preset("tiny").llm, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    attn = Attention(cfg).to(device, dtype)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.copy_(torch.rand(head_dim, generator=g) + 0.5)
+    fused = torch.randn(2, tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(device, dtype)
+    q, k, v = fused.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    cos, sin = rope_tables(head_dim, torch.arange(tokens, device=device), cfg.rope_theta)
+    image = torch.zeros(tokens, dtype=torch.bool, device=device)
+    image[3:21] = image[25:43] = True
+    pattern = PatternAttention(image, block_m=16, block_n=16, tma=tma)
+    pattern.rope_tables = (cos, sin)
+    with torch.no_grad():
+        qr, kr, vr = rotary_heads_kernel(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, heads, kv_heads,
+                                         cfg.norm_eps)
+        want = pattern.attend(qr, kr, vr)
+        q_raw, k_fused, v_raw = rotary_keys_heads(attn, q, k, v, cos, sin)
+        got = attend_rotating_q(attn, q_raw, k_fused, v_raw, pattern)
+    assert torch.equal(k_fused, kr) and k_fused.is_contiguous()
+    assert v_raw.data_ptr() == v.data_ptr() and q_raw.data_ptr() == q.data_ptr()   # read where they lie
+    assert got.shape == want.shape
+    err = float((got.float() - want.float()).norm() / want.float().norm())
+    assert err < (1e-6 if dtype == torch.float32 else 2e-3), err   # bf16: q may round the other way, rarely
+
+
+def test_an_engine_with_q_rope_in_attention_matches_the_rotary_pass():
+    """q_rope_in_attention in an engine (the kernels interpreted on the CPU, fp32): the same chunks as
+    the rotary pass with the pattern kernel, at two instructions (two buckets); it needs the pattern
+    kernel and no streaming."""
+    from vla_node.runtime import EngineConfig, PolicyEngine
+
+    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    cfg = dict(device=DEVICE, dtype=dtype, flex_attention=True, pattern_kernel=True, rotary_kernel=True)
+    plain = PolicyEngine(EngineConfig.for_mode("compile", **cfg))
+    fused = PolicyEngine(EngineConfig.for_mode("compile", q_rope_in_attention=True, **cfg))
+    for seed, text in enumerate(["pick up the red cup", "put the marker in the bowl and close the lid " * 3]):
+        obs = plain.dummy_observation(seed=seed)
+        obs.instruction = text
+        noise = torch.randn(1, 16, 8, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        a, b = plain.predict(obs, noise=noise).normalized, fused.predict(obs, noise=noise).normalized
+        assert np.linalg.norm(a - b) / np.linalg.norm(a) < (1e-6 if DEVICE == "cpu" else 1e-2)
+    with pytest.raises(ValueError, match="q_rope_in_attention needs pattern_kernel"):
+        EngineConfig.for_mode("ctxkv", q_rope_in_attention=True)
+    with pytest.raises(ValueError, match="not with streaming_kv"):
+        EngineConfig.for_mode("compile", **cfg, q_rope_in_attention=True, vision_cache=True, streaming_kv=True)
+
+
 def test_engine_with_the_rotary_kernel_matches_the_model_s_path_also_when_streaming():
     """rotary_kernel in an engine: the same chunks as the model's path (fp32 on the CPU), for full
     queries and for the streaming step (the new frames' rows, at their slots' positions)."""

@@ -51,6 +51,8 @@ class Bucket:
         self.slots = torch.arange(self.length, device=dev)
         llm = m.cfg.llm
         self.cos, self.sin = rope_tables(llm.head_dim, self.slots, llm.rope_theta)
+        if engine.config.q_rope_in_attention:   # the pattern kernel norms and rotates q itself
+            self.attn_mask.rope_tables = (self.cos, self.sin)
         self.ctx_mask = torch.ones((batch, 1, 1, self.length + 1), dtype=torch.bool, device=dev)  # + the state token
         self.frame_rows = torch.zeros(batch * layout.images, dtype=torch.long, device=dev)   # entry-major
         a = m.cfg.action

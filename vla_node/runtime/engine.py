@@ -122,6 +122,9 @@ class PolicyEngine:
             from .kernels.prefill_attention import flex_attend
             for layer in self.model.llm.layers:
                 layer.attn.attend = flex_attend
+        if config.q_rope_in_attention:   # after flex_attention: it sets the layers' attend too
+            from .kernels.rotary_heads import use_q_rope_in_attention
+            use_q_rope_in_attention(self.model.llm)
         self.parts = EngineParts(self.model, self.prompts, config, self.device, self.dtype, self.progress)
         self.static = None
         if config.static_shapes:

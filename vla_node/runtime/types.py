@@ -216,6 +216,11 @@ class EngineConfig:
     # The LLM attention's q/k norms, RoPE and head layout in one pass (runtime/kernels/rotary_heads):
     # the DROID LLM stage 14.15 -> 13.73 ms on the H200.
     rotary_kernel: bool = False
+    # q's norm and RoPE in the pattern kernel as it loads each query tile (once a program), k's alone in
+    # the rotary pass, v read where the projection wrote it (kernels/rotary_heads.use_q_rope_in_attention):
+    # the rotary pass moved ~22 MB a layer at DROID (8.9 us on an H100), k's share is a sixth of it. Not
+    # yet timed on the GPU: off the ladder.
+    q_rope_in_attention: bool = False
     triton_attention: bool = False        # action-expert attention through runtime/kernels/few_query_attention
     triton_layer_norm: bool = False       # the ViT's and the context's LayerNorms in one pass (kernels/layer_norm)
     # The ViT blocks' residual adds and the LayerNorms after them in one pass each
@@ -263,6 +268,10 @@ class EngineConfig:
                              f"{_modes_with('static_shapes')}")
         if self.one_pass_embedding and not self.static_shapes:
             raise ValueError("one_pass_embedding needs static_shapes (it reads the frame store of the static buckets)")
+        if self.q_rope_in_attention and not self.pattern_kernel:
+            raise ValueError("q_rope_in_attention needs pattern_kernel (the kernel that norms and rotates q)")
+        if self.q_rope_in_attention and self.streaming_kv:
+            raise ValueError("q_rope_in_attention is the full prefill's pattern kernel only: not with streaming_kv")
         if self.input_stream and not self.static_shapes:
             raise ValueError("input_stream needs static_shapes (it stages the static buckets' inputs)")
         if self.memset_kernels and not self.cuda_graphs:
@@ -280,7 +289,7 @@ class EngineConfig:
         for feature in ("cuda_graphs", "workspace_free_gemms", "memset_kernels", "input_stream"):
             if getattr(self, feature) and not self.device.startswith("cuda"):
                 raise ValueError(f"{feature} needs a CUDA device")
-        for feature in ("triton_attention", "rotary_kernel", "fused_expert", "pattern_kernel"):
+        for feature in ("triton_attention", "rotary_kernel", "fused_expert", "pattern_kernel", "q_rope_in_attention"):
             interpreted = os.environ.get("TRITON_INTERPRET") == "1"
             if getattr(self, feature) and not (self.device.startswith("cuda") or interpreted):
                 raise ValueError(f"{feature} needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")

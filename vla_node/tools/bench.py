@@ -75,6 +75,7 @@ OPTIONS = {
     "patch588": {"aligned_patch_embedding": False},  # the patch embedding's GEMM at K = 588, unaligned
     "embedpass": {"one_pass_embedding": True},  # the prefill's embeddings in one pass over the frame store
     "inputstream": {"input_stream": True},  # a query's small input copies beside the vision stage
+    "qrope": {"q_rope_in_attention": True},  # q's norm and RoPE in the pattern kernel, k's alone in the rotary pass
     "fulltiers": {"tile_tiers": False},  # every instruction tier at its own length, none trimmed to a GEMM tile
     # one instruction budget (96 tokens), as before instruction_tiers: what the tiers' shorter padding saves
     "onebudget": {"instruction_tiers": ()},

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -95,9 +96,32 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, Img, Tiles, lo, hi, n_visible, start, 
 
 
 @triton.jit
+def _norm_rope_rows(Q, row, sqt, W, Cos, Sin, sct, eps, D: tl.constexpr):
+    """Query rows `row` of one head read straight from the q projection (Q at the head's first element),
+    through the q norm and RoPE as kernels/rotary_heads makes them: RMSNorm with fp32 statistics,
+    rounded to the input dtype, times the weight and rounded again (model.layers.RMSNorm), then
+    rotate-half RoPE in fp32 with the tables' rows `row`, rounded to the input dtype. The rotated
+    half of each element (its partner, D / 2 away) is a second load of the same rows."""
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    x = tl.load(Q + row[:, None] * sqt + d[None, :])
+    x_partner = tl.load(Q + row[:, None] * sqt + partner[None, :])
+    f, f_partner = x.to(tl.float32), x_partner.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(f * f, axis=1) / D + eps)[:, None]
+    y = (tl.load(W + d).to(tl.float32)[None, :] * (f * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+    y_partner = (tl.load(W + partner).to(tl.float32)[None, :]
+                 * (f_partner * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+    cos = tl.load(Cos + row[:, None] * sct + d[None, :])
+    sin = tl.load(Sin + row[:, None] * sct + d[None, :])
+    sign = tl.where(d < D // 2, -1.0, 1.0)[None, :]
+    return (y.to(tl.float32) * cos + sign * y_partner.to(tl.float32) * sin).to(x.dtype)
+
+
+@triton.jit
 def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, heads, group, qk_scale,
-                       sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, n_key_tiles,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+                       sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, n_key_tiles, QW, Cos, Sin, sct, eps,
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+                       ROPE_Q: tl.constexpr):
     bh = tl.program_id(0)                        # (entry, head) fastest: every head of a query tile together
     m = tl.load(Order + tl.program_id(1))        # the query tile, heaviest first
     b = (bh // heads).to(tl.int64)
@@ -106,7 +130,9 @@ def _pattern_attention(Q, K, V, Img, Tiles, Counts, Order, Out, T, S, q_offset, 
     row = tl.minimum(rows, T - 1)                # rows past T repeat the last query (and are not stored)
     pos = q_offset + row
     d = tl.arange(0, D)
-    if TMA:   # rows past T zero-filled (not stored; their positions repeat the last query's)
+    if ROPE_Q:   # q is the projection's: its norm and RoPE here, once a program (by pointer)
+        q = _norm_rope_rows(Q + b * sqb + h * sqh, row, sqt, QW, Cos, Sin, sct, eps, D)
+    elif TMA:   # rows past T zero-filled (not stored; their positions repeat the last query's)
         q = Q.load([b.to(tl.int32), h, m * BLOCK_M, 0]).reshape(BLOCK_M, D)
     else:
         q = tl.load(Q + b * sqb + h * sqh + row[:, None] * sqt + d[None, :])
@@ -176,10 +202,13 @@ def descriptors_fit(*xs: torch.Tensor) -> bool:
 
 def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: torch.Tensor, tiles: torch.Tensor,
                       counts: torch.Tensor, order: torch.Tensor, q_offset: int, block_m: int, block_n: int,
-                      num_warps: int, num_stages: int, tma: bool = True) -> torch.Tensor:
+                      num_warps: int, num_stages: int, tma: bool = True,
+                      q_rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, KV, S, D] (grouped heads; any strides, the head dim contiguous),
     image [S] int8 flags, the tables of key_tiles at these tiles -> y [B, T, H, D] contiguous.
-    tma: q, K and V read through tensor descriptors where they fit (descriptors_fit), else by pointer."""
+    tma: K and V (and q) read through tensor descriptors where they fit (descriptors_fit), else by
+    pointer. q_rope (the q norm's weight [D], cos and sin [T, D] fp32 with contiguous rows, its eps):
+    q is the projection's, normed and rotated here as kernels/rotary_heads would (read by pointer)."""
     b, heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
     if any(x.stride(-1) != 1 for x in (q, k, v)) or k.shape != v.shape or heads % kv_heads:
@@ -187,33 +216,40 @@ def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: 
     if d < 16 or d & (d - 1) or image.numel() != s or tiles.shape != (triton.cdiv(t, block_m), triton.cdiv(s, block_n)):
         raise ValueError(f"pattern_attention: head_dim {d} (a power of two >= 16), {s} keys and {t} queries against "
                          f"flags of {image.numel()} and tables {tuple(tiles.shape)} at tiles {block_m}x{block_n}")
-    tma = tma and descriptors_fit(q, k, v)
+    tma = tma and descriptors_fit(k, v) and (q_rope is not None or descriptors_fit(q))
     out = q.new_empty((b, t, heads, d))
     qd, kd, vd = (q, k, v)
     if tma:
-        qd, kd, vd = (TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, n, d])
-                      for x, n in ((q, block_m), (k, block_n), (v, block_n)))
+        kd, vd = (TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_n, d]) for x in (k, v))
+        if q_rope is None:
+            qd = TensorDescriptor(q, list(q.shape), list(q.stride()), [1, 1, block_m, d])
+    q_weight, cos, sin, eps = q_rope if q_rope is not None else (q, q, q, 0.0)   # unread without ROPE_Q
+    if q_rope is not None and (cos.shape != (t, d) or cos.stride() != sin.stride() or cos.stride(-1) != 1):
+        raise ValueError(f"pattern_attention: q_rope's tables must be [{t}, {d}] alike, rows contiguous")
     _pattern_attention[(b * heads, order.numel())](
         qd, kd, vd, image, tiles, counts, order, out, t, s, q_offset, heads, heads // kv_heads,
         LOG2E / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), tiles.shape[1],
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, num_warps=num_warps, num_stages=num_stages)
+        v.stride(0), v.stride(1), v.stride(2), tiles.shape[1], q_weight, cos, sin, cos.stride(0), eps,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, ROPE_Q=q_rope is not None, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 
 @torch.library.custom_op("vla::pattern_attention", mutates_args=())
 def pattern_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image: torch.Tensor,
                          tiles: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, q_offset: int, block_m: int,
-                         block_n: int, num_warps: int, num_stages: int, tma: bool) -> torch.Tensor:
+                         block_n: int, num_warps: int, num_stages: int, tma: bool, q_weight: Optional[torch.Tensor],
+                         cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """pattern_attention as one op a compiled region keeps whole (on the CPU the kernel itself,
-    interpreted: TRITON_INTERPRET=1)."""
+    interpreted: TRITON_INTERPRET=1); q_weight given: q_rope = (q_weight, cos, sin, eps)."""
     return pattern_attention(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages,
-                             tma)
+                             tma, None if q_weight is None else (q_weight, cos, sin, eps))
 
 
 @pattern_attention_op.register_fake
-def _(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages, tma):
+def _(q, k, v, image, tiles, counts, order, q_offset, block_m, block_n, num_warps, num_stages, tma, q_weight, cos, sin,
+      eps):
     b, heads, t, d = q.shape
     return q.new_empty((b, t, heads, d))
 
@@ -244,6 +280,9 @@ class PatternAttention:
         if any(n < 16 or n & (n - 1) for n in (block_m, block_n)):
             raise ValueError(f"tiles must be powers of two >= 16 (tl.dot), got {block_m}x{block_n}")
         self.launch = (block_m, block_n, num_warps, num_stages, tma)
+        # cos/sin [q_len, D] of the queries' positions, where the layers leave q's norm and RoPE to the
+        # kernel (rotary_heads.attend_rotating_q; set by the bucket)
+        self.rope_tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         dev = image_token.device
         n_m, n_n = triton.cdiv(self.q_len, block_m), triton.cdiv(kv_len, block_n)
         self.image = torch.zeros(kv_len, dtype=torch.int8, device=dev)
@@ -259,8 +298,10 @@ class PatternAttention:
         for mine, new in zip((self.tiles, self.counts, self.order), fresh, strict=True):
             mine.copy_(new)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               q_rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
         """q [B, H, q_len, D], k/v [B, KV, S, D] (grouped heads) -> [B, H, q_len, D], a view of
-        [B, q_len, H, D]."""
+        [B, q_len, H, D]. q_rope: pattern_attention's (q the projection's, normed and rotated here)."""
+        weight, cos, sin, eps = q_rope if q_rope is not None else (None, None, None, 0.0)
         return pattern_attention_op(q, k, v, self.image, self.tiles, self.counts, self.order, self.q_offset,
-                                    *self.launch).transpose(1, 2)
+                                    *self.launch, weight, cos, sin, eps).transpose(1, 2)

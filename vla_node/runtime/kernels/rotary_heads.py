@@ -10,6 +10,8 @@ TRITON_INTERPRET=1 (the CI tests).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -40,17 +42,24 @@ def _norm_rope(X, W, Out, so, cos1, sin1, cos2, sin2, eps, n_heads,
 
 
 @triton.jit
+def _token_tables(Cos, Sin, t, sct, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token t's cos and sin, each as its two halves [1, BLOCK_HALF]."""
+    d = tl.arange(0, BLOCK_HALF)
+    cos1 = tl.load(Cos + t * sct + d, mask=d < HALF, other=0.0)[None, :]
+    sin1 = tl.load(Sin + t * sct + d, mask=d < HALF, other=0.0)[None, :]
+    cos2 = tl.load(Cos + t * sct + HALF + d, mask=d < HALF, other=0.0)[None, :]
+    sin2 = tl.load(Sin + t * sct + HALF + d, mask=d < HALF, other=0.0)[None, :]
+    return cos1, sin1, cos2, sin2
+
+
+@triton.jit
 def _rotary_heads(Q, K, V, QW, KW, Cos, Sin, QO, KO, VO, tokens, sqb, sqt, skb, skt, svb, svt, sct, eps,
                   H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)                   # (entry, token)
     b = pid // tokens
     t = pid % tokens
-    d = tl.arange(0, BLOCK_HALF)
-    cos1 = tl.load(Cos + t * sct + d, mask=d < HALF, other=0.0)[None, :]
-    sin1 = tl.load(Sin + t * sct + d, mask=d < HALF, other=0.0)[None, :]
-    cos2 = tl.load(Cos + t * sct + HALF + d, mask=d < HALF, other=0.0)[None, :]
-    sin2 = tl.load(Sin + t * sct + HALF + d, mask=d < HALF, other=0.0)[None, :]
+    cos1, sin1, cos2, sin2 = _token_tables(Cos, Sin, t, sct, HALF, BLOCK_HALF)
     # outputs [B, heads, T, D]: a head's rows T * D apart
     _norm_rope(Q + b * sqb + t * sqt, QW, QO + (b * H * tokens + t) * D, tokens * D, cos1, sin1, cos2, sin2, eps, H,
                D, HALF, BLOCK_H, BLOCK_HALF)
@@ -61,6 +70,17 @@ def _rotary_heads(Q, K, V, QW, KW, Cos, Sin, QO, KO, VO, tokens, sqb, sqt, skb, 
     ok = (h < KV)[:, None] & (c < D)[None, :]
     v = tl.load(V + b * svb + t * svt + h[:, None] * D + c[None, :], mask=ok, other=0.0)
     tl.store(VO + (b * KV * tokens + t) * D + h[:, None] * (tokens * D) + c[None, :], v, mask=ok)
+
+
+@triton.jit
+def _rotary_keys(K, KW, Cos, Sin, KO, tokens, skb, skt, sct, eps, KV: tl.constexpr, D: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    pid = tl.program_id(0)                   # (entry, token)
+    b = pid // tokens
+    t = pid % tokens
+    cos1, sin1, cos2, sin2 = _token_tables(Cos, Sin, t, sct, HALF, BLOCK_HALF)
+    _norm_rope(K + b * skb + t * skt, KW, KO + (b * KV * tokens + t) * D, tokens * D, cos1, sin1, cos2, sin2, eps,
+               KV, D, HALF, BLOCK_KV, BLOCK_HALF)
 
 
 def rotary_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
@@ -105,6 +125,60 @@ def rotary_heads_one_pass(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: 
     norms, which use_rotary_kernel checked)."""
     return _rotary_heads_op(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos.contiguous(), sin.contiguous(),
                             attn.heads, attn.kv_heads, attn.q_norm.eps)
+
+
+def rotary_keys_kernel(k: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_heads: int,
+                       eps: float) -> torch.Tensor:
+    """rotary_heads_kernel's k alone: k [B, T, kv_heads * D] -> [B, kv_heads, T, D] contiguous."""
+    b, t, _ = k.shape
+    d = k.shape[-1] // kv_heads
+    if d % 2 or any(x.stride(-1) != 1 for x in (k, cos, sin)) or cos.stride() != sin.stride():
+        raise ValueError("rotary_keys_kernel needs an even head_dim, contiguous last dims and cos/sin alike")
+    ko = torch.empty((b, kv_heads, t, d), dtype=k.dtype, device=k.device)
+    _rotary_keys[(b * t,)](k, k_weight, cos, sin, ko, t, k.stride(0), k.stride(1), cos.stride(0), eps, KV=kv_heads,
+                           D=d, HALF=d // 2, BLOCK_KV=triton.next_power_of_2(kv_heads),
+                           BLOCK_HALF=triton.next_power_of_2(d // 2), num_warps=4)
+    return ko
+
+
+@torch.library.custom_op("vla::rotary_keys", mutates_args=())
+def _rotary_keys_op(k: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_heads: int,
+                    eps: float) -> torch.Tensor:
+    return rotary_keys_kernel(k, k_weight, cos, sin, kv_heads, eps)
+
+
+@_rotary_keys_op.register_fake
+def _(k, k_weight, cos, sin, kv_heads, eps):
+    b, t, _ = k.shape
+    return k.new_empty((b, kv_heads, t, k.shape[-1] // kv_heads))
+
+
+def rotary_keys_heads(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """model.llm.rotary_heads for a pattern kernel that norms and rotates q itself (attend_rotating_q):
+    k through its norm and RoPE in one pass; q and v as heads views of the projection, as they are."""
+    b, t, _ = q.shape
+    k = _rotary_keys_op(k, attn.k_norm.weight, cos.contiguous(), sin.contiguous(), attn.kv_heads, attn.k_norm.eps)
+    return (q.view(b, t, attn.heads, attn.head_dim).transpose(1, 2), k,
+            v.view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2))
+
+
+def attend_rotating_q(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """model.llm.sdpa_attend's meaning through the pattern kernel (`mask`: the bucket's PatternAttention,
+    with the rope tables of its queries), q still the projection's: the kernel applies attn's q norm and
+    RoPE as it loads each query tile, once a program, where a pass of its own moved q twice through memory."""
+    if getattr(mask, "rope_tables", None) is None:
+        raise ValueError("q_rope_in_attention runs the full prefill's pattern kernel, with its queries' rope tables")
+    return mask.attend(q, k, v, q_rope=(attn.q_norm.weight, *mask.rope_tables, attn.q_norm.eps))
+
+
+def use_q_rope_in_attention(llm: LLM) -> int:
+    """Every decoder layer: k alone through the rotary pass, q normed and rotated in the pattern kernel,
+    v read where the projection wrote it (the full prefill's pattern kernel only: no KV cache)."""
+    for layer in llm.layers:
+        layer.attn.rotary_heads = rotary_keys_heads
+        layer.attn.attend = functools.partial(attend_rotating_q, layer.attn)
+    return len(llm.layers)
 
 
 def use_rotary_kernel(llm: LLM) -> int:
