@@ -6,7 +6,7 @@ that). The interpreter, which runs the CPU tests, pipelines nothing and accepts 
 rejects, so the suite runs this; --ptxas adds registers, spills and SASS counts. Exits 1 if a
 tiling's loads are not pipelined.
 
-    python scripts/compile_pattern_kernel.py [--tiles 64,64,4,3 128,64,8,2] [--dtype bfloat16] [--ptxas]
+    python scripts/compile_pattern_kernel.py [--tiles 64,64,4,3 128,64,8,2] [--dtype bfloat16] [--ptxas] [--q-rope]
 """
 import argparse
 import sys
@@ -19,18 +19,28 @@ from vla_node.model import get_preset
 from vla_node.runtime.kernels.pattern_attention import PatternAttention, pattern_attention
 
 
-def recorded_launch(tiles: tuple[int, int, int, int, bool], dtype: torch.dtype, tokens: int) -> tuple:
-    """(kernel, args, kwargs) of one layer's call (meta tensors: recorded, not launched)."""
+def recorded_launch(tiles: tuple[int, int, int, int, bool], dtype: torch.dtype, tokens: int,
+                    q_rope: bool = False) -> tuple:
+    """(kernel, args, kwargs) of one layer's call (meta tensors: recorded, not launched). q_rope: as
+    q_rope_in_attention launches it, q, k and v views of one fused projection, q normed and rotated
+    in the kernel."""
     launches = []
     JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
     llm = get_preset("molmobot-4b").llm
     block_m, block_n, num_warps, num_stages, tma = tiles
     with torch.device("meta"):
         q = torch.empty(1, llm.heads, tokens, llm.head_dim, dtype=dtype)
-        k = torch.empty(1, llm.kv_heads, tokens, llm.head_dim, dtype=dtype)
+        k = v = torch.empty(1, llm.kv_heads, tokens, llm.head_dim, dtype=dtype)
+        rope = None
+        if q_rope:
+            fused = torch.empty(1, tokens, (llm.heads + 2 * llm.kv_heads) * llm.head_dim, dtype=dtype)
+            q, _, v = (x.view(1, tokens, -1, llm.head_dim).transpose(1, 2) for x in fused.split(
+                (llm.heads * llm.head_dim, llm.kv_heads * llm.head_dim, llm.kv_heads * llm.head_dim), -1))
+            tables = torch.empty(tokens, llm.head_dim)
+            rope = (torch.empty(llm.head_dim, dtype=dtype), tables, tables, llm.norm_eps)
         p = PatternAttention(torch.zeros(tokens, dtype=torch.bool), block_m=block_m, block_n=block_n,
                              num_warps=num_warps, num_stages=num_stages, tma=tma)
-        pattern_attention(q, k, k, p.image, p.tiles, p.counts, p.order, 0, *p.launch)
+        pattern_attention(q, k, v, p.image, p.tiles, p.counts, p.order, 0, *p.launch, rope)
     return launches[0]
 
 
@@ -41,6 +51,7 @@ def main():
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--tokens", type=int, default=945, help="the prompt's length (DROID's)")
     ap.add_argument("--ptxas", action="store_true", help="print registers, spills and SASS counts")
+    ap.add_argument("--q-rope", action="store_true", help="as q_rope_in_attention launches it")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     unpipelined = 0
@@ -48,7 +59,7 @@ def main():
         numbers = [int(n) for n in spec.split(",")]
         tiles = (*numbers[:4], bool((*numbers, 1)[4]))   # tma unless a fifth number 0 says otherwise
         block_m, block_n, _, num_stages, tma = tiles
-        compiled = compile_for_hopper(*recorded_launch(tiles, dtype, args.tokens))
+        compiled = compile_for_hopper(*recorded_launch(tiles, dtype, args.tokens, args.q_rope))
         tile_bytes = get_preset("molmobot-4b").llm.head_dim * dtype.itemsize
         pipelined = compiled.metadata.shared >= (block_m + 2 * num_stages * block_n) * tile_bytes
         unpipelined += not pipelined

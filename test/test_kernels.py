@@ -237,14 +237,15 @@ def test_pattern_kernel_refreshes_its_tables_in_place(device, dtype):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on the GPU the kernel runs natively")
-def test_pattern_kernel_compiles_for_hopper_with_its_loads_pipelined():
+@pytest.mark.parametrize("options", [[], ["--q-rope"]], ids=["default", "q_rope"])
+def test_pattern_kernel_compiles_for_hopper_with_its_loads_pipelined(options):
     """The interpreter pipelines nothing and accepts code the GPU compiler rejects: the kernel at its
     default tiles, compiled for sm_90 with no GPU (scripts/compile_pattern_kernel.py), holds num_stages
-    K and V tiles in shared memory."""
+    K and V tiles in shared memory; also as q_rope_in_attention launches it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": root}  # this checkout's
-    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "compile_pattern_kernel.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "compile_pattern_kernel.py"), *options],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "loads pipelined" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
