@@ -19,6 +19,8 @@
 #   profile   one warm DROID $PROFILE_MODE (fast) query's kernels under the CUDA profiler (scripts/profile_query.py)
 #   embedding the prefill's embeddings as the engine makes them by default against one_pass_embedding's one pass
 #             (scripts/bench_prefill_embedding.py), DROID and 8 images, each in a CUDA graph
+#   ab        two modes in one process, their queries paired A B B A (scripts/ab_query.py): $AB_A (fast) against
+#             $AB_B (fast+embedpass+inputstream+qrope) at $AB_LAYOUT (droid), $AB_PAIRS (40) pairs
 #   uploads   the camera frames' host-to-device bandwidth on 1, 2, 4 streams and as one copy (scripts/bench_uploads.py)
 #   attention the prefill's pattern kernel at every tiling of scripts/bench_prefill_attention.py, DROID and 8 images
 #   ncu       Nsight Compute (clocks left alone): the pattern kernel at DROID at $NCU_TILES ("64x64 w4 s3 tma", its
@@ -88,6 +90,10 @@ run_part() {
     embedding) say "the prefill's embeddings: as by default against one pass over the frame store"
       timeout 150 python3 scripts/bench_prefill_embedding.py --layouts droid,8img --json "$OUT/embedding.json" 2>&1 \
         | grep -av Warn > "$OUT/embedding.log"; tail -4 "$OUT/embedding.log" ;;
+    ab) say "A/B in one process, queries paired: ${AB_A:-fast} against ${AB_B:-fast+embedpass+inputstream+qrope}"
+      timeout "${AB_TIMEOUT:-400}" python3 scripts/ab_query.py --a "${AB_A:-fast}" --b "${AB_B:-fast+embedpass+inputstream+qrope}" \
+        --layout "${AB_LAYOUT:-droid}" --pairs "${AB_PAIRS:-40}" --json "$OUT/ab_${AB_LAYOUT:-droid}.json" 2>&1 \
+        | grep -av Warn > "$OUT/ab_${AB_LAYOUT:-droid}.log"; tail -8 "$OUT/ab_${AB_LAYOUT:-droid}.log" ;;
     uploads) say "the frames' uploads: one stream, 2 and 4 streams, one copy"
       timeout 60 python3 scripts/bench_uploads.py --frames 4,8 --json "$OUT/uploads.json" 2>&1 | tee "$OUT/uploads.log" \
         | tail -4 ;;
