@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from vla_node.ros.messages import stamp_ns
-from vla_node.tools.live import read_service
+from vla_node.tools.live import RESEND_S, read_service
 from vla_node.tools.node_process import interrupt, node_argv, ros_domain, ros_environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -392,9 +392,12 @@ class Harness:
                                self.messages("command", since), timeout, f"{count} commands")
 
     # -- services ---------------------------------------------------------------------------------
-    def call(self, client, request, timeout: float = 60.0, read_only: bool = False):
+    def call(self, client, request, timeout: float = 60.0, read_only: bool = False,
+             settled: Optional[Callable[[], object]] = None):
         """The node's answer. A read-only request is sent again while its answer does not come
-        (live.read_service: a response to a client the service has not matched yet is lost)."""
+        (live.read_service: a response to a client the service has not matched yet is lost); for
+        another, `settled` is asked every RESEND_S meanwhile, and what it returns, if not None, stands
+        for the answer."""
         # Discovery normally takes a few seconds; a loaded 2-core machine can take much longer.
         if not client.wait_for_service(timeout_sec=60.0):
             raise AssertionError(f"service {client.srv_name} not available after 60 s (node exit code "
@@ -406,17 +409,37 @@ class Harness:
                 raise AssertionError(f"no answer from {client.srv_name} within {timeout:.0f} s")
             return answer
         future = client.call_async(request)
-        done = threading.Event()
-        future.add_done_callback(lambda _: done.set())
-        if not done.wait(timeout):
-            raise AssertionError(f"no answer from {client.srv_name} within {timeout:.0f} s")
+        deadline = time.monotonic() + timeout
+        while not poll_until(future.done, min(deadline, time.monotonic() + RESEND_S)):
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"no answer from {client.srv_name} within {timeout:.0f} s")
+            outcome = settled() if settled is not None else None
+            if outcome is not None:
+                return outcome
         return future.result()
 
     def transition(self, label: str, timeout: float = 120.0) -> bool:
+        """Whether the transition succeeded. While its response does not come (it may be lost: call),
+        the node in the transition's goal state, which it was not in before, says it succeeded: only
+        success reaches inactive or active (cleanup's and shutdown's goals are reached by errors too)."""
         from lifecycle_msgs.srv import ChangeState
         request = ChangeState.Request()
         request.transition.label = label
-        return self.call(self.change_state, request, timeout).success
+        goal = {"configure": "inactive", "activate": "active", "deactivate": "inactive"}.get(label)
+
+        def reached_goal() -> Optional[ChangeState.Response]:
+            return ChangeState.Response(success=True) if self._state_now() == goal else None
+
+        watch = goal is not None and self.state() != goal
+        return self.call(self.change_state, request, timeout, settled=reached_goal if watch else None).success
+
+    def _state_now(self) -> Optional[str]:
+        """The node's state, or None where it does not answer within a few seconds."""
+        from lifecycle_msgs.srv import GetState
+        try:
+            return self.call(self.get_state, GetState.Request(), RESEND_S, read_only=True).current_state.label
+        except AssertionError:
+            return None
 
     def state(self) -> str:
         from lifecycle_msgs.srv import GetState
