@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from vla_node.model import get_preset
-from vla_node.runtime.graphs import capture, replay_ms
+from vla_node.runtime.graphs import capture, interleaved_ms
 
 
 def vit_attention_layers(images: int, layers: int = 25):
@@ -49,12 +49,7 @@ def main():
             fn = vit_attention_layers(images)
             plain, out_plain = capture(fn)
             kernels, out_kernels = capture(fn, memset_kernels=True)
-            for g in (plain, kernels):   # warm
-                replay_ms(g, 3)
-            ms = {}
-            for _ in range(3):   # interleaved: A-B-A-B-A-B
-                for name, g in (("memset nodes", plain), ("kernel nodes", kernels)):
-                    ms.setdefault(name, []).append(statistics.median(replay_ms(g, 20)))
+            ms = interleaved_ms({"memset nodes": plain, "kernel nodes": kernels})
             same = torch.equal(out_plain, out_kernels)
             rows[images] = {"replaced": kernels.memsets_replaced, "bit_identical": same,
                             **{name: statistics.median(v) for name, v in ms.items()}}

@@ -19,7 +19,7 @@ from vla_node.model import TINY_TOKENIZER, PromptBuilder, VLAPolicy, get_preset,
 from vla_node.runtime import LAYOUTS
 from vla_node.runtime.frame_store import FrameStore
 from vla_node.runtime.fusion import embed_from_store
-from vla_node.runtime.graphs import capture, replay_ms
+from vla_node.runtime.graphs import capture, interleaved_ms
 
 CALLS = 10
 
@@ -64,12 +64,8 @@ def main():
             # CALLS calls a graph: one call's few us would be lost beside a replay's launch
             graphs = {way: capture(lambda f=f: [f() for _ in range(CALLS)])
                       for way, f in (("default", default), ("one pass", one_pass))}
-            for graph, _ in graphs.values():   # warm
-                replay_ms(graph, 3)
-            ms = {}
-            for _ in range(3):   # interleaved: A-B-A-B-A-B
-                for way, (graph, _) in graphs.items():
-                    ms.setdefault(way, []).append(statistics.median(replay_ms(graph, 20)) / CALLS)
+            ms = {way: [t / CALLS for t in times]
+                  for way, times in interleaved_ms({way: graph for way, (graph, _) in graphs.items()}).items()}
             same = torch.equal(graphs["default"][1][-1], graphs["one pass"][1][-1])
             rows[name] = {"tokens": length, "bit_identical": same, **{w: statistics.median(v) for w, v in ms.items()}}
             print(f"{name}: {length} tokens, batch {args.batch}; bit for bit {same}; "

@@ -54,6 +54,19 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
     return times
 
 
+def interleaved_ms(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int = 3,
+                   replays: int = 20) -> dict[str, list[float]]:
+    """Each graph's median replay ms in each of `rounds` rounds, the graphs in turn within a round
+    (A-B-A-B...: drift falls on all of them alike), after 3 warm replays each (the GPU benchmarks' A/B)."""
+    for graph in graphs.values():
+        replay_ms(graph, 3)
+    ms: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            ms[name].append(statistics.median(replay_ms(graph, replays)))
+    return ms
+
+
 # cuBLAS's split-K / stream-K GEMMs reset a semaphore in their workspace before each call: in a
 # captured graph a memset node, after which the GEMM starts ~6 us late (62 such GEMMs a DROID query:
 # 0.28 ms of idle device on an H100). Without a workspace cuBLAS picks kernels of the same speed that
