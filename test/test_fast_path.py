@@ -204,12 +204,15 @@ def test_frame_store_moves_rows_bit_for_bit(dtype, dim):
 
 
 def embedding_case(dtype, device="cpu", batch=2, images=3, per_image=5, length=40, dim=24, rows=9):
-    """Token ids, a frame store's tokens, each entry's rows in it and the prompt's patch positions
+    """Token ids, a frame store of random tokens, each entry's rows in it and the prompt's patch positions
     (distinct, in order, some text between them) -> the embedding weight and both calls' inputs."""
+    from vla_node.runtime.frame_store import FrameStore
+
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(50, dim, generator=g).to(device, dtype)
     ids = torch.randint(0, 50, (batch, length), generator=g).to(device)
-    store = torch.randn(rows, per_image, dim, generator=g).to(device, dtype)
+    store = FrameStore(rows - 1, per_image, dim, dtype, torch.device(device))   # its rows and a scratch row
+    store.tokens.copy_(torch.randn(rows, per_image, dim, generator=g))
     frame_rows = torch.randperm(rows, generator=g)[:batch * images].to(device)
     positions = torch.randperm(length, generator=g)[:images * per_image].sort().values
     slot_image = torch.full((length,), -1, dtype=torch.long)
@@ -218,9 +221,15 @@ def embedding_case(dtype, device="cpu", batch=2, images=3, per_image=5, length=4
 
 
 def embed_as_the_model(weight, ids, store, frame_rows, positions):
-    """VLAPolicy.embed after FrameStore.read, as the static runner's prefill calls them."""
-    image = store[frame_rows].reshape(ids.shape[0], -1, store.shape[-1])
-    return torch.nn.functional.embedding(ids, weight).index_add(1, positions, image)
+    """The static runner's prefill without one_pass_embedding: FrameStore.read, then VLAPolicy.embed
+    (on a stand-in that holds the one module it reads, the token embedding)."""
+    from types import SimpleNamespace
+
+    from vla_node.model import VLAPolicy
+
+    image = store.read(frame_rows).reshape(ids.shape[0], -1, weight.shape[1])
+    model = SimpleNamespace(llm=SimpleNamespace(embed=torch.nn.Embedding.from_pretrained(weight)))
+    return VLAPolicy.embed(model, ids, image, positions)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -232,7 +241,7 @@ def test_one_pass_embedding_is_the_models(dtype, compiled):
 
     weight, ids, store, frame_rows, positions, slot_image = embedding_case(dtype)
     run = torch.compile(embed_from_store, fullgraph=True, dynamic=False) if compiled else embed_from_store
-    got = run(weight, ids, store, frame_rows, slot_image)
+    got = run(weight, ids, store.tokens, frame_rows, slot_image)
     assert torch.equal(got, embed_as_the_model(weight, ids, store, frame_rows, positions))
 
 
@@ -424,7 +433,8 @@ def test_one_pass_embedding_is_the_models_on_the_gpu():
 
     weight, ids, store, frame_rows, positions, slot_image = embedding_case(
         torch.bfloat16, "cuda", batch=2, images=4, per_image=196, length=945, dim=2560, rows=17)
-    got = torch.compile(embed_from_store, fullgraph=True, dynamic=False)(weight, ids, store, frame_rows, slot_image)
+    got = torch.compile(embed_from_store, fullgraph=True, dynamic=False)(weight, ids, store.tokens, frame_rows,
+                                                                         slot_image)
     assert torch.equal(got, embed_as_the_model(weight, ids, store, frame_rows, positions))
 
 
