@@ -33,6 +33,11 @@
 #             scripts/bench_gemm_gaps.py)
 #   h200      bench and bench8 where the card is an H200 (the issue's must-show card), else nothing: a call
 #             that may land on either kind of card ends with it
+#   cache     the compile caches (inductor's, Triton's, ours: tuned GEMM choices, NVRTC builds) as
+#             $OUT/compile_cache_<card>.tar.xz.aa, .ab, ... (15 MiB pieces: the device returns files of <= 16 MiB).
+#             Kept here in .compile_cache/ (ignored) and named in run's carry, the pieces are unpacked before the
+#             first part: a fresh machine then skips the compiles (~130-240 s for molmobot-4b `fast`) that the
+#             call they came from made
 #   OUT=dir PARTS="tests check probe bench soak" bash scripts/gpu_cuda_expert.sh   (one call, <= 10 min; the
 #   first compile of molmobot-4b `fast` on a fresh machine takes ~130-240 s, soak then reuses it)
 set -uo pipefail
@@ -43,6 +48,9 @@ VARIANTS=${VARIANTS:-"default:,unfolded:fold_cross_q=0,fp32ln:x_frags=0,fuse_sel
 ANATOMY=${ANATOMY:-"default:,unfolded:fold_cross_q=0+x_frags=0"}
 VENTRIES=${VENTRIES:-1,2,4}; ANAT_ENTRIES=${ANAT_ENTRIES:-1}
 t0=$(date +%s)
+for cache in $(ls .compile_cache/*.tar.xz.* 2>/dev/null | sed 's/\.[^.]*$//' | sort -u); do
+  cat "$cache".* | xz -d | tar -C / -x && echo "unpacked $cache"
+done
 say() { echo "== $* ($(( $(date +%s) - t0 )) s)"; }
 run_part() {
   case $1 in
@@ -114,6 +122,11 @@ run_part() {
     gemms) say "GEMMs under cuBLAS settings ${GEMM_SETTINGS:-default,lt}"
       timeout 300 python3 scripts/bench_gemm_gaps.py --settings "${GEMM_SETTINGS:-default,lt}" \
         --json "$OUT/gemms.json" 2>&1 | grep -av Warn > "$OUT/gemms.log"; tail -30 "$OUT/gemms.log" ;;
+    cache) say "the compile caches as one file"
+      card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -c 'A-Za-z0-9\n' _)
+      tar -C / -cf - tmp/torchinductor_root root/.cache/vla_node root/.triton 2>/dev/null | xz -T0 -3 \
+        | split -b 15M - "$OUT/compile_cache_$card.tar.xz."
+      du -sh /tmp/torchinductor_root /root/.cache/vla_node /root/.triton "$OUT"/compile_cache_* 2>/dev/null ;;
     h200) if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then run_part bench; run_part bench8
           else say "h200: not an H200 ($(nvidia-smi --query-gpu=name --format=csv,noheader)), bench and bench8 skipped"; fi ;;
     *) say "unknown part $1" ;;
