@@ -14,8 +14,7 @@ import statistics
 import torch
 
 from vla_node.runtime import LAYOUTS, EngineConfig, PolicyEngine
-from vla_node.runtime.graphs import use_gemms_without_workspace
-from vla_node.tools.bench import STAGES, machine, mode_config, page_locked
+from vla_node.tools.bench import STAGES, gemms_without_workspace_if_any, machine, mode_config, page_locked
 
 PARTS = (*STAGES, "total")
 
@@ -44,8 +43,7 @@ def main(argv=None) -> None:
     base = EngineConfig(preset=args.preset, device=args.device, dtype="bfloat16" if cuda else "float32",
                         layout=LAYOUTS[args.layout])
     configs = {"A": mode_config(args.a, base), "B": mode_config(args.b, base)}
-    if any(c.workspace_free_gemms for c in configs.values()):
-        use_gemms_without_workspace()   # before any GEMM of the process, as vla-bench does
+    gemms_without_workspace_if_any(list(configs.values()))
     engines = {}
     for name, cfg in configs.items():
         engines[name] = PolicyEngine(cfg, progress=lambda m, name=name: print(f"[{name}] {m}", flush=True))

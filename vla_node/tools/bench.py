@@ -104,6 +104,14 @@ def mode_config(spec: str, base: EngineConfig) -> EngineConfig:
     return EngineConfig.for_mode(name, **overrides)
 
 
+def gemms_without_workspace_if_any(configs: list[EngineConfig]) -> None:
+    """Before the process's first GEMM: torch may size cuBLAS's workspaces once a process, so if any
+    mode runs without one, every mode does, eager too (its DROID row took 2.3x as long on the H100,
+    most likely its small GEMMs losing cuBLAS's split-K: BENCHMARKS.md, thirty-fourth session)."""
+    if any(c.workspace_free_gemms for c in configs):
+        use_gemms_without_workspace()
+
+
 def synthetic_stream(layout, windows: int) -> list:
     """A stream of sliding windows over the rendered DROID-like scene of the sample bag (camera
     frames at 15 Hz, windows every `stride` frames, so each shares frames with the last)."""
@@ -347,11 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                         layout=LAYOUTS[args.layout])
     progress = lambda m: print(m, flush=True)  # noqa: E731
 
-    # Before eager's first GEMM: torch may size the workspaces once a process, so every mode runs
-    # without one, eager too (its DROID row took 2.3x as long on the H100, most likely its small GEMMs
-    # losing cuBLAS's split-K: BENCHMARKS.md, thirty-fourth session); the table says so.
-    if any(mode_config(spec, base).workspace_free_gemms for spec in modes):
-        use_gemms_without_workspace()
+    gemms_without_workspace_if_any([mode_config(spec, base) for spec in modes])
     probe = PolicyEngine(base)
     if args.stream:
         inputs = synthetic_stream(base.layout, args.stream)
