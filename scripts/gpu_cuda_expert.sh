@@ -9,6 +9,8 @@
 #             test_options, test_engine_batch, test_instruction_tiers; each case compiles its engines: ~5 min
 #             warm, ~8 on a fresh machine: a call of its own there) within $FTIMEOUT s (500); the log names
 #             each case as it passes, so a timeout still shows how far it came
+#   trims     the CUDA tests of one_pass_embedding, input_stream and q_rope_in_attention alone (test_kernels,
+#             test_fast_path, -k) within $RTIMEOUT s (200): fastpath holds them among the rest
 #   check     the default kernel at B = 1, 2, 4, 8 against the fp32 expert (action caching,
 #             inpainting, 50 replays), two context lengths replayed A-B-A, the anatomy at B = 1, 4
 #   probe     clusters of the kernel the GPU holds at once (scripts/probe_clusters.py)
@@ -67,6 +69,10 @@ run_part() {
       timeout "${FTIMEOUT:-500}" python3 -m pytest -v -rs -p no:cacheprovider -W ignore -p no:logging -m cuda \
         test/test_fast_path.py test/test_options.py test/test_engine_batch.py test/test_instruction_tiers.py 2>&1 \
         | tee "$OUT/fastpath.log" | grep -a "passed\|failed\|^FAILED\|^E " | tail -12 ;;
+    trims) say "the CUDA tests of one_pass_embedding, input_stream, q_rope_in_attention"
+      timeout "${RTIMEOUT:-200}" python3 -m pytest -v -rs -p no:cacheprovider -W ignore -p no:logging -m cuda \
+        test/test_kernels.py test/test_fast_path.py -k "q_rope or norms_and_rotates or input_stream or one_pass or never_waits" \
+        2>&1 | tee "$OUT/trims.log" | grep -a "PASS\|FAIL\|passed\|failed\|^E " | tail -16 ;;
     check) say "CUDA kernel B=1,2,4,8, A-B-A, anatomy B=1,4"
       timeout 150 python3 scripts/check_cuda_expert.py --entries 1,2,4,8 --backends cuda --aba 1738 --anatomy 1,4 \
         --out "$OUT" 2>&1 | grep -av Warn > "$OUT/check.log"; grep -a "A-B-A\|^anatomy\|^  \|^cuda" "$OUT/check.log" ;;
