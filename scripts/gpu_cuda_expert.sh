@@ -128,7 +128,7 @@ run_part() {
     gemms) say "GEMMs under cuBLAS settings ${GEMM_SETTINGS:-default,lt}"
       timeout 300 python3 scripts/bench_gemm_gaps.py --settings "${GEMM_SETTINGS:-default,lt}" \
         --json "$OUT/gemms.json" 2>&1 | grep -av Warn > "$OUT/gemms.log"; tail -30 "$OUT/gemms.log" ;;
-    cache) say "the compile caches as one file"
+    cache) say "the compile caches as xz pieces of 15 MiB"
       card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -c 'A-Za-z0-9\n' _)
       tar -C / -cf - tmp/torchinductor_root root/.cache/vla_node root/.triton 2>/dev/null | xz -T0 -3 \
         | split -b 15M - "$OUT/compile_cache_$card.tar.xz."
