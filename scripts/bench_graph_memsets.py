@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from vla_node.model import get_preset
 from vla_node.runtime.graphs import capture, interleaved_ms
+from vla_node.tools.bench import machine
 
 
 def vit_attention_layers(images: int, layers: int = 25):
@@ -63,7 +64,7 @@ def main():
               f"{str(r['bit_identical']):>11}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, fh, indent=1)
+            json.dump({"machine": machine(), "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from vla_node.runtime import LAYOUTS
 from vla_node.runtime.frame_store import FrameStore
 from vla_node.runtime.fusion import embed_from_store
 from vla_node.runtime.graphs import capture, interleaved_ms
+from vla_node.tools.bench import machine
 
 CALLS = 10
 
@@ -76,8 +77,7 @@ def main():
               f"{str(r['bit_identical']):>11}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
-                       "rows": rows}, fh, indent=1)
+            json.dump({"machine": machine(), "batch": args.batch, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import statistics
 
 import torch
 
+from vla_node.tools.bench import machine
+
 HEIGHT, WIDTH = 480, 640
 
 
@@ -60,7 +62,7 @@ def main():
         print(f"{n:>6} " + " ".join(f"{us:>13.1f} {n * nbytes / us / 1e3:>6.1f}" for us in ways.values()))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, fh, indent=1)
+            json.dump({"machine": machine(), "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
