@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vla_node.tools import node_process
-from vla_node.tools.node_process import claim_ros_domain, ros_domain, ros_domains
+from vla_node.tools.node_process import MAX_DOMAIN, claim_ros_domain, ros_domain, ros_domains
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,9 +60,11 @@ def test_this_module_runs_in_a_domain_it_may_take():
 
 
 def test_a_suite_started_beside_a_robot_keeps_to_its_range_and_off_the_robots_domain():
-    # A range of two: the robot's domain and one the child may take, neither this module's own
-    # (this process holds its claim: the child would find its one domain taken, 1 run in 72).
-    low = 77 if int(os.environ["ROS_DOMAIN_ID"]) not in (77, 78) else 74
+    # A range of two: the robot's domain and one the child may take, both outside the range this run's
+    # modules claim theirs from. A module holds its claim while it runs: this one's, or under `make test`
+    # (two workers) the other worker's, took the child's one domain (1 run in 72 each; CI saw the second).
+    claimed = ros_domains()
+    low = max(claimed) + 1 if max(claimed) + 2 <= MAX_DOMAIN else min(claimed) - 2
     env = dict(os.environ, VLA_TEST_DOMAINS=f"{low}-{low + 1}", ROS_DOMAIN_ID=str(low))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "test/test_suite_isolation.py::test_this_module_runs_in_a_domain_it_may_take"],
