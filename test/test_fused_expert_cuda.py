@@ -17,7 +17,7 @@ import torch
 
 from test_fused_expert import dequantized_copy
 from vla_node.model import get_preset, init_random_
-from vla_node.model.action_expert import ActionExpert, KnownActions, euler, flow_times
+from vla_node.model.action_expert import LN_EPS, ActionExpert, KnownActions, euler, flow_times
 from vla_node.model.layers import FusableProjection
 from vla_node.runtime.fp8 import E4M3, E4M3_MAX
 from vla_node.runtime.fused_expert import FusedExpert
@@ -88,7 +88,8 @@ def test_folded_constants_give_the_cross_attention_queries():
     fused = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fold_cross_q=True))
     steps, depth, w = 2, len(e.blocks), cfg.action.width
     mods = (torch.randn(steps, depth, 9 * w, generator=g) * 0.5).bfloat16()
-    folded, consts, _ = fused.cuda.fold(mods)
+    folded, consts, _, ln = fused.cuda.fold(mods)
+    assert ln is None   # fold_ln is off
     assert folded.shape[:2] == (steps, depth) and consts.shape == (steps, depth, 3, w)
     m_all = from_fragments_b(folded.flatten(0, 1)).view(steps, depth, w, w).double()
     rows = 16
@@ -105,6 +106,32 @@ def test_folded_constants_give_the_cross_attention_queries():
         mean1, rstd1 = x1.mean(-1, keepdim=True), (x1.var(-1, unbiased=False, keepdim=True) + 1e-6).rsqrt()
         got = rstd1 * (x0 * (1 + c2) @ wq.T + y @ m_all[i, j].T + eps - mean1 * rho) + delta
         assert float((got - want).norm() / want.norm()) < 1e-2    # M rounded to bf16
+
+
+def test_folded_layer_norm_constants_give_qkv_and_fc1():
+    """fold_ln's algebra (expert_flow.cu, LnFold) in float64 on the host's constants: rstd (x a W^T -
+    mean rho) + delta equals (LN(x) a + s) W^T + b for qkv (a = 1 + c1, s1) and fc1 (c3, s3), for rows
+    whose mean is three standard deviations from zero; fold_ln needs fold_cross_q."""
+    cfg, e, _ = small_expert("cpu")
+    g = torch.Generator().manual_seed(2)
+    fused = FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fold_ln=True))
+    steps, depth, w, mlp = 2, len(e.blocks), cfg.action.width, cfg.action.mlp
+    mods = (torch.randn(steps, depth, 9 * w, generator=g) * 0.5).bfloat16()
+    ln = fused.cuda.fold(mods).ln
+    assert ln.shape == (steps, depth, 6 * w + 2 * mlp) and ln.dtype == torch.float32
+    for i, j in itertools.product(range(steps), range(depth)):
+        m = mods[i, j].double()
+        x = torch.randn(16, w, generator=g, dtype=torch.float64) + 3.0
+        mean, rstd = x.mean(-1, keepdim=True), (x.var(-1, unbiased=False, keepdim=True) + LN_EPS).rsqrt()
+        for stack, at, lo, n in ((fused.qkv, 0, 0, 3 * w), (fused.fc1, 6 * w, 6 * w, mlp)):
+            shift, scale = m[at:at + w], m[at + w:at + 2 * w]
+            weight, bias = stack.weight[j].double(), stack.bias[j].double()
+            want = (torch.nn.functional.layer_norm(x, (w,), eps=LN_EPS) * (1 + scale) + shift) @ weight.T + bias
+            rho, delta = ln[i, j, lo:lo + n].double(), ln[i, j, lo + n:lo + 2 * n].double()
+            got = rstd * ((x * (1 + scale)) @ weight.T - mean * rho) + delta
+            assert float((got - want).norm() / want.norm()) < 1e-5   # rho and delta rounded to fp32
+    with pytest.raises(ValueError, match="fold_ln"):
+        plan_of(MOLMOBOT_4B, 1, 16, 892, H200_SMS, CudaTiling(fold_ln=True, fold_cross_q=False))
 
 
 def test_plan_spreads_the_cross_attention_and_fits_shared_memory():
@@ -229,7 +256,8 @@ def hopper_compiles(request):
                                              (4, CudaTiling(l2_prefetch=3)),
                                              (2, CudaTiling(self_cluster=True)), (1, CudaTiling(cross_pad=False)),
                                              (1, CudaTiling(v_late=True)), (4, CudaTiling(v_late=False)),
-                                             (4, CudaTiling(cross_groups=1)), (4, CudaTiling(cross_global=True))])
+                                             (4, CudaTiling(cross_groups=1)), (4, CudaTiling(cross_global=True)),
+                                             (1, CudaTiling(fold_ln=True)), (4, CudaTiling(fold_ln=True))])
 def test_the_kernel_compiles_for_hopper(hopper_compiles, entries, tiling):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     constants = kernel_constants(entries, tiling)
@@ -342,7 +370,8 @@ def assert_near_truth(got, want, eager):
 @pytest.mark.parametrize("device, entries, tiling", [
     pytest.param(device.values[0], entries, tiling, marks=device.marks, id=f"{name}-{device.id}")
     for name, entries, tiling in [("1", 1, CudaTiling()), ("3", 3, CudaTiling()),
-                                  ("3-unfolded-fp32_ln_sources", 3, CudaTiling(fold_cross_q=False, x_frags=False))]
+                                  ("3-unfolded-fp32_ln_sources", 3, CudaTiling(fold_cross_q=False, x_frags=False)),
+                                  ("3-fold_ln", 3, CudaTiling(fold_ln=True))]
     for device in ON_BOTH] + [pytest.param("cuda", 3, CudaTiling(cluster=1), marks=pytest.mark.cuda,
                                            id="3-no_clusters-cuda"),
                               pytest.param("cuda", 3, CudaTiling(cluster=2, cross_groups=2), marks=pytest.mark.cuda,
@@ -389,6 +418,7 @@ def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device
     CudaTiling(x_frags=False), CudaTiling(fold_cross_q=False), CudaTiling(fold_cross_q=False, x_frags=False),
     CudaTiling(qkv_tpc=5), CudaTiling(kv_smem=True, poll=3), CudaTiling(weights_smem=True),
     CudaTiling(weights_smem=True, kv_smem=True, fold_cross_q=False), CudaTiling(cluster=1),
+    CudaTiling(fold_ln=True, x_frags=False), CudaTiling(fold_ln=True, weights_smem=True, epi_split=1, qkv_tpc=5),
 ], ids=lambda t: ",".join(f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
                           if getattr(t, f.name) != getattr(CudaTiling(), f.name)))
 def test_every_tiling_knob_keeps_the_result_on_the_cpu_build(tiling):
@@ -503,7 +533,7 @@ def test_fc2_split_is_at_most_the_cluster_and_whole_loads():
 def test_folded_queries_keep_the_unfolded_kernels_result_on_the_cpu_build(fuse_self):
     """fold_cross_q computes the cross-attention's queries in another order of the same sums: the
     loop stays closer to the unfolded kernel than half the bf16 eager loop's distance from the
-    truth (0.39 and 0.34 of it here; with M = 0 it is 1.9 times that distance, and with fuse_self
+    truth (0.38 and 0.36 of it here; with M = 0 it is 1.9 times that distance, and with fuse_self
     reading F0 before the barrier that publishes it 1.2 times)."""
     cfg, e, truth = small_expert("cpu", heads=8 if fuse_self else 2)   # fuse_self: a head a warp
     run = flow_case(cfg, e, truth, entries=1 if fuse_self else 2, steps=4, device="cpu")
@@ -513,9 +543,22 @@ def test_folded_queries_keep_the_unfolded_kernels_result_on_the_cpu_build(fuse_s
     assert float((folded - unfolded).norm()) < 0.5 * float((eager - want).norm())
 
 
+def test_folded_layer_norms_keep_a_stream_far_from_zero_mean_near_the_truth_on_the_cpu_build():
+    """fold_ln takes mean rho off the dot of x (1 + c): on a residual stream whose rows' means lie far
+    from zero (action_pos + 4) the loop stays within 1.5 times the default kernel's distance from the
+    truth (1.2 times here; with rho 1 % off 13 times, which the random expert's near-zero means hide)."""
+    cfg, e, _ = small_expert("cpu")
+    with torch.no_grad():
+        e.action_pos += 4.0
+    run = flow_case(cfg, e, fp32_twin(e), entries=3, steps=10, device="cpu")
+    default, want, _ = run(FusedExpert(e, backend="cuda"))
+    folded, _, _ = run(FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fold_ln=True)))
+    assert float((folded - want).norm()) < 1.5 * float((default - want).norm())
+
+
 def test_one_step_velocity_without_fold_constants_runs_the_unfolded_kernel():
     """FusedExpert.velocity (the adaptive schedule's per-step call) makes its inputs per call,
-    without fold constants: with fold_cross_q it runs the unfolded kernel, bit for bit."""
+    without fold constants: with fold_cross_q (and fold_ln) it runs the unfolded kernel, bit for bit."""
     cfg, e, _ = small_expert("cpu")
     g = torch.Generator().manual_seed(0)
     hidden = [torch.randn(1, 37, cfg.llm.dim, generator=g) for _ in e.blocks]
@@ -523,9 +566,9 @@ def test_one_step_velocity_without_fold_constants_runs_the_unfolded_kernel():
     x = torch.randn(1, cfg.action.horizon, cfg.action.action_dim, generator=g)
     with torch.inference_mode():
         kv, mods = e.context_kv([h.bfloat16() for h in hidden], state.bfloat16()), e.modulations(torch.full((1,), 0.3))
-        plain, folded = (FusedExpert(e, backend="cuda", cuda_tiling=CudaTiling(fold_cross_q=f)).velocity(x, mods, kv)
-                         for f in (False, True))
-        assert torch.equal(plain, folded) and plain.isfinite().all()
+        plain, folded, ln_folded = (FusedExpert(e, backend="cuda", cuda_tiling=t).velocity(x, mods, kv) for t in (
+            CudaTiling(fold_cross_q=False), CudaTiling(), CudaTiling(fold_ln=True)))
+        assert torch.equal(plain, folded) and torch.equal(plain, ln_folded) and plain.isfinite().all()
 
 
 @pytest.mark.parametrize("fold", [False, True], ids=["", "fold_cross_q"])
@@ -610,13 +653,14 @@ def test_e4m3_weights_are_the_bf16_weights_scaled_in_the_epilogue(device, entrie
 
 
 @pytest.mark.parametrize("device", ON_BOTH)
-def test_e4m3_weights_follow_their_dequantized_expert(device):
+@pytest.mark.parametrize("fold_ln", [False, True], ids=["", "fold_ln"])
+def test_e4m3_weights_follow_their_dequantized_expert(device, fold_ln):
     """expert_fp8 on the CUDA kernel with its default tiling (the cross-attention's queries folded:
-    M in e4m3 too), action caching and inpainting: as near the fp32 loop of its dequantised weights
-    as the bf16 kernel is to its own truth, and away from the unquantised one (1.3e-3 and 7e-3
-    on the CPU build)."""
+    M in e4m3 too; and with fold_ln rho and delta of the dequantised weights), action caching and
+    inpainting: as near the fp32 loop of its dequantised weights as the bf16 kernel is to its own
+    truth, and away from the unquantised one (1.3e-3 and 7e-3 on the CPU build)."""
     cfg, e, truth = small_expert(device)
-    fp8 = FusedExpert(e, fp8=True, backend="cuda")
+    fp8 = FusedExpert(e, fp8=True, backend="cuda", cuda_tiling=CudaTiling(fold_ln=fold_ln))
     dequantized = dequantized_copy(e, fp8)
     run = flow_case(cfg, dequantized, fp32_twin(dequantized), entries=2, steps=4, device=device)
     noise = run.noise

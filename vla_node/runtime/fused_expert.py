@@ -22,7 +22,7 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import triton
@@ -46,6 +46,9 @@ from .kernels.expert_flow import (
     flow_kernel,
     phase_kernel,
 )
+
+if TYPE_CHECKING:
+    from .fused_expert_cuda import CudaFold
 
 BLOCK_PHASES = (QKV, SELF, CROSS_Q, CROSS, CROSS_OUT, FC1, FC2)
 MAX_ROWS = 128          # batch entries x horizon the kernel takes (8 observations of 16 actions)
@@ -122,13 +125,13 @@ class FlowInputs:
     """What one flow schedule gives the kernel: modulations of every step and block [steps,
     depth, 9w] and of the final layer [steps, 2w] (model dtype), and per step the step whose
     velocity it reuses or -1 (int32 on the device, and on the host for the per-phase loop).
-    cuda_fold: what the CUDA kernel's folded cross-attention queries need of the schedule
-    (fused_expert_cuda.CudaFlow.fold; None: the kernel runs the cross_q phase)."""
+    cuda_fold: what the CUDA kernel's folded cross-attention queries (and LayerNorms) need of the
+    schedule (fused_expert_cuda.CudaFlow.fold; None: the kernel runs the cross_q phase)."""
     mods: torch.Tensor
     final_mods: torch.Tensor
     reuse: torch.Tensor
     reuse_host: tuple[int, ...]
-    cuda_fold: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
+    cuda_fold: Optional[CudaFold] = None
 
     @property
     def steps(self) -> int:

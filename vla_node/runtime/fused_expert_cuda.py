@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -143,6 +143,13 @@ class CudaTiling:
     # for every step and block (steps x depth x width^2 bf16: 425 MB at 10 steps of molmobot-4b).
     # With x_frags on the H200: the loop 12.5 -> 10.7 ms at B = 1, 24.2 -> 19.3 at B = 4
     fold_cross_q: bool = True
+    # with fold_cross_q, the LayerNorms of qkv and fc1 folded into their epilogues (expert_flow.cu,
+    # FOLD_LN): the dots read x (1 + c), each warp takes its rows' mean and M2 from the values in its
+    # registers, and the epilogue applies rstd (. - mean rho) + delta, rho and delta made per schedule
+    # (steps x depth x (6 width + 2 mlp) fp32: 2.8 MB at 10 steps of molmobot-4b). No program reads
+    # the stored 8-column statistics of every row before its dots (at B = 4 49 KB a program, ~1.3 ms of
+    # the loop's gap to 1.5x its B = 1 time in the forty-fifth session's anatomy). Untimed: off.
+    fold_ln: bool = False
     # each GEMV phase's weights copied into shared memory by the copy engine (cp.async.bulk, two
     # buffers) while the phase before it runs, instead of loaded into registers by every thread
     # between its arrival and its wait (off where two buffers do not fit). None: at B = 1 (with
@@ -257,6 +264,14 @@ def fragments_b(weight: torch.Tensor) -> torch.Tensor:
     return (weight.view(d, n // 8, 8, k // 32, 2, 2, 4, 2).permute(0, 1, 3, 2, 6, 4, 5, 7).contiguous())
 
 
+class CudaFold(NamedTuple):
+    """What the kernel's folds need of a flow schedule (CudaFlow.fold; expert_flow.cu, Part2 and LnFold)."""
+    m: torch.Tensor                 # [steps, depth] x Wq diag((1 + c2) g1) Wso in B-fragment order
+    consts: torch.Tensor            # [steps, depth, 3, w] fp32: eps, rho, delta of the folded queries
+    scales: Optional[torch.Tensor]  # e4m3 weights: m's scale a row [steps, depth, w]
+    ln: Optional[torch.Tensor]      # fold_ln: [steps, depth, 6 w + 2 mlp] fp32 qkv's rho, delta, fc1's
+
+
 @dataclass
 class Plan:
     constants: tuple      # the kernel's -D constants (its cache key)
@@ -317,6 +332,8 @@ def check_shape(dims, t: CudaTiling, entries: int, tokens: int, rows: int, progr
     if tokens > 32 or rows > MAX_ROWS:
         raise ValueError(f"the CUDA expert kernel takes horizons up to 32 and at most {MAX_ROWS} padded rows, "
                          f"got {entries} x {tokens}")
+    if t.fold_ln and not t.fold_cross_q:
+        raise ValueError("fold_ln folds qkv's and fc1's LayerNorms, with fold_cross_q (cross_q's has no constants)")
     if entries * dims.heads > programs:
         raise ValueError(f"the CUDA expert kernel needs a program per (entry, head) pair: {entries} x {dims.heads} "
                          f"on {programs} programs")
@@ -402,8 +419,10 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
     co = tpc(w, (2 if entries <= 2 else 0) if t.co_tpc is None else t.co_tpc)
     split = fc2_split_of(t, entries, cluster, dims.mlp)
     fc2 = tiles_a_program(w, t.fc2_tpc, programs=programs // split)   # a group of `split` programs shares fc2's tiles
-    # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs
+    # mean, rstd, the warps' partial sums, 16 floats a thread of epilogue inputs (fold_ln: and the
+    # warps' (mean, M2) of every row)
     gemv = max(2 * rows + 8 * n * rows * 8 + 16 * THREADS for n in (qkv, so, cq, fc1, co, fc2))
+    gemv += 16 * rows * t.fold_ln
 
     # the step boundary's: out's scratch, then its stage of bf16 inputs (expert_flow.cu, BSTAGE)
     a = dims.action_dim
@@ -442,6 +461,7 @@ def plan_of(dims, entries: int, tokens: int, n_keys: int, programs: int, tiling:
                      WORK=int(t.work), QKV_TPC=qkv,
                      CQ_TPC=cq, FC1_TPC=fc1, FUSE_SELF=int(t.fuse_self), KV_SMEM=int(kv_smem),
                      KV_OFF=gen + w_bytes // 4, X_FRAGS=int(t.x_frags), SO_TPC=so, CO_TPC=co, FC2_TPC=fc2, FOLD_CQ=fold,
+                     FOLD_LN=int(t.fold_ln),
                      CROSS_CUT=int(t.cross_cut), STATS_T=int(entries >= 4 if t.stats_t is None else t.stats_t),
                      EPI_SPLIT=t.epi_split, CLUSTER=cluster, CROSS_MARKS=t.cross_marks,
                      C_OFF=c_off, W_SMEM=int(w_bytes > 0), L2_PREFETCH=l2_prefetch_of(t, entries),
@@ -487,7 +507,7 @@ class CudaFlow:
             held = functools.partial(programs_held, device.index or 0) if on_gpu else None
             plan = plan_of(f, entries, tokens, n_keys, programs, self.tiling, limit, held)
             unfolded = plan_of(f, entries, tokens, n_keys, programs,
-                               dataclasses.replace(self.tiling, fold_cross_q=False), limit, held)
+                               dataclasses.replace(self.tiling, fold_cross_q=False, fold_ln=False), limit, held)
             rows = entries * dict(plan.constants)["TOK16"]
             w, tok16, pairs = f.width, rows // entries, entries * f.heads
             with torch.device(device):
@@ -525,12 +545,13 @@ class CudaFlow:
             buf.mask_stride = n_keys if buf.mask.shape[0] > 1 else 0
         return buf
 
-    def fold(self, mods: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+    def fold(self, mods: torch.Tensor) -> Optional[CudaFold]:
         """fold_cross_q's inputs of a schedule (None without it), for block modulations mods [steps,
         depth, 9w]: M = Wq diag((1 + c2) g1) Wso of every step and block in B-fragment order (model
-        dtype; e4m3 with the expert's e4m3 weights, and then its scale a row [steps, depth, w] third),
+        dtype; e4m3 with the expert's e4m3 weights, and then its scale a row [steps, depth, w]),
         and eps = M's bias (Wq diag((1 + c2) g1) bso), rho = (1 + c2) Wq^T and delta = s2 Wq^T + bq as
-        [steps, depth, 3, w] fp32 (expert_flow.cu, Part2). Computed in float64, once a schedule."""
+        [steps, depth, 3, w] fp32 (expert_flow.cu, Part2); with fold_ln the same rho and delta of qkv
+        (c1, s1) and fc1 (c3, s3). Computed in float64 (of the weights the kernel reads), once a schedule."""
         if not self.tiling.fold_cross_q:
             return None
         f, w = self.fused, self.fused.width
@@ -543,6 +564,7 @@ class CudaFlow:
         def by_wq(v: torch.Tensor) -> torch.Tensor:             # v Wq^T of every step and block
             return torch.einsum("sdm,dnm->sdn", v, wq)
         consts = torch.stack([by_wq(gain * bso), by_wq(scale2), by_wq(shift2) + bq], dim=2)
+        ln = self.ln_fold(m) if self.tiling.fold_ln else None
         wq_frags = self.weights["wq"]
         folded = torch.empty((len(gain), *wq_frags.shape), dtype=wq_frags.dtype, device=mods.device)
         scales = torch.empty((len(gain), f.depth, w), device=mods.device) if f.fp8 else None
@@ -554,7 +576,19 @@ class CudaFlow:
             else:
                 step_m = step_m.to(f.dtype)
             folded[step] = fragments_b(step_m)
-        return folded, consts.float().contiguous(), scales
+        return CudaFold(folded, consts.float().contiguous(), scales, ln)
+
+    def ln_fold(self, m: torch.Tensor) -> torch.Tensor:
+        """fold_ln's rho = (1 + c) W^T and delta = s W^T + b of qkv (c1, s1) and fc1 (c3, s3), for
+        float64 modulations m [steps, depth, 9w]: [steps, depth, 6w + 2 mlp] fp32."""
+        f, w = self.fused, self.fused.width
+        parts = []
+        for stack, at in ((f.qkv, 0), (f.fc1, 6 * w)):   # the LayerNorm's shift, then its scale
+            shift, scale = m[..., at:at + w], m[..., at + w:at + 2 * w]
+            weight = torch.stack([stack.dequantized(j) for j in range(f.depth)]).double()
+            parts += [torch.einsum("sdk,dnk->sdn", 1 + scale, weight),
+                      torch.einsum("sdk,dnk->sdn", shift, weight) + stack.bias.double()]
+        return torch.cat(parts, dim=-1).float().contiguous()
 
     def segment_names(self, reuse: tuple, folded: Optional[bool] = None) -> list[str]:
         """What each segment between two grid barriers of a launch over all steps runs (folded:
@@ -579,14 +613,14 @@ class CudaFlow:
             if buf.trace is None or buf.trace.shape[1] != segments:
                 buf.trace = torch.zeros((plan.programs, segments, 4), dtype=torch.int64, device=buf.x.device)
         ptr = lambda t: t.data_ptr()   # noqa: E731
+        or_kv = lambda t: ptr(t if t is not None else buf.kv)   # noqa: E731  (an input the launch does not read)
+        fold = inputs.cuda_fold or CudaFold(None, None, None, None)
         p = Params(xa=ptr(buf.xa), vel=ptr(buf.vel), reuse=ptr(inputs.reuse),
                    **{k: ptr(v) for k, v in self.weights.items()}, **{k: ptr(v) for k, v in self.biases.items()},
                    **{k: ptr(v) for k, v in self.io.items()}, mods=ptr(inputs.mods), fmods=ptr(inputs.final_mods),
-                   kv=ptr(buf.kv), mask=ptr(buf.mask) if buf.mask is not None else ptr(buf.kv),
-                   fold_m=ptr(inputs.cuda_fold[0]) if folded else ptr(buf.kv),
-                   fold_c=ptr(inputs.cuda_fold[1]) if folded else ptr(buf.kv),
-                   **{k: ptr(self.scales.get(k, buf.kv)) for k in SCALES},
-                   wsc_fold=ptr(inputs.cuda_fold[2]) if folded and inputs.cuda_fold[2] is not None else ptr(buf.kv),
+                   kv=ptr(buf.kv), mask=or_kv(buf.mask), fold_m=or_kv(fold.m), fold_c=or_kv(fold.consts),
+                   fold_ln=or_kv(fold.ln), **{k: ptr(self.scales.get(k, buf.kv)) for k in SCALES},
+                   wsc_fold=or_kv(fold.scales),
                    **{k: ptr(getattr(buf, k)) for k in ("x", "xf", "stats", "qkv", "q", "y", "hid", "f0", "sq",
                                                         "opart", "mlpart", "counter")},
                    bar=ptr(buf.barrier), err=ptr(buf.error),

@@ -40,7 +40,8 @@
 // Compile-time constants (-D): WIDTH HEADS HDIM MLPD ADIM TOK TOK16 ENTRIES DEPTH NPROG TPR SPIN_LIMIT,
 // the LayerNorm linears' tiles a program (QKV_TPC CQ_TPC FC1_TPC) and the others' (SO_TPC CO_TPC,
 // FC2_TPC a group of FC2_SPLIT programs'), FOLD_CQ (the cross-attention's queries folded into qkv
-// and self_out: no cross_q phase; see Part2),
+// and self_out: no cross_q phase; see Part2), FOLD_LN (with FOLD_CQ: the LayerNorms of qkv and fc1
+// folded into their dots' epilogues: see LnFold),
 // CROSS_GROUPS (with CLUSTER: an (entry, head)'s programs as that many clusters, merged by its last program),
 // CROSS_GLOBAL (with CLUSTER: every program's partial merged by the pair's last program through global memory,
 // none in distributed shared memory; the clusters then serve fc2's split alone),
@@ -108,7 +109,7 @@ struct Params {
     const wfrag* w1; const u16* b1; const wfrag* w2; const u16* b2;
     const u16* win; const u16* bin; const u16* pos; const u16* wout; const u16* bout;
     const u16* mods; const u16* fmods; const uint4* kv; const unsigned char* mask;
-    const wfrag* fold_m; const float* fold_c;
+    const wfrag* fold_m; const float* fold_c; const float* fold_ln;
     // W_FP8: each weight matrix's scale a column, [depth][N] (fold_m's [steps][depth][WIDTH])
     const float* wsc_qkv; const float* wsc_so; const float* wsc_q; const float* wsc_co; const float* wsc_1;
     const float* wsc_2; const float* wsc_fold;
@@ -493,6 +494,22 @@ __device__ void row_stats(const Params& p, float* mean, float* rstd, int row0 = 
     }
 }
 
+// FOLD_LN: rows' mean and 1/std from the warps' (mean, M2) over their k-ranges (ln_warp_stats), merged
+// in warp order (Chan's formula, equal counts: WIDTH / NWARPS columns a warp), into mean[MP], rstd[MP].
+__device__ void ln_row_stats(const float* wstats, float* mean, float* rstd, float eps) {
+    for (int r = threadIdx.x; r < MP; r += NTHREADS) {
+        float mu = 0.0f, m2 = 0.0f;
+        for (int w = 0; w < NWARPS; ++w) mu += wstats[(w * MP + r) * 2];
+        mu /= NWARPS;
+        for (int w = 0; w < NWARPS; ++w) {
+            const float d = wstats[(w * MP + r) * 2] - mu;
+            m2 += wstats[(w * MP + r) * 2 + 1] + (float)(WIDTH / NWARPS) * d * d;
+        }
+        mean[r] = mu;
+        rstd[r] = rsqrtf(m2 / WIDTH + eps);
+    }
+}
+
 // A thread's CPT consecutive columns (2, 4 or 8; aligned to their size), read through the read-only
 // path (the launch's inputs), L2 (what it wrote) or from shared memory; bf16 values read as floats.
 enum Path { READ_ONLY, L2, SHARED };
@@ -773,6 +790,25 @@ struct Part2 {
     const float* wsc;   // W_FP8: w's scale a column
 };
 
+// FOLD_LN: a LayerNorm phase's normalisation folded into its epilogue. With a = 1 + c and s the
+// step's scale and shift, (LN(x) a + s) W^T + b = rstd (x a W^T - mean rho) + delta, where
+// rho = a W^T and delta = s W^T + b: the dots read x a (one product an element), each warp takes
+// its rows' mean and M2 over its k-range from the same values while they are in its registers
+// (ln_partial_stats), and the epilogue merges the warps' (ln_row_stats) and applies the rest. So a
+// program no longer reads every row's 8-column statistics (49 KB at B = 4) nor waits for them
+// before its dots. The statistics are of the values the dots read (with X_FRAGS the residual's
+// bf16 copy: what the model's bf16 eager loop normalises). rho and delta depend on the step's
+// modulations only: the host makes them once a schedule, fold_ln [steps][depth][LN_C] fp32 (qkv's
+// rho [3 WIDTH] and delta [3 WIDTH], then fc1's rho [MLPD] and delta [MLPD]). qkv's second part
+// (FOLD_CQ's F0 = x0 (1 + c2) Wq^T) is then its dot alone.
+#define LN_C (6 * WIDTH + 2 * MLPD)
+#if FOLD_LN && !FOLD_CQ
+#error "FOLD_LN folds qkv's and fc1's LayerNorms; with FOLD_CQ off cross_q's would need its own constants"
+#endif
+
+// FOLD_LN: the warps' per-row (mean, M2) over their k-ranges [NWARPS][MP][2], after the epilogue's inputs.
+__device__ __forceinline__ float* ln_warp_stats(float* pre) { return pre + 16 * NTHREADS; }
+
 // y = src @ Wf^T (+ epilogue): Wf in B-fragment order [N/8][K/32][lane][8]; src the LN-modulated
 // residual stream (mod_shift/mod_scale: offsets in the step's block modulations) or a matrix in
 // A-fragment order. wr: this program's weights, loaded by gemv_weights before the wait. Output
@@ -786,10 +822,12 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     u32 shift[S::KSW][2], scale[S::KSW][2];
     // pre: this thread's slot of 16 floats in shared memory for the epilogue's inputs of its first
     // (tile, row): bias, gate and the residual's old values (written two or more barriers before
-    // this phase, so copied in before its wait); in the second part rho (qkv) or eps and F0 (self_out).
+    // this phase, so copied in before its wait); in the second part rho (qkv) or eps and F0 (self_out);
+    // with LNF (FOLD_LN's phases) rho and delta instead of the bias, from ln (the phase's fold_ln).
+    template <bool LNF>
     __device__ __forceinline__ void load(const Params& p, const wfrag* wf, const u16* bias, const u16* mod,
                                          int shift_off, int scale_off, int gate_off, bool modulated, float* pre,
-                                         const Part2& p2) {
+                                         const Part2& p2, const float* ln) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         const int t0 = S::t0();
         const bool second = NA < N && t0 >= NA8;
@@ -802,7 +840,9 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
         for (int j = 0; j < CHUNKS && tt < S::OWN && tg < S::TPC && t0 + tg < S::NT8; ++j) {
             const int ch = ch0 + j, c = c0 - NA + (ch & 1) * 4;
             if (second && EPI == TO_QKV) {
-                if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + WIDTH + c);
+                if (ch < 2 && !FOLD_LN) cp_async16(slot + 4 * ch, p2.fc + WIDTH + c);
+            } else if (LNF) {   // rho, then delta
+                cp_async16(slot + 4 * ch, ln + (ch >> 1) * NA + c0 + (ch & 1) * 4);
             } else if (second) {
                 if (ch < 2) cp_async16(slot + 4 * ch, p2.fc + c);
                 // F0 is the qkv phase's: one barrier back without a self phase, read after the wait
@@ -821,8 +861,8 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
 #pragma unroll
             for (int ks = 0; ks < S::KSW; ++ks) {
                 int c = (warp * S::KSW + ks) * 16 + 2 * q;
-                shift[ks][0] = second ? 0u : ld_in4(mod + shift_off + c);
-                shift[ks][1] = second ? 0u : ld_in4(mod + shift_off + c + 8);
+                shift[ks][0] = second || LNF ? 0u : ld_in4(mod + shift_off + c);
+                shift[ks][1] = second || LNF ? 0u : ld_in4(mod + shift_off + c + 8);
                 scale[ks][0] = ld_in4(mod + so + c);
                 scale[ks][1] = ld_in4(mod + so + c + 8);
             }
@@ -901,15 +941,62 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
             return ld_cg16((const uint4*)frags +
                            ((mt * src_ksteps + S::rank() * (S::KS / SPLIT) + warp * S::KSW + ks) * 32 + lane));
         const int r0 = mt * 16 + g, r1 = r0 + 8;
-        const float m0 = mean[r0], s0 = rstd[r0], m1 = mean[r1], s1 = rstd[r1];
+        const float m0 = FOLD_LN ? 0.0f : mean[r0], s0 = FOLD_LN ? 1.0f : rstd[r0];
+        const float m1 = FOLD_LN ? 0.0f : mean[r1], s1 = FOLD_LN ? 1.0f : rstd[r1];
         const float2 x00 = x_pair(raw[ks], 0), x10 = x_pair(raw[ks], 1), x01 = x_pair(raw[ks], 2), x11 = x_pair(raw[ks], 3);
         float sh0 = bf_lo(shift[ks][0]), sh1 = bf_hi(shift[ks][0]), sh2 = bf_lo(shift[ks][1]), sh3 = bf_hi(shift[ks][1]);
         float sc0 = 1.0f + bf_lo(scale[ks][0]), sc1 = 1.0f + bf_hi(scale[ks][0]);
         float sc2 = 1.0f + bf_lo(scale[ks][1]), sc3 = 1.0f + bf_hi(scale[ks][1]);
+        if (FOLD_LN)   // x (1 + c): the normalisation is the epilogue's
+            return make_uint4(pack_bf2(x00.x * sc0, x00.y * sc1), pack_bf2(x10.x * sc0, x10.y * sc1),
+                              pack_bf2(x01.x * sc2, x01.y * sc3), pack_bf2(x11.x * sc2, x11.y * sc3));
         return make_uint4(pack_bf2((x00.x - m0) * s0 * sc0 + sh0, (x00.y - m0) * s0 * sc1 + sh1),
                           pack_bf2((x10.x - m1) * s1 * sc0 + sh0, (x10.y - m1) * s1 * sc1 + sh1),
                           pack_bf2((x01.x - m0) * s0 * sc2 + sh2, (x01.y - m0) * s0 * sc3 + sh3),
                           pack_bf2((x11.x - m1) * s1 * sc2 + sh2, (x11.y - m1) * s1 * sc3 + sh3));
+    }
+
+    __device__ static bool second_part() { return NA < N && S::t0() >= NA8; }
+    // The epilogue's inputs (pre) after the warps' partial sums red [NWARPS][TPC][MP][8].
+    __device__ static float* pre_of(float* red) { return red + NWARPS * S::TPC * MP * 8; }
+
+    // FOLD_LN: this warp's (mean, M2) of row tile mt's rows over its k-range, from raw (the values
+    // its dots read) into wstats (ln_warp_stats): a lane's values of its two rows two-pass, then the
+    // quad's lanes (a row's) merged by Chan's formula (equal counts; every lane gets the same sums).
+    __device__ __forceinline__ void ln_partial_stats(int mt, const XRaw (&raw)[S::KSW], float* wstats) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        float n = 4.0f * S::KSW, mean[2] = {0.0f, 0.0f}, m2[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int ks = 0; ks < S::KSW; ++ks)
+#pragma unroll
+            for (int reg = 0; reg < 4; ++reg) {   // registers 0, 2: row g; 1, 3: row g + 8
+                const float2 v = x_pair(raw[ks], reg);
+                mean[reg & 1] += v.x + v.y;
+            }
+        mean[0] /= n;
+        mean[1] /= n;
+#pragma unroll
+        for (int ks = 0; ks < S::KSW; ++ks)
+#pragma unroll
+            for (int reg = 0; reg < 4; ++reg) {
+                const float2 v = x_pair(raw[ks], reg);
+                const float d0 = v.x - mean[reg & 1], d1 = v.y - mean[reg & 1];
+                m2[reg & 1] += d0 * d0 + d1 * d1;
+            }
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float om = __shfl_xor_sync(0xffffffffu, mean[h], o), o2 = __shfl_xor_sync(0xffffffffu, m2[h], o);
+                const float d = mean[h] - om;
+                m2[h] = (m2[h] + o2) + d * d * (0.5f * n);
+                mean[h] = (mean[h] + om) * 0.5f;
+            }
+            n *= 2.0f;
+        }
+        if ((lane & 3) == 0)
+            for (int h = 0; h < 2; ++h)
+                *(float2*)(wstats + (warp * MP + mt * 16 + (lane >> 2) + 8 * h) * 2) = make_float2(mean[h], m2[h]);
     }
 
     // The warps' partial sums of this program's tiles into red[warp][tile][row][8]: per row
@@ -920,8 +1007,10 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                                              const float* mean, const float* rstd, XRaw (&raw)[S::KSW]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
         constexpr int KC = whole_chunk(S::KSW, A_CHUNK);
+        const bool ln_stats = FOLD_LN && SRC == FROM_X_LN && !second_part();
         for (int mt = 0; mt < MT; ++mt) {
             if (SRC == FROM_X_LN && mt > 0 && !X_AHEAD) load_x(p, mt, raw);
+            if (ln_stats) ln_partial_stats(mt, raw, ln_warp_stats(pre_of(red)));
             uint4 att[HK];
             if (SRC == FROM_SELF) self_attend(p, mt / (TOK16 / 16), warp, mt % (TOK16 / 16), att);
             float acc[S::TPC][4];
@@ -973,9 +1062,10 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
     // barrier that precedes this). A warp's threads agree on every loop exit (where EPI_SPLIT > 1 the
     // count is a multiple of 32 and a warp's 32 / EPI_SPLIT items lie in one tile): store_x's
     // shuffles see the whole warp.
+    template <bool LNF>
     __device__ __forceinline__ void epilogue(const Params& p, const float* red, const float* red_k, const u16* bias, u16* out,
                                              const u16* mod, int gate_off, const float* pre, const float* mean,
-                                             const float* rstd, const Part2& p2, const float* wsc) {
+                                             const float* rstd, const Part2& p2, const float* wsc, const float* ln) {
         constexpr int CPT = 8 / EPI_SPLIT;
         const int t0 = S::t0(), k0 = threadIdx.x % EPI_SPLIT * CPT;
         const float* slot = pre + threadIdx.x / EPI_SPLIT * 16;   // this thread's first item's inputs
@@ -1004,11 +1094,13 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
             }
             if (NA < N && t0 >= NA8) {   // the second part (FOLD_CQ; all of the program's tiles)
                 const int c = c0 - NA;
-                if (EPI == TO_QKV) {   // F0 = LN(x0) (1 + c2) Wq^T / rstd0 + mean0 rho
-                    float rho[CPT];
-                    if (first) ld_cols<CPT, SHARED>(slot + k0, rho);
-                    else ld_cols<CPT, READ_ONLY>(p2.fc + WIDTH + c, rho);
-                    for (int k = 0; k < CPT; ++k) v[k] = v[k] / rstd[r] + mean[r] * rho[k];
+                if (EPI == TO_QKV) {   // F0 = LN(x0) (1 + c2) Wq^T / rstd0 + mean0 rho (FOLD_LN: the dot)
+                    if (!FOLD_LN) {
+                        float rho[CPT];
+                        if (first) ld_cols<CPT, SHARED>(slot + k0, rho);
+                        else ld_cols<CPT, READ_ONLY>(p2.fc + WIDTH + c, rho);
+                        for (int k = 0; k < CPT; ++k) v[k] = v[k] / rstd[r] + mean[r] * rho[k];
+                    }
                     float* f0 = p.f0 + r * WIDTH + c;
                     for (int k = 0; k < CPT; k += 2) *(float2*)(f0 + k) = make_float2(v[k], v[k + 1]);
                 } else {               // S = F0 + y M + eps, in A-fragment order
@@ -1023,10 +1115,22 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                 }
                 continue;
             }
-            float b[CPT];
-            if (first) ld_bf_cols<CPT, SHARED>((const u16*)slot + k0, b);
-            else ld_bf_cols<CPT, READ_ONLY>(bias + c0, b);
-            for (int k = 0; k < CPT; ++k) v[k] += b[k];
+            if (LNF) {   // rstd (x a W^T - mean rho) + delta
+                float rho[CPT], delta[CPT];
+                if (first) {
+                    ld_cols<CPT, SHARED>(slot + k0, rho);
+                    ld_cols<CPT, SHARED>(slot + 8 + k0, delta);
+                } else {
+                    ld_cols<CPT, READ_ONLY>(ln + c0, rho);
+                    ld_cols<CPT, READ_ONLY>(ln + NA + c0, delta);
+                }
+                for (int k = 0; k < CPT; ++k) v[k] = rstd[r] * (v[k] - mean[r] * rho[k]) + delta[k];
+            } else {
+                float b[CPT];
+                if (first) ld_bf_cols<CPT, SHARED>((const u16*)slot + k0, b);
+                else ld_bf_cols<CPT, READ_ONLY>(bias + c0, b);
+                for (int k = 0; k < CPT; ++k) v[k] += b[k];
+            }
             if (EPI == TO_RESIDUAL) {
                 float g[CPT], old[CPT];
                 if (first) {
@@ -1063,17 +1167,19 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
                                            const u16* bias,
                                            const u16* mod, int shift_off, int scale_off, int gate_off,
                                            const u16* frags, int src_ksteps, u16* out, const Part2& p2 = Part2{},
-                                           const WRef& next_w = WRef{nullptr, 0u}) {
+                                           const WRef& next_w = WRef{nullptr, 0u}, const float* ln = nullptr) {
     typedef Shape<N, K, TPCX, SPLIT> S;
+    typedef Gemv<N, K, EPI, TPCX, NA, SPLIT> G;
+    constexpr bool LNF = FOLD_LN && SRC == FROM_X_LN;   // the LayerNorm in the epilogue (ln: rho, delta)
     static_assert(SPLIT == 1 || (SRC == FROM_FRAGS && NA == N && !W_SMEM), "SPLIT: dots of stored fragments only");
-    Gemv<N, K, EPI, TPCX, NA, SPLIT> gemv;
+    G gemv;
     w_issue(s, smem, next_w, 1);   // W_SMEM: the next GEMV phase's weights stream in while this one runs
     float* mean = smem;
     float* rstd = smem + MP;
     float* red = smem + 2 * MP;
-    float* pre = red + NWARPS * S::TPC * MP * 8;   // the epilogue's inputs: 16 floats an item of its first round
+    float* pre = G::pre_of(red);                   // the epilogue's inputs: 16 floats an item of its first round
     float* red_k = smem + C_OFF;                   // SPLIT: the program's sums for its group
-    gemv.load(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2);
+    gemv.template load<LNF>(p, wf, bias, mod, shift_off, scale_off, gate_off, SRC == FROM_X_LN, pre, p2, ln);
     grid_wait(p, s);
     if (LATE_W) gemv.load_w(wf, p2);
     if (SRC == FROM_CLUSTER && WORK) {   // every program of the cluster: its items, then the barrier
@@ -1094,20 +1200,26 @@ __device__ __forceinline__ void gemv_phase(const Params& p, Sync& s, float* smem
         cp_async_wait();
         cluster_sync();
         trace_mark(p, s, 3);
-        if (active) gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
+        if (active) gemv.template epilogue<false>(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc, ln);
     } else if (WORK && active) {
         XRaw raw[S::KSW];
         if (SRC == FROM_X_LN) {   // row tile 0's values in flight while the statistics load
             gemv.load_x(p, 0, raw);
-            row_stats(p, mean, rstd);
-            __syncthreads();
+            if (!FOLD_LN) {
+                row_stats(p, mean, rstd);
+                __syncthreads();
+            }
         }
         trace_mark(p, s, 2);
         gemv.template partials<SRC>(p, frags, src_ksteps, red, mean, rstd, raw);
         cp_async_wait();   // pre: an item's inputs came through its threads' copies
         __syncthreads();
+        if (LNF && !G::second_part()) {   // the rows' statistics from the warps' (partials)
+            ln_row_stats(ln_warp_stats(pre), mean, rstd, p.eps);
+            __syncthreads();
+        }
         trace_mark(p, s, 3);
-        gemv.epilogue(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc);
+        gemv.template epilogue<LNF>(p, red, red_k, bias, out, mod, gate_off, pre, mean, rstd, p2, wsc, ln);
     }
     cp_async_wait();
     s.w_phase++;
@@ -1632,6 +1744,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             // FOLD_CQ: the step and block's M and fold constants; qkv and self_out gain a second part
             const size_t sj = (size_t)next * DEPTH + j;
             const float* fc = FOLD_CQ ? p.fold_c + sj * 3 * WIDTH : nullptr;
+            const float* ln = FOLD_LN ? p.fold_ln + sj * LN_C : nullptr;   // qkv's rho and delta, then fc1's
             const Part2 f0_part = {p.wq + j * WW, fc, 4 * WIDTH, p.wsc_q + j * WIDTH};
             const Part2 s_part = {FOLD_CQ ? p.fold_m + sj * WW : nullptr, fc, 0,
                                   FOLD_CQ ? p.wsc_fold + sj * WIDTH : nullptr};
@@ -1640,7 +1753,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             gemv_phase<QKV_N, WIDTH, FROM_X_LN, TO_QKV, QKV_TPC, 3 * WIDTH>(
                 p, s, smem, p.wqkv + j * 3 * WW, p.wsc_qkv + j * 3 * WIDTH,
                 p.bqkv + j * 3 * WIDTH, mod, 0, WIDTH, 0, nullptr, 0, p.qkv, f0_part,
-                so_w(next, j));
+                so_w(next, j), ln);
             kv_prefetch(p, smem, j, true);
 #if FUSE_SELF
             static_assert(HEADS == NWARPS && HDIM * NWARPS == WIDTH, "FUSE_SELF: warp w's k-range is head w");
@@ -1673,7 +1786,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) expert_flow(const Para
             gemv_phase<MLPD, WIDTH, FROM_X_LN, TO_FRAGS_GELU, FC1_TPC>(
                 p, s, smem, p.w1 + j * WM, p.wsc_1 + j * MLPD,
                 p.b1 + j * MLPD, mod, 6 * WIDTH, 7 * WIDTH, 0, nullptr, 0, p.hid, Part2{},
-                fc2_w(j));
+                fc2_w(j), FOLD_LN ? ln + 6 * WIDTH : nullptr);
             gemv_phase<WIDTH, MLPD, FROM_FRAGS, TO_RESIDUAL, FC2_TPC, WIDTH, FC2_SPLIT>(
                 p, s, smem, p.w2 + j * WM, p.wsc_2 + j * WIDTH,
                 p.b2 + j * WIDTH, mod, 0, 0, 8 * WIDTH, p.hid, KS_MLP, nullptr, Part2{},

@@ -33,7 +33,7 @@ class Params(ctypes.Structure):
     """expert_flow.cu's `struct Params`, field for field."""
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "xa", "vel", "reuse", "wqkv", "bqkv", "wso", "bso", "wq", "bq", "wco", "bco", "w1", "b1", "w2", "b2",
-        "win", "bin", "pos", "wout", "bout", "mods", "fmods", "kv", "mask", "fold_m", "fold_c",
+        "win", "bin", "pos", "wout", "bout", "mods", "fmods", "kv", "mask", "fold_m", "fold_c", "fold_ln",
         "wsc_qkv", "wsc_so", "wsc_q", "wsc_co", "wsc_1", "wsc_2", "wsc_fold",
         "x", "xf", "stats", "qkv", "q", "y", "hid", "f0", "sq", "opart", "mlpart", "counter", "bar", "err",
         "trace")] + [
