@@ -552,15 +552,16 @@ template <int CPT> __device__ __forceinline__ void st_cols(float* p, const float
 }
 
 // Row r's columns c0 .. c0 + CPT - 1 (final values; the item's EPI_SPLIT threads hold its 8 columns
-// of tile c0 / 8, consecutive lanes), and the tile's mean and M2, summed in column order by its first
-// thread. Every thread of the warp calls it (the gather shuffles).
-template <int CPT>
+// of tile c0 / 8, consecutive lanes), and with STATS the tile's mean and M2, summed in column order by
+// its first thread (FOLD_LN: only the cross-attention reads them, of self_out's x). Every thread of
+// the warp calls it (the gather shuffles).
+template <int CPT, bool STATS = true>
 __device__ __forceinline__ void store_x(const Params& p, int r, int c0, const float* v) {
     constexpr int Q = 8 / CPT;
     const int lane = threadIdx.x & 31, first = lane & ~(Q - 1);
     float gathered[Q > 1 ? 8 : 1];
     const float* all = v;
-    if constexpr (Q > 1) {
+    if constexpr (Q > 1 && STATS) {
         for (int k = 0; k < CPT; ++k) gathered[k] = v[k];
         for (int j = 1; j < Q; ++j)
             for (int k = 0; k < CPT; ++k) gathered[j * CPT + k] = __shfl_sync(0xffffffffu, v[k], first + j);
@@ -569,7 +570,7 @@ __device__ __forceinline__ void store_x(const Params& p, int r, int c0, const fl
     st_cols<CPT>(p.x + r * WIDTH + c0, v);
     if (X_FRAGS)
         for (int k = 0; k < CPT; k += 2) *(u32*)(p.xf + afrag_offset(r, c0 + k, KS_W)) = pack_bf2(v[k], v[k + 1]);
-    if (lane != first) return;
+    if (!STATS || lane != first) return;
     float mu = 0.0f;
     for (int k = 0; k < 8; ++k) mu += all[k];
     mu *= 0.125f;
@@ -796,7 +797,8 @@ struct Part2 {
 // its rows' mean and M2 over its k-range from the same values while they are in its registers
 // (ln_partial_stats), and the epilogue merges the warps' (ln_row_stats) and applies the rest. So a
 // program no longer reads every row's 8-column statistics (49 KB at B = 4) nor waits for them
-// before its dots. The statistics are of the values the dots read (with X_FRAGS the residual's
+// before its dots, and only self_out's x has its 8-column statistics stored (for the cross-attention's
+// queries). The statistics are of the values the dots read (with X_FRAGS the residual's
 // bf16 copy: what the model's bf16 eager loop normalises). rho and delta depend on the step's
 // modulations only: the host makes them once a schedule, fold_ln [steps][depth][LN_C] fp32 (qkv's
 // rho [3 WIDTH] and delta [3 WIDTH], then fc1's rho [MLPD] and delta [MLPD]). qkv's second part
@@ -1141,7 +1143,7 @@ template <int N, int K, int EPI, int TPCX, int NA = N, int SPLIT = 1> struct Gem
                     ld_cols<CPT, L2>(p.x + r * WIDTH + c0, old);
                 }
                 for (int k = 0; k < CPT; ++k) v[k] = old[k] + g[k] * v[k];
-                store_x<CPT>(p, r, c0, v);
+                store_x<CPT, !FOLD_LN || (NA < N)>(p, r, c0, v);   // FOLD_LN: self_out's (x1's) alone
             } else if (EPI == TO_QKV && ct >= 2 * WIDTH) {
                 // v of head h in the B-fragment order of P @ V: [row tile][head][lane][HDIM/8][2][2] with
                 // (key = half 8 + 2 q + e, d = 8 dn + g) of the tile's 16 keys.
@@ -1661,7 +1663,7 @@ __device__ __forceinline__ void in_row(const Params& p, float* smem, int r, int 
             }
             v[k] = acc;
         }
-        store_x<8>(p, r, t * 8, v);
+        store_x<8, !FOLD_LN>(p, r, t * 8, v);
     }
 }
 
