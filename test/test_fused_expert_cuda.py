@@ -366,18 +366,19 @@ def assert_near_truth(got, want, eager):
 # The CPU build's 8 programs take clusters at B = 1 and none at B = 3 (a GPU's take clusters at
 # both): the merge without clusters runs on the GPU as its own case (on the CPU: the knob test), and
 # so does a pair's programs as two clusters (cross_groups; on the CPU: its own test), also merged
-# through global memory alone (cross_global).
+# through global memory alone (cross_global), and so does fold_ln (on the CPU: the knob test and its own).
 @pytest.mark.parametrize("device, entries, tiling", [
     pytest.param(device.values[0], entries, tiling, marks=device.marks, id=f"{name}-{device.id}")
     for name, entries, tiling in [("1", 1, CudaTiling()), ("3", 3, CudaTiling()),
-                                  ("3-unfolded-fp32_ln_sources", 3, CudaTiling(fold_cross_q=False, x_frags=False)),
-                                  ("3-fold_ln", 3, CudaTiling(fold_ln=True))]
+                                  ("3-unfolded-fp32_ln_sources", 3, CudaTiling(fold_cross_q=False, x_frags=False))]
     for device in ON_BOTH] + [pytest.param("cuda", 3, CudaTiling(cluster=1), marks=pytest.mark.cuda,
                                            id="3-no_clusters-cuda"),
                               pytest.param("cuda", 3, CudaTiling(cluster=2, cross_groups=2), marks=pytest.mark.cuda,
                                            id="3-cross_groups-cuda"),
                               pytest.param("cuda", 3, CudaTiling(cluster=2, cross_groups=2, cross_global=True),
-                                           marks=pytest.mark.cuda, id="3-cross_global-cuda")])
+                                           marks=pytest.mark.cuda, id="3-cross_global-cuda"),
+                              pytest.param("cuda", 3, CudaTiling(fold_ln=True), marks=pytest.mark.cuda,
+                                           id="3-fold_ln-cuda")])
 def test_cuda_flow_matches_the_reference_loop_and_replays_bit_identically(device, entries, tiling):
     cfg, e, truth = small_expert(device)
     fused = FusedExpert(e, backend="cuda", cuda_tiling=tiling)
