@@ -266,7 +266,7 @@ def fragments_b(weight: torch.Tensor) -> torch.Tensor:
 
 class CudaFold(NamedTuple):
     """What the kernel's folds need of a flow schedule (CudaFlow.fold; expert_flow.cu, Part2 and LnFold)."""
-    m: torch.Tensor                 # [steps, depth] x Wq diag((1 + c2) g1) Wso in B-fragment order
+    m: torch.Tensor                 # M = Wq diag((1 + c2) g1) Wso of every step and block, B-fragment order
     consts: torch.Tensor            # [steps, depth, 3, w] fp32: eps, rho, delta of the folded queries
     scales: Optional[torch.Tensor]  # e4m3 weights: m's scale a row [steps, depth, w]
     ln: Optional[torch.Tensor]      # fold_ln: [steps, depth, 6 w + 2 mlp] fp32 qkv's rho, delta, fc1's
