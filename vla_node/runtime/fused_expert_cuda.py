@@ -556,14 +556,11 @@ class CudaFlow:
             return None
         f, w = self.fused, self.fused.width
         m = mods.double()
-        gate1, shift2, scale2 = m[..., 2 * w:3 * w], m[..., 3 * w:4 * w], 1 + m[..., 4 * w:5 * w]
-        wq, wso = (torch.stack([s.dequantized(j) for j in range(f.depth)]).double() for s in (f.cross_q, f.self_out))
-        bq, bso = f.cross_q.bias.double(), f.self_out.bias.double()
+        gate1, scale2 = m[..., 2 * w:3 * w], 1 + m[..., 4 * w:5 * w]
+        wq, wso = self.weights64(f.cross_q), self.weights64(f.self_out)
         gain = scale2 * gate1                                     # [steps, depth, w]
-
-        def by_wq(v: torch.Tensor) -> torch.Tensor:             # v Wq^T of every step and block
-            return torch.einsum("sdm,dnm->sdn", v, wq)
-        consts = torch.stack([by_wq(gain * bso), by_wq(scale2), by_wq(shift2) + bq], dim=2)
+        eps = torch.einsum("sdm,dnm->sdn", gain * f.self_out.bias.double(), wq)   # (gain bso) Wq^T
+        consts = torch.stack([eps, *self.ln_constants(f.cross_q, m, 3 * w)], dim=2)
         ln = self.ln_fold(m) if self.tiling.fold_ln else None
         wq_frags = self.weights["wq"]
         folded = torch.empty((len(gain), *wq_frags.shape), dtype=wq_frags.dtype, device=mods.device)
@@ -578,16 +575,24 @@ class CudaFlow:
             folded[step] = fragments_b(step_m)
         return CudaFold(folded, consts.float().contiguous(), scales, ln)
 
+    def weights64(self, stack) -> torch.Tensor:
+        """A Stack's weights of every block as the kernel reads them (e4m3: dequantised), float64 [depth, N, K]."""
+        return torch.stack([stack.dequantized(j) for j in range(self.fused.depth)]).double()
+
+    def ln_constants(self, stack, m: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rho = (1 + c) W^T and delta = s W^T + b [steps, depth, N] (float64) of the linear `stack`
+        after a modulated LayerNorm whose shift s and scale c are m[..., at:at + w] and the w after."""
+        w = self.fused.width
+        shift, scale = m[..., at:at + w], m[..., at + w:at + 2 * w]
+        weight = self.weights64(stack)
+        return (torch.einsum("sdk,dnk->sdn", 1 + scale, weight),
+                torch.einsum("sdk,dnk->sdn", shift, weight) + stack.bias.double())
+
     def ln_fold(self, m: torch.Tensor) -> torch.Tensor:
-        """fold_ln's rho = (1 + c) W^T and delta = s W^T + b of qkv (c1, s1) and fc1 (c3, s3), for
-        float64 modulations m [steps, depth, 9w]: [steps, depth, 6w + 2 mlp] fp32."""
+        """fold_ln's rho and delta (ln_constants) of qkv (c1, s1) and fc1 (c3, s3), for float64
+        modulations m [steps, depth, 9w]: [steps, depth, 6w + 2 mlp] fp32."""
         f, w = self.fused, self.fused.width
-        parts = []
-        for stack, at in ((f.qkv, 0), (f.fc1, 6 * w)):   # the LayerNorm's shift, then its scale
-            shift, scale = m[..., at:at + w], m[..., at + w:at + 2 * w]
-            weight = torch.stack([stack.dequantized(j) for j in range(f.depth)]).double()
-            parts += [torch.einsum("sdk,dnk->sdn", 1 + scale, weight),
-                      torch.einsum("sdk,dnk->sdn", shift, weight) + stack.bias.double()]
+        parts = [*self.ln_constants(f.qkv, m, 0), *self.ln_constants(f.fc1, m, 6 * w)]
         return torch.cat(parts, dim=-1).float().contiguous()
 
     def segment_names(self, reuse: tuple, folded: Optional[bool] = None) -> list[str]:
